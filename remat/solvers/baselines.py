@@ -1,0 +1,114 @@
+"""The baselines: small, predictable strategies that the exact solver must never lose to.
+
+Each has the signature of every strategy, `(problem, budget, options) -> Schedule`, places
+its recomputations just before their first use (the execution model's default), and raises
+BudgetError with its own smallest peak when its schedule does not fit.
+"""
+from __future__ import annotations
+
+import math
+import re
+
+from remat.errors import BudgetError
+from remat.solvers.options import SolverOptions
+from remat.solvers.problem import Problem
+from remat.solvers.registry import Strategy, register
+from remat.solvers.schedule import Schedule, Status, drop_unneeded, make_schedule, recomputable
+
+# A block is a module whose path ends in a list index: "h.3", "model.layers.12", "blocks.0".
+_BLOCK = re.compile(r"^(.*?\.?\d+)(?:\.|$)")
+
+
+def _fitting(problem: Problem, recomputed, budget: int, strategy: Strategy) -> Schedule:
+    schedule = make_schedule(problem, drop_unneeded(problem, recomputed), strategy=strategy.value,
+                             status=Status.HEURISTIC, budget=budget)
+    if schedule.peak > budget:
+        raise BudgetError(
+            f"{strategy.value}: its schedule peaks at {schedule.peak:,} bytes of activations, "
+            f"above the budget of {budget:,}; try the optimal strategy or a larger budget",
+            budget=budget, smallest=schedule.peak)
+    return schedule
+
+
+@register(Strategy.SAVE_ALL)
+def save_all(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
+    """Save every forward value the backward needs; recompute nothing (plain PyTorch)."""
+    return _fitting(problem, (), budget, Strategy.SAVE_ALL)
+
+
+def block_of(module_path: str) -> str | None:
+    """The repeated block a module belongs to ("h.3.attn.c_attn" -> "h.3"), if any."""
+    match = _BLOCK.match(module_path)
+    return match.group(1) if match else None
+
+
+@register(Strategy.CHECKPOINT_BLOCKS)
+def checkpoint_blocks(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
+    """What `torch.utils.checkpoint` around every block does: keep what enters each block from
+    outside it, recompute everything inside. Values that may not be recomputed (dropout masks)
+    stay saved, as they would with RNG replay they would cost nothing to keep here."""
+    blocks = [block_of(op.module) for op in problem.ops]
+    recompute = []
+    for v in recomputable(problem):
+        block = blocks[v]
+        if block is None:
+            continue
+        crosses = any(blocks[r] != block for r in problem.users[v] if r < problem.num_forward)
+        if not crosses:
+            recompute.append(v)
+    return _fitting(problem, recompute, budget, Strategy.CHECKPOINT_BLOCKS)
+
+
+@register(Strategy.CHEN_SQRT)
+def chen_sqrt(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
+    """Chen et al. (2016): cut the forward into about sqrt(n) segments of equal bytes, keep what
+    crosses a segment boundary, recompute the rest."""
+    candidates = recomputable(problem)
+    if not candidates:
+        return _fitting(problem, (), budget, Strategy.CHEN_SQRT)
+    segments = max(1, round(math.sqrt(len(candidates))))
+    total = sum(problem.ops[v].size for v in candidates)
+    segment_of: dict[int, int] = {}
+    running = 0
+    for v in candidates:
+        segment_of[v] = min(segments - 1, running * segments // max(total, 1))
+        running += problem.ops[v].size
+    recompute = [v for v in candidates
+                 if all(segment_of.get(r, -1) == segment_of[v]
+                        for r in problem.users[v] if r < problem.num_forward)]
+    return _fitting(problem, recompute, budget, Strategy.CHEN_SQRT)
+
+
+@register(Strategy.GREEDY)
+def greedy(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
+    """Recompute the values that cost the least time per byte first, as few as fit.
+
+    The peak is not monotone in how many are recomputed, so the search bisects on the prefix
+    length and then returns the shortest fitting prefix it evaluated."""
+    order = sorted(recomputable(problem),
+                   key=lambda v: (problem.ops[v].cost / problem.ops[v].size, v))
+    evaluated: dict[int, Schedule] = {}
+
+    def attempt(k: int) -> Schedule:
+        if k not in evaluated:
+            evaluated[k] = make_schedule(problem, drop_unneeded(problem, order[:k]),
+                                         strategy=Strategy.GREEDY.value, status=Status.HEURISTIC,
+                                         budget=budget)
+        return evaluated[k]
+
+    low, high = 0, len(order)
+    if attempt(low).peak <= budget:
+        return attempt(low)
+    if attempt(high).peak > budget:
+        smallest = min(s.peak for s in evaluated.values())
+        raise BudgetError(
+            f"greedy: even recomputing everything it may, the peak is {smallest:,} bytes, above "
+            f"the budget of {budget:,}; try the optimal strategy or a larger budget",
+            budget=budget, smallest=smallest)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if attempt(middle).peak <= budget:
+            high = middle
+        else:
+            low = middle
+    return min((s for s in evaluated.values() if s.peak <= budget), key=lambda s: (s.cost, s.peak))

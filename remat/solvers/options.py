@@ -1,0 +1,26 @@
+"""Solver controls: explicit, with defaults, never hard-coded inside a strategy."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverOptions:
+    time_limit: float = 60.0
+    """Seconds the exact solver may search before it returns its best schedule with a gap."""
+    workers: int = 0
+    """CP-SAT search workers; 0 lets OR-Tools pick one per core."""
+    seed: int = 0
+    """Random seed of the search, for repeatable runs."""
+    relative_gap: float = 0.0
+    """Stop once the cost is proven within this fraction of the optimum (0: prove optimality)."""
+    cost_resolution: float = 1e-4
+    """The exact solver counts recompute cost in integer units of this fraction of the step's
+    total cost; costs are rounded to the nearest unit, so its optimum is exact in those units."""
+    hint: Any = None
+    """A Schedule to start the search from (the best baseline when None)."""
+    on_solution: Callable[[dict], None] | None = field(default=None, compare=False)
+    """Called with {"time", "cost", "bound"} for every improving schedule the search finds."""
+    log: bool = False
+    """Let the solver log its search to the `remat.solvers` logger."""
