@@ -130,12 +130,13 @@ def make_schedule(problem: Problem, recomputed: Iterable[int], *,
 
 
 def recomputable(problem: Problem) -> list[int]:
-    """Candidates that a schedule may recompute: tensors owning bytes, with nothing forbidding
-    it (randomness, mutation, being an output)."""
+    """Candidates that a schedule may usefully recompute: tensors owning bytes (recomputing a
+    zero-byte value frees nothing), with nothing forbidding it (randomness, mutation, being an
+    output)."""
     pinned = pinned_storages(problem)
     return [v for v in problem.candidates
-            if problem.ops[v].kind is Kind.TENSOR and recompute_blocker(problem, v) is None
-            and v not in pinned]
+            if problem.ops[v].kind is Kind.TENSOR and problem.ops[v].size > 0
+            and recompute_blocker(problem, v) is None and v not in pinned]
 
 
 def drop_unneeded(problem: Problem, recomputed: Iterable[int]) -> set[int]:

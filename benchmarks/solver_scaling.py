@@ -1,0 +1,62 @@
+"""How the exact solver scales on synthetic transformer stacks, beside the baselines.
+
+    python benchmarks/solver_scaling.py --sizes 500 2000 --fractions 0.5 0.25 --time-limit 60
+
+For each size (ops) and budget (a fraction of the save-all peak): candidates, solve time, status,
+gap, and each strategy's recompute cost (seconds on the synthetic roofline; "-" where it
+cannot fit the budget).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from tabulate import tabulate
+
+from remat.errors import BudgetError, SolverError
+from remat.solvers import SolverOptions, Strategy, make_schedule, simulate, solve
+from remat.solvers.synthetic import transformer_ops
+
+BASELINES = (Strategy.SAVE_ALL, Strategy.CHECKPOINT_BLOCKS, Strategy.CHEN_SQRT, Strategy.GREEDY)
+
+
+def row(ops: int, fraction: float, options: SolverOptions) -> dict:
+    problem = transformer_ops(ops)
+    budget = int(fraction * simulate(problem, make_schedule(problem, [])).peak)
+    out = {"ops": len(problem), "candidates": len(problem.candidates), "budget": f"{fraction:.0%}"}
+    start = time.perf_counter()
+    try:
+        best = solve(problem, budget, Strategy.OPTIMAL, options)
+        out.update(time_s=round(time.perf_counter() - start, 1), status=best.status.value,
+                   gap=f"{best.gap:.2%}" if best.gap is not None else "-",
+                   optimal=f"{best.cost * 1e3:.3f}")
+    except (BudgetError, SolverError) as error:
+        out.update(time_s=round(time.perf_counter() - start, 1), status=type(error).__name__,
+                   gap="-", optimal="-")
+    for strategy in BASELINES:
+        try:
+            out[strategy.value] = f"{solve(problem, budget, strategy).cost * 1e3:.3f}"
+        except BudgetError:
+            out[strategy.value] = "-"
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[500, 2000, 5000, 10000])
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25])
+    parser.add_argument("--time-limit", type=float, default=60.0)
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+    options = SolverOptions(time_limit=args.time_limit, workers=args.workers)
+    rows = []
+    for size in args.sizes:
+        for fraction in args.fractions:
+            rows.append(row(size, fraction, options))
+            print(tabulate([rows[-1]], headers="keys"), flush=True)
+    print("\nrecompute cost in ms; '-' = does not fit the budget")
+    print(tabulate(rows, headers="keys"))
+
+
+if __name__ == "__main__":
+    main()

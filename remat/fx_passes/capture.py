@@ -1,0 +1,362 @@
+"""Capture a model's training step as one AOTAutograd joint forward+backward graph.
+
+API
+---
+``capture(model, example_inputs, *, loss_fn=None, name=None) -> Captured``
+    Traces ``loss = loss_fn(model(*example_inputs))`` with dynamo (``fullgraph=True``) and
+    AOTAutograd, and returns the joint graph that AOTAutograd hands to its ``partition_fn``:
+    functional ATen, ``node.meta["val"]`` a fake tensor (or tuple of them) on every node.
+    Nothing runs: the capture stops before the forward is compiled, so real parameters are
+    not touched (BatchNorm statistics stay as they were). A model (or inputs) on the meta
+    device is traced with fake tensors on ``fake_device`` ("cpu") standing in for its meta
+    tensors: a 7B model is planned without allocating a weight.
+    A graph break raises `CaptureError` naming the reason and the user's line.
+
+``compile_step(model, partition_fn, *, fw_compiler=None, bw_compiler=None, loss_fn=None)``
+    The very same path with a caller's ``partition_fn`` (the rewrite, or PyTorch's
+    ``default_partition``): returns a callable ``step(*inputs) -> loss`` whose backward is
+    ``loss.backward()``. Because dynamo and AOTAutograd trace the same code the same way, the
+    joint graph it partitions has the same node names as `Captured.graph_module`.
+
+``default_loss(output)``
+    What the step returns from the model's output: the output itself when it is a tensor, or
+    its ``.loss`` (Hugging Face ``ModelOutput``) / ``["loss"]`` / first element.
+
+Dynamo caches compiled frames per code object; `capture` and `compile_step` reset dynamo
+(``torch._dynamo.reset()``) so that captures never see each other's caches or recompile limits.
+For Hugging Face GPT-2 set ``model.loss_type = "ForCausalLM"`` first (a warning in its loss
+lookup is a graph break otherwise; `capture` does it for models that have the attribute unset).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+
+from remat.errors import CaptureError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Captured", "capture", "compile_step", "default_loss", "make_backend"]
+
+
+@dataclass
+class Captured:
+    """A captured training step.
+
+    Fields
+    ------
+    graph_module: the joint graph ``forward(primals..., tangents...)`` as AOTAutograd gives it
+        to a ``partition_fn``: outputs are the forward outputs, then one gradient (or None) per
+        primal. Every node has ``meta["val"]``.
+    num_fwd_outputs: how many leading outputs are forward outputs (mutated inputs' new values
+        first, then the user's outputs: the loss).
+    num_mutation_outputs: how many of those leading forward outputs are new values of inputs
+        that the step mutates (BatchNorm running statistics); AOTAutograd copies them into the
+        inputs after the forward.
+    params: placeholder name -> parameter qualified name ("h.0.attn.c_attn.weight").
+    buffers: placeholder name -> buffer qualified name.
+    user_inputs: placeholder names of the example inputs, in order.
+    tangents: placeholder names of the output gradients (the loss's tangent).
+    mutated_inputs: placeholder names whose data the step writes.
+    param_count, param_bytes: number and bytes of the parameters (each storage counted once).
+    buffer_bytes, input_bytes: bytes of buffers and of the example inputs.
+    model_name: the model's class name or the given name.
+    input_shapes: shapes of the example inputs; dtype: the dtype of most parameter bytes.
+    device: the device the parameters live on ("meta" for weight-free planning).
+    capture_time: seconds the capture took.
+    """
+
+    graph_module: fx.GraphModule
+    num_fwd_outputs: int
+    num_mutation_outputs: int = 0
+    params: dict[str, str] = field(default_factory=dict)
+    buffers: dict[str, str] = field(default_factory=dict)
+    user_inputs: list[str] = field(default_factory=list)
+    tangents: list[str] = field(default_factory=list)
+    mutated_inputs: list[str] = field(default_factory=list)
+    param_count: int = 0
+    param_bytes: int = 0
+    buffer_bytes: int = 0
+    input_bytes: int = 0
+    model_name: str = ""
+    input_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    dtype: str = ""
+    device: str = ""
+    capture_time: float = 0.0
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+    @property
+    def output_values(self) -> list[Any]:
+        return list(self.graph.output_node().args[0])
+
+    @property
+    def forward_outputs(self) -> list[fx.Node]:
+        return [v for v in self.output_values[: self.num_fwd_outputs] if isinstance(v, fx.Node)]
+
+    @property
+    def gradient_outputs(self) -> list[fx.Node]:
+        return [v for v in self.output_values[self.num_fwd_outputs:] if isinstance(v, fx.Node)]
+
+    @property
+    def placeholders(self) -> list[fx.Node]:
+        return list(self.graph.find_nodes(op="placeholder"))
+
+    def summary(self) -> dict:
+        return {"model": self.model_name, "nodes": len(self.graph.nodes),
+                "params": self.param_count, "param_bytes": self.param_bytes,
+                "inputs": self.input_shapes, "dtype": self.dtype, "device": self.device,
+                "capture_time": self.capture_time}
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, (tuple, list)) and output:
+        loss = output[0]
+    if not isinstance(loss, torch.Tensor):
+        raise CaptureError(f"the model returned {type(output).__name__} without a loss tensor; "
+                           "return a scalar loss or pass loss_fn= to pick it from the output")
+    return loss
+
+
+def _step_fn(model: torch.nn.Module, loss_fn: Callable | None) -> Callable:
+    pick = loss_fn or default_loss
+
+    def step(*inputs):
+        return pick(model(*inputs))
+
+    return step
+
+
+def make_backend(partition_fn: Callable, *, fw_compiler: Callable | None = None,
+                 bw_compiler: Callable | None = None, on_graph: Callable | None = None):
+    """An AOTAutograd dynamo backend with these compilers (``boxed_nop`` by default: the graphs
+    run op by op, freeing each value after its last use). ``on_graph(gm, example_inputs)`` sees
+    dynamo's graph and its real inputs first."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    aot = aot_autograd(fw_compiler=fw_compiler or boxed_nop, bw_compiler=bw_compiler or boxed_nop,
+                       partition_fn=partition_fn)
+
+    def backend(gm, example_inputs):
+        if on_graph is not None:
+            on_graph(gm, example_inputs)
+        return aot(gm, example_inputs)
+
+    return backend
+
+
+def compile_step(model: torch.nn.Module, partition_fn: Callable, *,
+                 fw_compiler: Callable | None = None, bw_compiler: Callable | None = None,
+                 loss_fn: Callable | None = None, reset: bool = True) -> Callable:
+    """``step(*inputs) -> loss`` compiled through `capture`'s path with ``partition_fn``."""
+    _prepare(model)
+    if reset:
+        torch._dynamo.reset()
+    backend = make_backend(partition_fn, fw_compiler=fw_compiler, bw_compiler=bw_compiler)
+    return torch.compile(_step_fn(model, loss_fn), backend=backend, fullgraph=True, dynamic=False)
+
+
+class _Stop(Exception):
+    """Raised by the capturing compiler once everything is recorded: nothing needs to run."""
+
+
+def capture(model: torch.nn.Module, example_inputs: Sequence[Any], *,
+            loss_fn: Callable | None = None, name: str | None = None,
+            fake_device: str = "cpu") -> Captured:
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    example_inputs = tuple(example_inputs)
+    _prepare(model)
+    start = time.perf_counter()
+    seen: dict[str, Any] = {"device": next((str(p.device) for p in model.parameters()), "")}
+
+    def on_graph(gm, inputs):
+        seen["inputs"] = list(inputs)
+
+    def partition_fn(joint, joint_inputs, *, num_fwd_outputs, **kwargs):
+        from torch._functorch.partitioners import default_partition
+
+        seen["joint"] = joint
+        seen["num_fwd_outputs"] = num_fwd_outputs
+        # The forward compiler below stops the compile; partitioning by default first lets
+        # AOTAutograd publish its metadata (which inputs are mutated) before that.
+        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+    def fw_compiler(gm, inputs):
+        context = torch._guards.TracingContext.try_get()
+        seen["meta"] = getattr(context, "fw_metadata", None)
+        raise _Stop()
+
+    torch._dynamo.reset()
+    backend = make_backend(partition_fn, fw_compiler=fw_compiler, on_graph=on_graph)
+    compiled = torch.compile(_step_fn(model, loss_fn), backend=backend, fullgraph=True,
+                             dynamic=False)
+    with _fake_meta_tensors(model, example_inputs, fake_device) as example_inputs:
+        try:
+            with torch.enable_grad():
+                compiled(*example_inputs)
+        except CaptureError:
+            raise
+        except Exception as e:  # dynamo wraps the backend's exceptions
+            if not _is_stop(e):
+                raise _capture_error(e) from e
+        finally:
+            torch._dynamo.reset()
+        if "joint" not in seen:
+            raise CaptureError("no backward graph was traced: the loss does not require grad "
+                               "(are all parameters frozen, or is the model under no_grad?)")
+        captured = _describe(model, example_inputs, seen, name)
+    captured.capture_time = time.perf_counter() - start
+    log.info("captured %s: %d nodes in %.1f s", captured.model_name,
+             len(captured.graph.nodes), captured.capture_time)
+    return captured
+
+
+@contextlib.contextmanager
+def _fake_meta_tensors(model: torch.nn.Module, inputs: tuple, device: str):
+    """Stand fake tensors on `device` in for meta parameters, buffers and inputs while tracing.
+
+    Tracing meta tensors directly loses backward formulas (under fake mode on the meta device
+    nll_loss has no autograd kernel: cross-entropy then gets no gradient at all), so a model
+    built on meta is traced as if on `device`, without allocating anything. Shared (tied)
+    tensors stay shared; the model gets its meta tensors back afterwards."""
+    tensors = [*model.parameters(), *model.buffers(), *inputs]
+    if not any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors):
+        yield inputs
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    memo: dict[int, torch.Tensor] = {}
+
+    def fake(t):
+        if not isinstance(t, torch.Tensor) or t.device.type != "meta":
+            return t
+        if id(t) not in memo:
+            with mode:
+                new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            if isinstance(t, torch.nn.Parameter):
+                new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+            memo[id(t)] = new
+        return memo[id(t)]
+
+    swapped = []
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, value in list(table.items()):
+                if value is not None and value.device.type == "meta":
+                    swapped.append((table, key, value))
+                    table[key] = fake(value)
+    try:
+        yield tuple(fake(x) for x in inputs)
+    finally:
+        for table, key, value in swapped:
+            table[key] = value
+
+
+def _prepare(model: torch.nn.Module) -> None:
+    # Hugging Face models look up their loss through a warning_once when loss_type is unset:
+    # dynamo cannot trace that logging call and breaks the graph there.
+    if hasattr(model, "loss_type") and getattr(model, "loss_type", None) is None:
+        model.loss_type = "ForCausalLM"
+
+
+def _is_stop(e: BaseException | None) -> bool:
+    while e is not None:
+        if isinstance(e, _Stop) or isinstance(getattr(e, "inner_exception", None), _Stop):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _capture_error(e: Exception) -> CaptureError:
+    text = str(e)
+    reason = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
+    where = ""
+    if "from user code:" in text:
+        frames = text.split("from user code:", 1)[1].strip().split("\n\n", 1)[0].splitlines()
+        # The innermost frame is the line that broke; dynamo lists outermost first.
+        files = [i for i, line in enumerate(frames) if line.strip().startswith("File ")]
+        if files:
+            where = "\n  ".join(line.rstrip() for line in frames[files[-1]:files[-1] + 2])
+    from torch._dynamo import exc
+
+    breaks = (exc.Unsupported, exc.UserError)
+    if isinstance(e, breaks) and not isinstance(e, exc.TorchRuntimeError):
+        message = f"the model cannot be captured as one graph (graph break): {reason}"
+        hint = ("remat plans the whole training step as one graph; remove the break (no "
+                ".item(), print or data-dependent Python branches in forward) and retry.")
+    else:
+        message = f"tracing the training step failed: {reason}"
+        hint = "check that the model runs eagerly on these inputs."
+    if where:
+        message += f"\nat:\n  {where}"
+    return CaptureError(f"{message}\n{hint}")
+
+
+def _describe(model, example_inputs, seen, name) -> Captured:
+    joint: fx.GraphModule = seen["joint"]
+    num_fwd_outputs: int = seen["num_fwd_outputs"]
+    placeholders = list(joint.graph.find_nodes(op="placeholder"))
+    primals = [p for p in placeholders if not p.name.startswith("tangents")]
+    tangents = [p.name for p in placeholders if p.name.startswith("tangents")]
+
+    # A tied tensor is named as named_parameters() names it: by its first registration.
+    by_id_param = {id(p): n for n, p in model.named_parameters()}
+    by_id_buffer = {id(b): n for n, b in model.named_buffers()}
+    inputs = seen.get("inputs", [])
+    params, buffers, user_inputs = {}, {}, []
+    for i, p in enumerate(primals):
+        value = inputs[i] if i < len(inputs) else None
+        if id(value) in by_id_param:
+            params[p.name] = by_id_param[id(value)]
+        elif id(value) in by_id_buffer:
+            buffers[p.name] = by_id_buffer[id(value)]
+        else:
+            user_inputs.append(p.name)
+    if len(inputs) != len(primals):
+        log.warning("dynamo passed %d inputs for %d primals; parameter names may be missing",
+                    len(inputs), len(primals))
+
+    meta = seen.get("meta")
+    mutated, num_mutation_outputs = [], 0
+    if meta is not None:
+        mutated = [primals[i].name for i, info in enumerate(meta.input_info)
+                   if i < len(primals) and (info.mutates_data or info.mutates_metadata)]
+        num_mutation_outputs = int(meta.num_mutated_inp_runtime_indices)
+    else:
+        log.warning("AOTAutograd did not publish its metadata; input mutations are unknown")
+
+    unique = {p.untyped_storage()._cdata if p.device.type != "meta" else id(p): p
+              for p in model.parameters()}
+    dtypes: dict[torch.dtype, int] = {}
+    for p in unique.values():
+        dtypes[p.dtype] = dtypes.get(p.dtype, 0) + p.numel() * p.element_size()
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    return Captured(
+        graph_module=joint, num_fwd_outputs=num_fwd_outputs,
+        num_mutation_outputs=num_mutation_outputs, params=params, buffers=buffers,
+        user_inputs=user_inputs, tangents=tangents, mutated_inputs=mutated,
+        param_count=sum(p.numel() for p in unique.values()),
+        param_bytes=sum(dtypes.values()),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+        input_bytes=sum(x.numel() * x.element_size() for x in tensors),
+        model_name=name or type(model).__name__,
+        input_shapes=[tuple(x.shape) for x in tensors],
+        dtype=str(max(dtypes, key=dtypes.get)).replace("torch.", "") if dtypes else "",
+        device=seen.get("device", ""),
+    )

@@ -1,0 +1,65 @@
+"""FLOPs of ATen ops, from PyTorch's own formula registry (``torch.utils.flop_counter``).
+
+The registry counts matrix multiplications, convolutions and attention; pointwise ops, norms
+and softmax count zero, as in ``FlopCounterMode``, so a problem's total equals what
+``FlopCounterMode`` reports for the same step. The CPU attention kernels have no formula in
+PyTorch; `register_cpu_attention` gives them the CUDA kernels' convention (causal masks are
+not discounted) so that attention counts the same on every device. It changes the global
+registry, which is the point: ``FlopCounterMode`` then agrees with us on a CPU too.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import flop_counter
+
+log = logging.getLogger(__name__)
+
+__all__ = ["node_flops", "register_cpu_attention"]
+
+_registered = False
+
+
+def register_cpu_attention() -> None:
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    aten = torch.ops.aten
+    forward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    backward = getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    registry = flop_counter.flop_registry
+    if forward is not None and forward not in registry:
+        @flop_counter.register_flop_formula(forward)
+        def _cpu_flash_forward(query, key, value, *args, out_shape=None, **kwargs) -> int:
+            return flop_counter.sdpa_flop_count(query, key, value)
+
+    if backward is not None and backward not in registry:
+        @flop_counter.register_flop_formula(backward)
+        def _cpu_flash_backward(grad_out, query, key, value, *args, out_shape=None,
+                                **kwargs) -> int:
+            return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+def _val(arg: Any) -> Any:
+    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+
+
+def node_flops(node: fx.Node) -> int:
+    """The FLOPs of one call_function node, computed from its inputs' fake values."""
+    register_cpu_attention()
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    formula = flop_counter.flop_registry.get(packet)
+    if formula is None:
+        return 0
+    args = torch.fx.node.map_aggregate(node.args, _val)
+    kwargs = torch.fx.node.map_aggregate(node.kwargs, _val)
+    try:
+        return int(formula(*args, out_val=node.meta.get("val"), **kwargs))
+    except Exception:  # a formula that cannot read these arguments must not stop planning
+        log.warning("no FLOP count for %s (%s)", node.name, target, exc_info=True)
+        return 0

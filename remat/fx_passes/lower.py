@@ -1,0 +1,149 @@
+"""Lower a captured, profiled joint graph to the solvers' `Problem`.
+
+API
+---
+``lower(captured, *, target="h100", measure=False, device=None) -> remat.solvers.Problem``
+    Profiles the graph first unless `profile` already ran on it. One op per fx node that runs,
+    named exactly as the node, so that a Schedule's op indices map back to the joint graph:
+    ``problem.ops[i].name == node.name``. Use `op_nodes(captured, problem)` for the nodes.
+
+Rules (DESIGN.md, "The execution model"):
+- Order: the forward ops in the joint graph's order, then the backward ops in the order
+  autograd traced (and runs) them. Phase is the partitioner's: a node is forward when a forward
+  output needs it (plus the getitems of forward multi-output ops, which AOTAutograd's
+  partitioner also keeps in the forward); everything else that runs is backward.
+- Placeholders (parameters, buffers, inputs, tangents) are not ops: they are static. Nodes no
+  output needs are dropped (fx never runs them after partitioning).
+- Kind: VIEW for an op whose value aliases another op's storage (views, in-place results,
+  getitems of ``split``); an alias of a placeholder owns nothing and is a TENSOR of size 0.
+  A multi-output op is a TUPLE whose ``temp`` is the bytes of all its outputs, and its getitems
+  are TENSOR ops of cost 0 with the tuple as only input.
+- Not recomputable: ops tagged ``nondeterministic_seeded`` (dropout, rand, bernoulli) are
+  RANDOM; in-place writes, and forward ops that read an input the step mutates (BatchNorm
+  running statistics, which change after the forward), are MUTATION; impure nodes are
+  SIDE_EFFECT; communication ops are COLLECTIVE.
+- ``is_output``: forward outputs (the loss, mutated inputs' new values) and gradients.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+from torch import fx
+
+from remat.fx_passes.capture import Captured
+from remat.fx_passes.profile import profile as run_profile
+from remat.fx_passes.storage import remat_meta
+from remat.solvers.problem import Kind, Op, Phase, Problem, Reason
+
+log = logging.getLogger(__name__)
+
+__all__ = ["lower", "op_nodes", "phases"]
+
+_COLLECTIVE_NAMESPACES = {"_c10d_functional", "c10d", "c10d_functional", "_dtensor"}
+
+
+def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return seen
+
+
+def phases(captured: Captured) -> dict[fx.Node, Phase]:
+    """The phase of every node that runs (placeholders and the output node excluded)."""
+    graph = captured.graph
+    forward = _ancestors(captured.forward_outputs)
+    live = _ancestors([v for v in captured.output_values if isinstance(v, fx.Node)])
+    result: dict[fx.Node, Phase] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node not in live:
+            continue
+        parent = node.args[0] if node.target is operator.getitem else None
+        if node in forward or (isinstance(parent, fx.Node) and parent in forward):
+            result[node] = Phase.FORWARD
+        else:
+            result[node] = Phase.BACKWARD
+    return result
+
+
+def _reason(node: fx.Node, mutated: set[str], phase: Phase) -> Reason | None:
+    target = node.target
+    meta = remat_meta(node)
+    namespace = getattr(target, "namespace", "")
+    if namespace in _COLLECTIVE_NAMESPACES:
+        return Reason.COLLECTIVE
+    tags = getattr(target, "tags", ())
+    if torch.Tag.nondeterministic_seeded in tags:
+        return Reason.RANDOM
+    if meta.get("writes") or (getattr(target, "_schema", None) is not None
+                              and target._schema.is_mutable):
+        return Reason.MUTATION
+    if phase is Phase.FORWARD and any(n.op == "placeholder" and n.name in mutated
+                                      for n in node.all_input_nodes):
+        return Reason.MUTATION
+    if target is not operator.getitem and node.is_impure():
+        return Reason.SIDE_EFFECT
+    return None
+
+
+def lower(captured: Captured, *, target="h100", measure: bool = False,
+          device=None) -> Problem:
+    gm = captured.graph_module
+    if "remat_profile" not in gm.meta:
+        run_profile(captured, target=target, measure=measure, device=device)
+    prof = gm.meta["remat_profile"]
+    phase = phases(captured)
+    order = ([n for n in gm.graph.nodes if phase.get(n) is Phase.FORWARD]
+             + [n for n in gm.graph.nodes if phase.get(n) is Phase.BACKWARD])
+    index = {n: i for i, n in enumerate(order)}
+    outputs = {v for v in captured.output_values if isinstance(v, fx.Node)}
+    mutated = set(captured.mutated_inputs)
+
+    ops = []
+    for node in order:
+        meta = remat_meta(node)
+        inputs = [index[n] for n in node.all_input_nodes if n in index]
+        alias = meta.get("alias_of")
+        kind, size, temp = Kind.TENSOR, meta.get("bytes", 0), 0
+        if alias is not None:
+            size = 0
+            if alias in index:  # a view of an op: its base comes first
+                kind = Kind.VIEW
+                inputs = [index[alias]] + [i for i in inputs if i != index[alias]]
+        elif meta.get("view_tuple"):
+            size = 0  # a split of a placeholder: views of static memory
+        elif meta.get("tuple_bytes") or isinstance(node.meta.get("val"), (tuple, list)):
+            kind, size, temp = Kind.TUPLE, 0, meta.get("tuple_bytes", 0)
+        ops.append(Op(
+            name=node.name, phase=phase[node], inputs=tuple(inputs), size=int(size),
+            kind=kind, temp=int(temp), cost=float(meta.get("time", 0.0)),
+            flops=int(meta.get("flops", 0)),
+            not_recomputable=_reason(node, mutated, phase[node]),
+            is_output=node in outputs, module=meta.get("module", ""),
+            target=str(node.target),
+        ))
+    source = {
+        "model": captured.model_name, "batch_shapes": [list(s) for s in captured.input_shapes],
+        "dtype": captured.dtype, "target": prof.target.name, "device": captured.device,
+        "param_count": captured.param_count, "param_bytes": captured.param_bytes,
+        "buffer_bytes": captured.buffer_bytes, "input_bytes": captured.input_bytes,
+        "time_source": "measured" if prof.measured else "roofline",
+        "graph_nodes": len(gm.graph.nodes),
+    }
+    problem = Problem(tuple(ops), name=captured.model_name, source=source)
+    log.info("lowered %s: %d ops (%d forward)", captured.model_name, len(problem),
+             problem.num_forward)
+    return problem
+
+
+def op_nodes(captured: Captured, problem: Problem) -> list[fx.Node]:
+    """The joint-graph node of every op of `problem`, by name."""
+    by_name = {n.name: n for n in captured.graph.nodes}
+    return [by_name[op.name] for op in problem.ops]

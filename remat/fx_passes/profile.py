@@ -1,0 +1,119 @@
+"""Profile a captured joint graph: one pass per concern, results in ``node.meta["remat"]``.
+
+``profile(captured, *, target="h100", measure=False, device=None) -> Profile``
+runs, in order,
+- `storage_pass` (remat.fx_passes.storage): ``bytes``, ``alias_of``, ``tuple_bytes``;
+- `flops_pass`: ``flops`` from ``torch.utils.flop_counter``'s registry;
+- `module_pass`: ``module``, the module path of the op ("h.3.attn"), backward ops included;
+- `time_pass`: ``time`` in seconds, the roofline for `target` or, with ``measure=True``, the
+  median of CUDA-event timings of the op alone on ``device`` (a GPU by default; a CPU only
+  when asked), ``time_source`` saying which.
+The returned `Profile` holds totals and the target; per-node numbers stay in the nodes' meta.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from remat.fx_passes.capture import Captured
+from remat.fx_passes.devices import Device, device as lookup_device
+from remat.fx_passes.flops import node_flops
+from remat.fx_passes.storage import remat_meta, storage_pass
+from remat.fx_passes.timing import measure_node, roofline
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Profile", "flops_pass", "module_pass", "module_path", "profile", "time_pass"]
+
+
+@dataclass(frozen=True)
+class Profile:
+    target: Device
+    measured: bool
+    total_flops: int
+    total_time: float
+    profile_time: float
+
+    def to_dict(self) -> dict:
+        return {"target": self.target.name, "measured": self.measured,
+                "total_flops": self.total_flops, "total_time": self.total_time,
+                "profile_time": self.profile_time}
+
+
+def flops_pass(gm: fx.GraphModule) -> int:
+    total = 0
+    for node in gm.graph.nodes:
+        flops = node_flops(node) if node.op == "call_function" else 0
+        remat_meta(node)["flops"] = flops
+        total += flops
+    return total
+
+
+_PREFIX = re.compile(r"^(?:L|G)\[['\"][^'\"]*['\"]\]\.?")
+_INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
+
+
+def module_path(qualified: str) -> str:
+    """dynamo's "L['self'].h[3].attn" or "G['model'].layers['0']" -> "h.3.attn"."""
+    path = _PREFIX.sub("", qualified)
+    path = _INDEX.sub(r".\1", path)
+    path = re.sub(r"\._modules\.|\.modules\.", ".", path)
+    return path.strip(".")
+
+
+def _stack(node: fx.Node) -> dict | None:
+    return node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+
+
+def module_pass(gm: fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        stack = _stack(node)
+        path = ""
+        if stack:
+            qualified = list(stack.values())[-1]
+            qualified = qualified[0] if isinstance(qualified, tuple) else qualified
+            path = module_path(str(qualified))
+        remat_meta(node)["module"] = path
+
+
+def time_pass(gm: fx.GraphModule, target: Device, *, measure: bool = False,
+              device: torch.device | str | None = None) -> float:
+    run_on = None
+    if measure:
+        run_on = torch.device(device) if device is not None else torch.device("cuda")
+        if run_on.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError("measure=True needs a GPU (or device='cpu' to time on the CPU)")
+    total = 0.0
+    for node in gm.graph.nodes:
+        meta = remat_meta(node)
+        seconds, source = None, "roofline"
+        if run_on is not None and node.op == "call_function":
+            seconds = measure_node(node, run_on)
+            source = "measured" if seconds is not None else "roofline"
+        if seconds is None:
+            seconds = roofline(node, meta.get("flops", 0), target)
+        meta.update(time=seconds, time_source=source)
+        total += seconds
+    return total
+
+
+def profile(captured: Captured, *, target: "str | Device" = "h100", measure: bool = False,
+            device: torch.device | str | None = None) -> Profile:
+    start = time.perf_counter()
+    gm = captured.graph_module
+    chip = lookup_device(target)
+    storage_pass(gm)
+    total_flops = flops_pass(gm)
+    module_pass(gm)
+    total_time = time_pass(gm, chip, measure=measure, device=device)
+    result = Profile(target=chip, measured=measure, total_flops=total_flops,
+                     total_time=total_time, profile_time=time.perf_counter() - start)
+    gm.meta["remat_profile"] = result
+    log.info("profiled %s: %.3g FLOPs, %.3g s on %s", captured.model_name, total_flops,
+             total_time, chip.name)
+    return result

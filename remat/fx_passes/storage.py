@@ -1,0 +1,124 @@
+"""Bytes by storage: which fx nodes own a new storage, and which alias another node's.
+
+One pass over the joint graph writes into ``node.meta["remat"]``:
+- ``alias_of``: the input node whose storage this node's value lives in (the base of a view,
+  the target of an in-place op, the ``split`` a getitem takes a view from), or None when the
+  value owns its storage; `storage_root` follows the chain to the owner;
+- ``bytes``: the bytes of the storage the node owns (0 for aliases), dtype-exact from the fake
+  value's ``untyped_storage().nbytes()``, which is also what the memory tracker counts;
+- ``tuple_bytes``: for an op with several fresh outputs, the bytes of all of them (the op
+  allocates them together; its getitems then own one each);
+- ``view_tuple``: True for a multi-output op whose outputs all alias an input (split, unbind).
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch import fx
+
+__all__ = ["aliased_input", "remat_meta", "storage_bytes", "storage_pass", "storage_root"]
+
+# Ops whose schema promises a fresh tensor but whose kernels return a view of their input.
+_ALIASING_WITHOUT_SCHEMA = {"_unsafe_view", "_reshape_alias", "lift_fresh"}
+
+
+def _reduced_loss_keeps_buffer(node: fx.Node) -> int | None:
+    # The CPU kernels of these losses reduce in place into their unreduced buffer and return
+    # a 0-dim tensor over it: the loss holds the whole buffer for as long as it lives.
+    value = node.meta.get("val")
+    reduction = node.args[2] if len(node.args) > 2 else node.kwargs.get("reduction", 1)
+    if not isinstance(value, torch.Tensor) or value.device.type != "cpu" or reduction == 0:
+        return None
+    source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    if not isinstance(source, torch.Tensor):
+        return None
+    return source.numel() * value.element_size()
+
+
+# Kernels whose real output storage is not what their fake value says (checked on torch 2.13).
+_KERNEL_STORAGE = {"mse_loss": _reduced_loss_keeps_buffer}
+
+
+def remat_meta(node: fx.Node) -> dict:
+    return node.meta.setdefault("remat", {})
+
+
+def storage_bytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        try:
+            return int(value.untyped_storage().nbytes())
+        except (NotImplementedError, RuntimeError):  # sparse or other storage-less tensors
+            return int(value.numel() * value.element_size())
+    return 0
+
+
+def aliased_input(node: fx.Node) -> tuple[fx.Node | None, bool]:
+    """(the input node the output aliases, whether it writes into it), or (None, False)."""
+    target = node.target
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return None, False
+    name = schema.name.split("::")[-1]
+    tensor_args = [a for a in node.args if isinstance(a, fx.Node)]
+    if name in _ALIASING_WITHOUT_SCHEMA:
+        return (tensor_args[0] if tensor_args else None), False
+    returns = [r.alias_info for r in schema.returns]
+    if not returns or any(r is None for r in returns):
+        return None, False
+    alias_sets = [set(r.before_set) for r in returns]
+    writes = any(r.is_write for r in returns)
+    for i, argument in enumerate(schema.arguments):
+        info = argument.alias_info
+        # A list return ("Tensor(a)[]" of split, unbind) exposes no alias set of its own.
+        if info is None or (alias_sets[0] and not set(info.before_set) & alias_sets[0]):
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+        if isinstance(value, fx.Node):
+            return value, writes
+    return None, False
+
+
+def storage_pass(gm: fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        meta = remat_meta(node)
+        value = node.meta.get("val")
+        meta.update(alias_of=None, bytes=0, tuple_bytes=0, view_tuple=False, writes=False)
+        if node.op == "placeholder":
+            meta["bytes"] = storage_bytes(value)
+        elif node.op != "call_function":
+            continue
+        elif node.target is operator.getitem:
+            parent = node.args[0]
+            if isinstance(parent, fx.Node) and remat_meta(parent).get("view_tuple"):
+                meta["alias_of"] = parent
+            else:
+                meta["bytes"] = storage_bytes(value)
+        else:
+            base, writes = aliased_input(node)
+            if isinstance(value, (tuple, list)):
+                if base is not None and not writes:
+                    meta.update(view_tuple=True, alias_of=base)
+                else:
+                    meta["tuple_bytes"] = sum(storage_bytes(v) for v in value)
+            elif base is not None:
+                meta.update(alias_of=base, writes=writes)
+            else:
+                meta["bytes"] = _kernel_bytes(node) or storage_bytes(value)
+
+
+def _kernel_bytes(node: fx.Node) -> int | None:
+    schema = getattr(node.target, "_schema", None)
+    quirk = _KERNEL_STORAGE.get(schema.name.split("::")[-1]) if schema is not None else None
+    return quirk(node) if quirk is not None else None
+
+
+def storage_root(node: fx.Node) -> fx.Node:
+    """The node that owns the storage `node`'s value lives in."""
+    seen = 0
+    while True:
+        alias = node.meta.get("remat", {}).get("alias_of")
+        if alias is None or alias is node or seen > 10_000:
+            return node
+        node, seen = alias, seen + 1

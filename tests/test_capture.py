@@ -1,0 +1,136 @@
+"""Capture and lowering: one graph or an error naming the break; names, phases, reasons."""
+import pytest
+import torch
+import torch.nn as nn
+
+from remat.errors import CaptureError
+from remat.fx_passes import capture, lower, op_nodes
+from remat.solvers import Kind, Phase, Reason
+from tests import models
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt():
+    model, inputs = models.gpt()
+    captured = capture(model, inputs)
+    return model, captured, lower(captured)
+
+
+class _ItemBreak(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum().item() > 0:  # data-dependent Python branch: a graph break
+            return y.pow(2).mean()
+        return y.mean()
+
+
+class _PrintBreak(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        print("loss so far", y.shape)
+        return y.mean()
+
+
+@pytest.mark.parametrize("module", [_ItemBreak, _PrintBreak])
+def test_graph_break_raises_capture_error_naming_the_line(module):
+    with pytest.raises(CaptureError) as info:
+        capture(module(), (torch.randn(2, 4),))
+    message = str(info.value)
+    assert "graph break" in message
+    assert "test_capture.py" in message  # the user's line, not remat's
+
+
+def test_loss_without_grad_is_an_error():
+    model = nn.Linear(4, 4).requires_grad_(False)
+    with pytest.raises(CaptureError, match="backward"):
+        capture(model, (torch.randn(2, 4),), loss_fn=lambda out: out.sum())
+
+
+def test_capture_does_not_run_or_mutate_the_model():
+    model, inputs = models.resnet()
+    stats = model.stem[1].running_mean.clone()
+    capture(model, inputs)
+    assert torch.equal(stats, model.stem[1].running_mean)
+    assert int(model.stem[1].num_batches_tracked) == 0
+
+
+def test_op_names_are_joint_graph_node_names(tiny_gpt):
+    _, captured, problem = tiny_gpt
+    nodes = op_nodes(captured, problem)
+    assert [n.name for n in nodes] == [op.name for op in problem.ops]
+    assert all(n.op == "call_function" for n in nodes)
+
+
+def test_placeholders_classified(tiny_gpt):
+    model, captured, _ = tiny_gpt
+    # wte and lm_head share one tensor: one placeholder
+    assert sorted(set(captured.params.values())) == sorted(
+        n for n, _ in model.named_parameters())
+    assert len(captured.user_inputs) == 2 and len(captured.tangents) == 1
+    assert captured.param_count == sum(p.numel() for p in model.parameters())
+
+
+def test_phases_and_outputs(tiny_gpt):
+    _, captured, problem = tiny_gpt
+    fwd = [op for op in problem.ops if op.phase is Phase.FORWARD]
+    assert fwd == list(problem.ops[: problem.num_forward])
+    loss = [op for op in fwd if op.is_output]
+    assert len(loss) == 1 and loss[0].size == 4  # the fp32 scalar loss
+    grads = [op for op in problem.ops[problem.num_forward:] if op.is_output]
+    assert len(grads) == len(captured.gradient_outputs)
+
+
+def test_kinds(tiny_gpt):
+    _, _, problem = tiny_gpt
+    for i, op in enumerate(problem.ops):
+        if op.kind is Kind.TUPLE:
+            getitems = [problem.ops[j] for j in problem.users[i]]
+            assert all(g.kind is Kind.TENSOR and g.inputs == (i,) and g.cost == 0
+                       for g in getitems)
+            assert op.temp >= sum(g.size for g in getitems)
+        if op.kind is Kind.VIEW:
+            assert op.size == 0
+    assert any(op.target == "aten.split.Tensor" and op.kind is Kind.VIEW for op in problem.ops)
+
+
+def test_every_non_recomputable_op_has_a_reason(tiny_gpt):
+    _, _, problem = tiny_gpt
+    reasons = {op.target: op.not_recomputable for op in problem.ops if op.not_recomputable}
+    assert all(isinstance(r, Reason) for r in reasons.values())
+    assert reasons.get("aten.native_dropout.default") is Reason.RANDOM
+
+
+def test_batchnorm_reads_mutated_statistics():
+    model, inputs = models.resnet()
+    captured = capture(model, inputs)
+    problem = lower(captured)
+    assert captured.mutated_inputs and set(captured.mutated_inputs) <= set(captured.buffers)
+    bn = [op for op in problem.ops if "batch_norm_legit_functional" in op.target]
+    assert bn and all(op.not_recomputable is Reason.MUTATION for op in bn)
+
+
+def test_meta_capture_equals_real_capture(tiny_gpt):
+    _, _, real = tiny_gpt
+    model, inputs = models.gpt(device="meta")
+    meta_captured = capture(model, inputs)
+    fake = lower(meta_captured)
+    assert meta_captured.device == "meta"
+    assert model.lm_head.weight.device.type == "meta"  # the model got its tensors back
+    key = lambda p: [(o.name, o.phase, o.inputs, o.size, o.kind, o.temp, o.flops,
+                      o.not_recomputable, o.is_output) for o in p.ops]
+    assert key(fake) == key(real)
+
+
+def test_source_describes_the_step(tiny_gpt):
+    _, _, problem = tiny_gpt
+    assert problem.source["model"] == "GPT"
+    assert problem.source["batch_shapes"] == [[4, 32], [4, 32]]
+    assert problem.source["dtype"] == "float32" and problem.source["target"] == "H100 SXM"
