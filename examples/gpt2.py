@@ -31,7 +31,7 @@ def main(argv=None) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", default="5GB")
+    parser.add_argument("--budget", default="6GB")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--layers", type=int, default=12)
@@ -40,7 +40,9 @@ def main(argv=None) -> None:
 
     config = GPT2Config(n_layer=args.layers, attn_implementation="sdpa")
     with torch.device("meta"):
-        model = GPT2LMHeadModel(config).train()
+        # bf16 weights: under bf16 mixed precision the activations are bf16 (the fp32 master
+        # copy and gradients are counted by the Training configuration).
+        model = GPT2LMHeadModel(config).to(torch.bfloat16).train()
     model.loss_type = "ForCausalLM"
     ids = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
     plan = remat.optimize(WithLabels(model), args.budget, example_inputs=(ids,),

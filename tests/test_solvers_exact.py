@@ -37,8 +37,8 @@ def outcome(problem, budget, strategy, options=EXACT):
         return error
 
 
-def smallest_peak(problem) -> int:
-    result = outcome(problem, 0, Strategy.BRUTE_FORCE)
+def smallest_peak(problem, options=EXACT) -> int:
+    result = outcome(problem, 0, Strategy.BRUTE_FORCE, options)
     return 0 if not isinstance(result, BudgetError) else result.smallest
 
 
@@ -67,6 +67,46 @@ def test_optimal_matches_brute_force(problem, where):
     assert exact.cost == pytest.approx(oracle.cost, abs=tolerance(problem))
     assert exact.peak == oracle.peak  # least peak among the cheapest
     assert exact.info["model_peak"] == exact.peak  # the model's profile is simulate's
+
+
+JUST_IN_TIME = SolverOptions(cost_resolution=1e-9, workers=2, time_limit=30, free_positions=False)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problem=small, where=st.floats(-0.1, 1.0))
+def test_just_in_time_matches_brute_force(problem, where):
+    """The just-in-time model (free_positions=False) against the oracle enumerating the same
+    space: every recomputed set, each placed by make_schedule's default rule."""
+    try:
+        low = smallest_peak(problem, JUST_IN_TIME)
+    except ValueError:
+        assume(False)
+    high = save_all_peak(problem)
+    budget = max(0, low + int(where * (high - low)) if where >= 0 else low - 1)
+    oracle = outcome(problem, budget, Strategy.BRUTE_FORCE, JUST_IN_TIME)
+    exact = outcome(problem, budget, Strategy.OPTIMAL, JUST_IN_TIME)
+    if isinstance(oracle, BudgetError):
+        assert isinstance(exact, BudgetError)
+        assert exact.smallest == oracle.smallest == low
+        return
+    assert not isinstance(exact, BudgetError), (budget, oracle.cost)
+    assert exact.status is Status.OPTIMAL
+    assert exact.cost == pytest.approx(oracle.cost, abs=tolerance(problem))
+    assert exact.peak == oracle.peak
+    assert exact.info["model_peak"] == exact.peak
+    assert dict(exact.recompute_at) == dict(make_schedule(problem, exact.recomputed).recompute_at)
+
+
+def test_free_positions_never_worse_than_just_in_time():
+    for seed in range(15):
+        problem = random_problem(seed, max_forward=10, max_backward=6)
+        budget = (smallest_peak(problem) + save_all_peak(problem)) // 2
+        free = outcome(problem, budget, Strategy.OPTIMAL)
+        jit = outcome(problem, budget, Strategy.OPTIMAL, JUST_IN_TIME)
+        if isinstance(free, BudgetError):
+            assert isinstance(jit, BudgetError)
+        elif not isinstance(jit, BudgetError):
+            assert free.cost <= jit.cost + tolerance(problem)
 
 
 problems = st.one_of(

@@ -1,8 +1,9 @@
 """Strategy `brute_force`: every schedule of a tiny problem, simulated; the oracle for tests.
 
-It enumerates what `optimal` may choose: every set of recomputed values AND every placement of
-their recomputations. Placing each just before its first use (make_schedule's default) is not
-enough, because the latest placement does not dominate:
+It enumerates exactly what `optimal` may choose under the same options: every set of recomputed
+values, each placed just in time (make_schedule's default, DESIGN.md's rule) unless
+`options.free_positions`, and then also every placement of the recomputations. The latest
+placement does not dominate, which is why the free mode exists:
 - recomputing v earlier can end a big saved input's life sooner (its last other reader is early,
   and v would otherwise hold it until v's first use), which beats holding the small v longer;
 - v's `temp` bytes land on v's recomputation step, and an earlier step may have less live.
@@ -80,7 +81,9 @@ def brute_force(problem: Problem, budget: int, options: SolverOptions) -> Schedu
                 continue
             seen.add(base.recomputed)
             cost = evaluate(problem, base).cost
-            for positions in placements(problem, base.recomputed):
+            choices_of_place = (placements(problem, base.recomputed) if options.free_positions
+                                else [dict(base.recompute_at)])
+            for positions in choices_of_place:
                 count += 1
                 if count > MAX_SCHEDULES:
                     raise ValueError(f"brute_force stops at {MAX_SCHEDULES:,} schedules; this "

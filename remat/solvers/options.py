@@ -18,6 +18,12 @@ class SolverOptions:
     cost_resolution: float = 1e-4
     """The exact solver counts recompute cost in integer units of this fraction of the step's
     total cost; costs are rounded to the nearest unit, so its optimum is exact in those units."""
+    free_positions: bool = True
+    """Let the exact solver place each recomputation at any backward op before its first use
+    (a superset of schedules, sometimes with a lower peak: an earlier recomputation can free a
+    large saved input sooner, or put its temp bytes where less is live). False: just in time,
+    before the first backward op that needs it, directly or through another recomputation
+    (DESIGN.md's rule and make_schedule's default), which the solver proves optimal far faster."""
     hint: Any = None
     """A Schedule to start the search from (the best baseline when None)."""
     on_solution: Callable[[dict], None] | None = field(default=None, compare=False)

@@ -1,0 +1,147 @@
+"""GPU check: plan GPT-2 medium (bf16) at three budgets, run a few steps of each plan, and
+compare the predicted activation peak with what CUDA's allocator saw.
+
+    python benchmarks/gpu_check.py [--batch 16] [--seq 1024] [--steps 3] [--time-limit 60]
+
+The batch and sequence default to an activation peak of roughly half of an 80 GB card without
+checkpointing. Prints, per budget: the simulated activation peak, torch.cuda.max_memory_allocated
+and max_memory_reserved above the step's baseline (parameters, optimizer state, batch), the
+step time (CUDA events), and MFU / HFU against the card's dense bf16 peak. Exits 0 with a
+message where there is no CUDA. Meant to finish within five minutes on an H100/H200.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from remat.errors import BudgetError  # noqa: E402
+
+GiB = 2**30
+# Dense bf16 tensor-core peaks by device-name fragment (vendor datasheets, as in devices.py).
+PEAK_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L4": 121e12, "4090": 165.2e12}
+
+
+def peak_flops(name: str) -> float | None:
+    return next((v for k, v in PEAK_BF16.items() if k in name), None)
+
+
+def gpt2_medium(batch: int, seq: int, device: str):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_embd=1024, n_layer=24, n_head=16, n_positions=max(1024, seq),
+                        vocab_size=50257, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT2LMHeadModel(config).to(torch.bfloat16).train()
+    model.loss_type = "ForCausalLM"
+
+    class LMLoss(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.model = inner
+            self.loss_type = "ForCausalLM"
+
+        def forward(self, ids):
+            return self.model(input_ids=ids, labels=ids).loss
+
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device=device)
+    return LMLoss(model), (ids,)
+
+
+def run_plan(model, inputs, problem, schedule, steps: int):
+    from remat.fx_passes.planned import planned_module
+
+    module = planned_module(model, problem, schedule)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    times, allocated, reserved = [], 0, 0
+    for step in range(steps + 1):  # the first step compiles and creates the optimizer state
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        base_reserved = torch.cuda.memory_reserved()
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = module(*inputs)
+        loss.backward()
+        end.record()
+        torch.cuda.synchronize()
+        if step:
+            times.append(start.elapsed_time(end) / 1e3)
+            allocated = max(allocated, torch.cuda.max_memory_allocated() - base)
+            reserved = max(reserved, torch.cuda.max_memory_reserved() - base_reserved)
+        opt.step()
+        del loss
+    del module, opt
+    return sorted(times)[len(times) // 2], allocated, reserved
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--time-limit", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; nothing to check (run it on a GPU machine)")
+        return 0
+
+    from tabulate import tabulate
+
+    from remat.fx_passes.capture import capture
+    from remat.fx_passes.lower import lower
+    from remat.solvers import SolverOptions, solve
+    from remat.solvers.schedule import drop_unneeded, make_schedule, recomputable
+    from remat.solvers.simulate import simulate
+
+    begin = time.perf_counter()
+    name = torch.cuda.get_device_name()
+    model, inputs = gpt2_medium(args.batch, args.seq, "cuda")
+    target = "h200" if "H200" in name else "h100" if "H100" in name else "a100-80gb"
+    problem = lower(capture(model, inputs), target=target)
+    print(f"# {name}: GPT-2 medium bf16, batch {args.batch} x {args.seq}, {len(problem)} ops, "
+          f"planned in {time.perf_counter() - begin:.0f} s", flush=True)
+
+    save_all = make_schedule(problem, ())
+    full = simulate(problem, save_all).peak
+    everything = make_schedule(problem, drop_unneeded(problem, recomputable(problem)))
+    options = SolverOptions(time_limit=args.time_limit, hint=everything)
+    plans = [("save all", save_all)]
+    for fraction in (0.6, 0.35):
+        try:
+            plans.append((f"{fraction:.0%}", solve(problem, int(full * fraction), "optimal",
+                                                   options)))
+        except BudgetError as e:
+            print(f"# {fraction:.0%} of the save-all peak does not fit: {e}", flush=True)
+
+    peak = peak_flops(name)
+    rows = []
+    for label, schedule in plans:
+        predicted = simulate(problem, schedule).peak
+        seconds, allocated, reserved = run_plan(model, inputs, problem, schedule, args.steps)
+        model_flops = problem.total_flops
+        hardware_flops = model_flops + sum(problem.ops[v].flops for v in schedule.recomputed)
+        rows.append([label, len(schedule.recomputed), f"{predicted / GiB:.2f}",
+                     f"{allocated / GiB:.2f}", f"{(allocated - predicted) / predicted:+.1%}",
+                     f"{reserved / GiB:.2f}", f"{seconds * 1e3:.0f}",
+                     f"{model_flops / seconds / peak:.1%}" if peak else "-",
+                     f"{hardware_flops / seconds / peak:.1%}" if peak else "-"])
+        print(f"# {label} done at {time.perf_counter() - begin:.0f} s", flush=True)
+        torch._dynamo.reset()
+    print(tabulate(rows, headers=["budget", "recomputed", "predicted GiB", "max allocated GiB",
+                                  "error", "max reserved GiB", "step ms", "MFU", "HFU"],
+                   disable_numparse=True))
+    print(f"# total {time.perf_counter() - begin:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Run a model's training step under a plan.
+
+`planned_module(model, problem, schedule)` returns an `nn.Module` whose forward is the captured
+training step (the model's loss, traced as `remat.fx_passes.capture` traces it) compiled with
+AOTAutograd and `rewrite.partition_fn`: the forward and backward graphs execute the schedule.
+Parameters, buffers, input mutations (BatchNorm running statistics) and tied weights stay the
+model's own, handled by AOTAutograd as in any torch.compile'd model, so an optimizer built on
+the original model trains it.
+
+Measuring: a dispatch mode entered around a torch.compile'd call makes dynamo run the eager
+code instead (TORCH-NOTES.md, "the dispatch-mode trap"). `PlannedModule.instrument(...)` enters
+modes inside the compiled forward and backward graphs instead, and counts the graph calls so a
+test can prove that the compiled graphs really ran.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterator
+
+import torch
+from torch import nn
+
+from remat.errors import RematError
+from remat.fx_passes.rewrite import Partition, partition_fn
+from remat.solvers.problem import Problem
+from remat.solvers.schedule import Schedule
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GraphCalls", "PlannedModule", "planned_module"]
+
+# A reusable context manager (a dispatch mode), or a factory of them called at every graph call
+# with "forward" or "backward".
+Instrument = ContextManager | Callable[[str], ContextManager]
+
+
+@dataclass
+class GraphCalls:
+    """How many times the compiled graphs ran while instrumented."""
+
+    forward: int = 0
+    backward: int = 0
+
+
+@dataclass
+class _Hooks:
+    instruments: list[Instrument] = field(default_factory=list)
+    calls: GraphCalls = field(default_factory=GraphCalls)
+
+
+def _instrumented(compiler: Callable, phase: str, hooks: _Hooks) -> Callable:
+    """A graph compiler whose compiled graph enters `hooks.instruments` at every call. Keeps the
+    boxed calling convention: the graph receives the argument list itself and empties it, so
+    the backward frees saved tensors as it goes."""
+
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: Any) -> Callable:
+        compiled = compiler(gm, example_inputs)
+        boxed = getattr(compiled, "_boxed_call", False)
+
+        def run(args: Any) -> Any:
+            if not hooks.instruments:
+                return compiled(args) if boxed else compiled(*args)
+            setattr(hooks.calls, phase, getattr(hooks.calls, phase) + 1)
+            with contextlib.ExitStack() as stack:
+                for instrument in hooks.instruments:
+                    stack.enter_context(instrument(phase) if callable(instrument)
+                                        else instrument)
+                if boxed:
+                    return compiled(args)
+                inputs = list(args)
+                args.clear()
+                return compiled(*inputs)
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    return compile_graph
+
+
+def _inductor_compilers() -> tuple[Callable, Callable]:
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def decomposed(gm: torch.fx.GraphModule, example_inputs: Any) -> torch.fx.GraphModule:
+        # The plan names the nodes of the joint graph as captured, in ATen that Inductor's
+        # lowerings do not all accept (it decomposes before partitioning when it owns the
+        # whole pipeline); so each partitioned graph is decomposed after the plan is applied.
+        # Recomputations stay in the backward; Inductor then fuses and plans buffers itself.
+        return make_fx(gm, decomposition_table=select_decomp_table())(*example_inputs)
+
+    def forward(gm, example_inputs):
+        return compile_fx_inner(decomposed(gm, example_inputs), example_inputs)
+
+    def backward(gm, example_inputs):
+        return compile_fx_inner(decomposed(gm, example_inputs), example_inputs,
+                                is_backward=True)
+
+    return forward, backward
+
+
+class PlannedModule(nn.Module):
+    """The training step of `model` under a schedule. `forward(*inputs)` returns the loss (what
+    the captured step returns); `loss.backward()` runs the planned backward. The wrapped model is
+    a submodule: its parameters are this module's parameters."""
+
+    def __init__(self, model: nn.Module, problem: Problem, schedule: Schedule, *,
+                 compile: bool = False, loss_fn: Callable | None = None):
+        super().__init__()
+        from torch._dynamo.backends.debugging import boxed_nop
+
+        self.model = model
+        self.problem = problem
+        self.schedule = schedule
+        self.partitions: list[Partition] = []
+        self._hooks = _Hooks()
+        fw, bw = _inductor_compilers() if compile else (boxed_nop, boxed_nop)
+        if compile:
+            # Inductor plans its own buffers; only the boxed_nop path runs the schedule op by op.
+            fw_compiler, bw_compiler = fw, bw
+        else:
+            fw_compiler = _instrumented(fw, "forward", self._hooks)
+            bw_compiler = _instrumented(bw, "backward", self._hooks)
+        if getattr(model, "loss_type", False) is None:  # as capture does for Hugging Face
+            model.loss_type = "ForCausalLM"
+        self._step = _compile_step(
+            model, partition_fn(problem, schedule, self.partitions.append),
+            fw_compiler=fw_compiler, bw_compiler=bw_compiler, loss_fn=loss_fn)
+        self.compiled = compile
+
+    def forward(self, *inputs: Any) -> torch.Tensor:
+        try:
+            return self._step(*inputs)
+        except Exception as e:
+            inner = _remat_error(e)
+            if inner is not None and inner is not e:
+                raise inner from e
+            raise
+
+    @property
+    def partition(self) -> Partition:
+        """The forward and backward graphs of the latest compilation."""
+        if not self.partitions:
+            raise RematError("the planned step has not run yet: call it once (with grad "
+                             "enabled) to compile it")
+        return self.partitions[-1]
+
+    @contextlib.contextmanager
+    def instrument(self, *instruments: Instrument) -> Iterator[GraphCalls]:
+        """Enter each instrument (or `instrument(phase)` for a factory) inside every call of
+        the compiled forward and backward graphs while this context is active. Yields the
+        call counts, which prove that the compiled graphs ran."""
+        if self.compiled:
+            raise RematError("instrument() needs the op-by-op graphs: build the planned module "
+                             "with compile=False")
+        before = list(self._hooks.instruments)
+        self._hooks.instruments.extend(instruments)
+        self._hooks.calls = GraphCalls()
+        try:
+            yield self._hooks.calls
+        finally:
+            self._hooks.instruments[:] = before
+
+
+def _compile_step(model: nn.Module, partition: Callable, *, fw_compiler: Callable,
+                  bw_compiler: Callable, loss_fn: Callable | None) -> Callable:
+    """`capture.compile_step`'s path (same backend, same flags, same step, so the joint graph
+    is the captured one) with a step function whose code object is its own. Dynamo keeps
+    compiled entries per code object, at most `recompile_limit` of them, and fullgraph=True
+    fails past it: sharing one code object, the ninth planned module alive at once would fail,
+    and resetting dynamo between them would make the others recompile."""
+    from remat.fx_passes.capture import default_loss, make_backend
+
+    pick = loss_fn or default_loss
+
+    def step(*inputs):
+        return pick(model(*inputs))
+
+    own = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__,
+                             step.__defaults__, step.__closure__)
+    backend = make_backend(partition, fw_compiler=fw_compiler, bw_compiler=bw_compiler)
+    return torch.compile(own, backend=backend, fullgraph=True, dynamic=False)
+
+
+def planned_module(model: nn.Module, problem: Problem, schedule: Schedule, *,
+                   compile: bool = False, loss_fn: Callable | None = None) -> PlannedModule:
+    """`model`'s training step running `schedule`: op by op (`compile=False`, the graphs that
+    can be measured against the simulator), or through Inductor (`compile=True`). `problem`
+    must be the one lowered from `capture(model, inputs, loss_fn=loss_fn)` for inputs of the
+    shapes the module is called with; anything else raises RematError at the first call."""
+    return PlannedModule(model, problem, schedule, compile=compile, loss_fn=loss_fn)
+
+
+def _remat_error(e: BaseException) -> RematError | None:
+    """The RematError that dynamo wrapped (it re-raises backend failures as its own)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, RematError):
+            return e
+        inner = getattr(e, "inner_exception", None)
+        if isinstance(inner, RematError):
+            return inner
+        e = e.__cause__ or e.__context__
+    return None
