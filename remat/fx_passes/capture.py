@@ -30,6 +30,7 @@ lookup is a graph break otherwise; `capture` does it for models that have the at
 from __future__ import annotations
 
 import contextlib
+import types
 import logging
 import time
 from dataclasses import dataclass, field
@@ -132,12 +133,17 @@ def default_loss(output: Any) -> torch.Tensor:
 
 
 def _step_fn(model: torch.nn.Module, loss_fn: Callable | None) -> Callable:
+    """The step dynamo traces, with a code object of its own. Dynamo keeps compiled entries per
+    code object, at most `recompile_limit` of them, and fullgraph=True fails past it: sharing
+    one code object, the ninth planned step alive at once would fail, and resetting dynamo
+    between them would make the others recompile."""
     pick = loss_fn or default_loss
 
     def step(*inputs):
         return pick(model(*inputs))
 
-    return step
+    return types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__,
+                              step.__defaults__, step.__closure__)
 
 
 def make_backend(partition_fn: Callable, *, fw_compiler: Callable | None = None,
@@ -269,10 +275,12 @@ def _fake_meta_tensors(model: torch.nn.Module, inputs: tuple, device: str):
 
 
 def _prepare(model: torch.nn.Module) -> None:
-    # Hugging Face models look up their loss through a warning_once when loss_type is unset:
-    # dynamo cannot trace that logging call and breaks the graph there.
-    if hasattr(model, "loss_type") and getattr(model, "loss_type", None) is None:
-        model.loss_type = "ForCausalLM"
+    # Hugging Face models whose loss_type is unset warn (warning_once) and fall back to the
+    # causal-LM loss: dynamo cannot trace that logging call and breaks the graph there. Naming
+    # the fallback keeps the same loss without the warning, also for a model wrapped in another.
+    for module in model.modules():
+        if hasattr(module, "loss_type") and getattr(module, "loss_type", None) is None:
+            module.loss_type = "ForCausalLM"
 
 
 def _is_stop(e: BaseException | None) -> bool:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator
 
@@ -112,6 +111,8 @@ class PlannedModule(nn.Module):
         super().__init__()
         from torch._dynamo.backends.debugging import boxed_nop
 
+        from remat.fx_passes.capture import compile_step
+
         self.model = model
         self.problem = problem
         self.schedule = schedule
@@ -124,11 +125,9 @@ class PlannedModule(nn.Module):
         else:
             fw_compiler = _instrumented(fw, "forward", self._hooks)
             bw_compiler = _instrumented(bw, "backward", self._hooks)
-        if getattr(model, "loss_type", False) is None:  # as capture does for Hugging Face
-            model.loss_type = "ForCausalLM"
-        self._step = _compile_step(
-            model, partition_fn(problem, schedule, self.partitions.append),
-            fw_compiler=fw_compiler, bw_compiler=bw_compiler, loss_fn=loss_fn)
+        self._step = compile_step(model, partition_fn(problem, schedule, self.partitions.append),
+                                  fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                                  loss_fn=loss_fn, reset=False)
         self.compiled = compile
 
     def forward(self, *inputs: Any) -> torch.Tensor:
@@ -163,26 +162,6 @@ class PlannedModule(nn.Module):
             yield self._hooks.calls
         finally:
             self._hooks.instruments[:] = before
-
-
-def _compile_step(model: nn.Module, partition: Callable, *, fw_compiler: Callable,
-                  bw_compiler: Callable, loss_fn: Callable | None) -> Callable:
-    """`capture.compile_step`'s path (same backend, same flags, same step, so the joint graph
-    is the captured one) with a step function whose code object is its own. Dynamo keeps
-    compiled entries per code object, at most `recompile_limit` of them, and fullgraph=True
-    fails past it: sharing one code object, the ninth planned module alive at once would fail,
-    and resetting dynamo between them would make the others recompile."""
-    from remat.fx_passes.capture import default_loss, make_backend
-
-    pick = loss_fn or default_loss
-
-    def step(*inputs):
-        return pick(model(*inputs))
-
-    own = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__,
-                             step.__defaults__, step.__closure__)
-    backend = make_backend(partition, fw_compiler=fw_compiler, bw_compiler=bw_compiler)
-    return torch.compile(own, backend=backend, fullgraph=True, dynamic=False)
 
 
 def planned_module(model: nn.Module, problem: Problem, schedule: Schedule, *,
