@@ -58,9 +58,9 @@ class _Units:
     rounded UP and the capacity DOWN, so every schedule the model accepts truly fits (the model
     turns conservative by less than one unit per live storage, and says so in info["exact"]).
 
-    Cost: `options.cost_resolution` of the step's total cost, sizes rounded to the nearest
-    unit; the optimum is exact in those units, and within (recomputed ops) * unit / 2 of the
-    true least cost otherwise."""
+    Cost: `options.cost_resolution` of the step's total cost, costs rounded to the nearest
+    unit (a positive cost to one unit at least); the optimum is exact in those units, and
+    within (recomputed ops) * unit of the true least cost otherwise."""
 
     byte: int
     exact_bytes: bool
@@ -84,7 +84,10 @@ class _Units:
         return budget // self.byte
 
     def cost_of(self, seconds: float) -> int:
-        return round(seconds / self.cost)
+        # An op that costs anything costs at least one unit: rounded to zero, the model would
+        # recompute it for free and its optimum would drift from the true one.
+        units = round(seconds / self.cost)
+        return max(units, 1) if seconds > 0 else 0
 
 
 class _Axis:
@@ -843,8 +846,19 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
             raise outcome
         return evaluate(problem, outcome, status=Status.FEASIBLE, budget=budget, bound=0.0,
                         solve_time=time.perf_counter() - start, info=info)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE) and hint is not None:
+        # The search ran out of time before it accepted any schedule, but the hint is one that
+        # fits (simulated): return it as what the search has, with the bound it proved.
+        logger.warning("optimal: CP-SAT found no schedule within %.1f s; returning the hint "
+                       "(%s, improved by the drop pass), FEASIBLE", options.time_limit,
+                       hint.strategy)
+        info.update(stage1_time=solver.WallTime(), trace=trace.trace, from_hint=True)
+        bound = solver.BestObjectiveBound() * units.cost
+        return evaluate(problem, hint, strategy=Strategy.OPTIMAL.value, status=Status.FEASIBLE,
+                        budget=budget, bound=bound if math.isfinite(bound) else None,
+                        solve_time=time.perf_counter() - start, info=MappingProxyType(info))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        tried = f"hinted with {hint.strategy}" if hint is not None else "no baseline fits to hint"
+        tried = "no baseline fits to hint"
         raise SolverError(f"optimal: no schedule within the time limit of {options.time_limit} s "
                           f"(CP-SAT {solver.StatusName(status)}; {tried}; "
                           f"{info['variables']} variables); raise time_limit or the budget")

@@ -15,7 +15,7 @@ class SolverOptions:
     """Random seed of the search, for repeatable runs."""
     relative_gap: float = 0.0
     """Stop once the cost is proven within this fraction of the optimum (0: prove optimality)."""
-    cost_resolution: float = 1e-4
+    cost_resolution: float = 1e-6
     """The exact solver counts recompute cost in integer units of this fraction of the step's
     total cost; costs are rounded to the nearest unit, so its optimum is exact in those units."""
     free_positions: bool = True
