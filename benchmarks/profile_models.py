@@ -16,7 +16,6 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 from torch._functorch.partitioners import default_partition  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402

@@ -6,7 +6,6 @@ dropout on where the architecture has it, seeded so every call builds the same w
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch

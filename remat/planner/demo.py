@@ -13,7 +13,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from remat.errors import BudgetError, SolverError
+from remat.errors import BudgetError
 from remat.planner.budget import format_size, parse_size
 from remat.planner.report import Measured
 from remat.planner.training import Training
@@ -50,19 +50,13 @@ def run_demo(*, time_limit: float = 30.0) -> int:
                                   dtype=torch.bfloat16)
     prepared = prepare(model, inputs, training=TRAINING_7B, target="h100")
     budget = parse_size(BUDGET_7B)
-    for strategy in (Strategy.OPTIMAL, Strategy.GREEDY):
-        try:
-            plan = plan_prepared(model, prepared, budget=budget, activation_budget=None,
-                                 target="h100", solver=strategy, solver_options=options)
-        except BudgetError as e:
-            print(f"BudgetError: {e}")
-            break
-        except SolverError as e:
-            # Said out loud, never silent: the baseline's plan is printed as the baseline's.
-            print(f"SolverError: {e}\n-> the greedy baseline's plan instead:")
-            continue
+    try:
+        plan = plan_prepared(model, prepared, budget=budget, activation_budget=None,
+                             target="h100", solver=Strategy.OPTIMAL, solver_options=options)
+    except BudgetError as e:
+        print(f"BudgetError: {e}")
+    else:
         print(plan.report().render())
-        break
 
     print("\n== 2. A small GPT (Llama-style) on the CPU: plan, run one step, measure ==",
           flush=True)

@@ -10,8 +10,8 @@ import enum
 import fnmatch
 import logging
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from remat.planner.budget import parse_size
 

@@ -25,7 +25,7 @@ import bisect
 import logging
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import MappingProxyType
 
 from ortools.sat.python import cp_model
