@@ -20,9 +20,9 @@ from tabulate import tabulate  # noqa: E402
 from torch._functorch.partitioners import default_partition  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from remat.fx_passes import (MemoryTracker, capture, compile_step, default_loss,  # noqa: E402
-                             lower, measure_eager, profile, register_cpu_attention,
-                             tracking_compilers)
+from remat.fx_passes import (capture, default_loss, lower, measure_eager,  # noqa: E402
+                             profile, register_cpu_attention)
+from remat.fx_passes.memory_tracker import measure_partitioned  # noqa: E402
 from remat.solvers import make_schedule, simulate  # noqa: E402
 from tests import models  # noqa: E402
 
@@ -43,12 +43,7 @@ def run(name):
     save_all = make_schedule(problem, [])
     predicted = simulate(problem, save_all).peak
 
-    tracker = MemoryTracker()
-    step = compile_step(model, default_partition, **tracking_compilers(tracker))
-    loss = step(*inputs)
-    loss.backward()
-    del loss
-    model.zero_grad(set_to_none=True)
+    tracker = measure_partitioned(model, inputs, default_partition)
     eager = measure_eager(lambda: default_loss(model(*inputs)).backward()).peak
     model.zero_grad(set_to_none=True)
     register_cpu_attention()

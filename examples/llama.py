@@ -130,6 +130,16 @@ def llama(config: LlamaConfig = LLAMA_TINY, *, batch: int = 1, device="cpu",
     return model, (tokens, targets)
 
 
+def tiny():
+    """A factory for `remat plan examples/llama.py:tiny`: the tiny configuration, batch 8."""
+    return llama(LLAMA_TINY, batch=8)
+
+
+def seven_b():
+    """A factory for `remat plan examples/llama.py:seven_b`: 7B on meta tensors, bf16."""
+    return llama(LLAMA_7B, batch=1, device="meta", dtype=torch.bfloat16)
+
+
 def main(argv=None) -> None:
     from remat.fx_passes import capture, lower
     from remat.solvers import make_schedule, simulate

@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from remat.fx_passes import (DEVICES, MemoryTracker, capture, compile_step, default_loss, device,
                              lower, measure_eager, profile, register_cpu_attention,
                              tracking_compilers)
+from remat.fx_passes.memory_tracker import measure_partitioned
 from remat.solvers import make_schedule, simulate
 from tests import models
 
@@ -45,12 +46,7 @@ def test_flops_match_flop_counter_mode(name):
 def test_save_all_simulation_predicts_default_partition_peak(name):
     model, inputs, _, problem = lowered(name)
     predicted = simulate(problem, make_schedule(problem, [])).peak
-    tracker = MemoryTracker()
-    step = compile_step(model, default_partition, **tracking_compilers(tracker))
-    loss = step(*inputs)
-    loss.backward()
-    del loss
-    model.zero_grad(set_to_none=True)
+    tracker = measure_partitioned(model, inputs, default_partition)
     assert tracker.graph_calls == {"forward": 1, "backward": 1}  # the compiled graphs ran
     assert abs(predicted - tracker.peak) <= max(0.05 * tracker.peak, 2**20), (predicted,
                                                                             tracker.peak)

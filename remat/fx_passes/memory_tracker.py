@@ -119,3 +119,19 @@ def measure_eager(step: Callable[[], Any]) -> MemoryTracker:
         result = step()
     del result
     return tracker
+
+
+def measure_partitioned(model: torch.nn.Module, inputs, partition_fn: Callable, *,
+                        loss_fn: Callable | None = None) -> MemoryTracker:
+    """One training step of `model` compiled with `partition_fn` (PyTorch's `default_partition`
+    saves everything the backward needs), with a tracker inside its graphs. Gradients are
+    cleared again afterwards; `graph_calls` proves the compiled graphs ran."""
+    from remat.fx_passes.capture import compile_step
+
+    tracker = MemoryTracker()
+    step = compile_step(model, partition_fn, loss_fn=loss_fn, **tracking_compilers(tracker))
+    loss = step(*inputs)
+    loss.backward()
+    del loss
+    model.zero_grad(set_to_none=True)
+    return tracker

@@ -90,6 +90,29 @@ class _Units:
         return max(units, 1) if seconds > 0 else 0
 
 
+def _provide_what_is_needed(m: cp_model.CpModel, problem: Problem, candidates, direct,
+                            save: dict, rec: dict, readers) -> None:
+    """What the backward needs is saved or recomputed, once; nothing else is. A candidate read
+    by a backward op directly is needed; another is needed exactly when a recomputed reader
+    needs it (make_schedule derives the saved set the same way: needed minus recomputed)."""
+    for v in candidates:
+        held = [x for x in (save.get(v), rec.get(v)) if x is not None]
+        users = [rec[r] for r in readers[v] if r in rec]
+        if v in direct:
+            if not held:
+                raise ValueError(f"{problem.ops[v].name!r} is a tuple op read by the backward "
+                                 "and may not be recomputed; no schedule can provide it")
+            m.AddExactlyOne(held)
+            continue
+        if held:
+            m.Add(sum(held) <= sum(users))
+        for u in users:
+            if not held:
+                m.Add(u == 0)
+            else:
+                m.AddBoolOr(held).OnlyEnforceIf(u)
+
+
 class _Axis:
     """The time axis of the module docstring."""
 
@@ -152,22 +175,7 @@ class _FreeModel:
 
         # --- What the backward needs is saved or recomputed, once; nothing else is.
         # (make_schedule derives the saved set the same way: needed minus recomputed.)
-        for v in candidates:
-            held = [x for x in (self.save.get(v), self.rec.get(v)) if x is not None]
-            users = [self.rec[r] for r in readers[v] if r in self.rec]
-            if v in direct:
-                if not held:
-                    raise ValueError(f"{ops[v].name!r} is a tuple op read by the backward and "
-                                     "may not be recomputed; no schedule can provide it")
-                m.AddExactlyOne(held)
-                continue
-            if held:
-                m.Add(sum(held) <= sum(users))
-            for u in users:
-                if not held:
-                    m.Add(u == 0)
-                else:
-                    m.AddBoolOr(held).OnlyEnforceIf(u)
+        _provide_what_is_needed(m, problem, candidates, direct, self.save, self.rec, readers)
 
         # --- Recompute positions: before every recomputed reader (before every backward reader
         # is the domain), and a getitem where its tuple op is (recomputing the tuple makes it).
@@ -450,22 +458,7 @@ class _JitModel:
             return literals[max(below)] if below else None
 
         # --- Step 3, what the backward needs is saved or recomputed, once; nothing else is.
-        for v in candidates:
-            held = [x for x in (self.save.get(v), self.rec.get(v)) if x is not None]
-            users = [self.rec[r] for r in readers[v] if r in self.rec]
-            if v in direct:
-                if not held:
-                    raise ValueError(f"{ops[v].name!r} is a tuple op read by the backward and "
-                                     "may not be recomputed; no schedule can provide it")
-                m.AddExactlyOne(held)
-                continue
-            if held:
-                m.Add(sum(held) <= sum(users))
-            for u in users:
-                if not held:
-                    m.Add(u == 0)
-                else:
-                    m.AddBoolOr(held).OnlyEnforceIf(u)
+        _provide_what_is_needed(m, problem, candidates, direct, self.save, self.rec, readers)
 
         # --- Step 4, the just-in-time rule on the order literals. v is recomputed at or before
         # p iff it is recomputed and (its first direct reader is at or before p, or a recomputed

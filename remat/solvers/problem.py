@@ -120,7 +120,8 @@ class Problem:
     def candidates(self) -> tuple[int, ...]:
         """Forward ops whose storage the backward may need: the only values a schedule decides
         about. Views are never candidates: a view is rebuilt from its base for free."""
-        needed = _backward_reachable(self)
+        # Ops outside this closure are freed after their last forward use under every schedule.
+        needed = needed_storages(self, self.forward)
         return tuple(i for i in self.forward if i in needed)
 
     @cached_property
@@ -153,21 +154,21 @@ class Problem:
         return loads(text)[0]
 
 
-def _backward_reachable(problem: Problem) -> set[int]:
-    """Forward storages that a backward op could need, directly or through a recomputation of
-    anything the backward reads: the closure of the backward's forward inputs over forward
-    inputs. Ops outside it are freed after their last forward use under every schedule."""
-    root = problem.root
+def needed_storages(problem: Problem, recomputed: Iterable[int]) -> set[int]:
+    """Forward storages the backward reads, directly or through a recomputation of one of
+    `recomputed`: what a schedule that recomputes those must save or recompute."""
+    recomputed = set(recomputed)
     nf = problem.num_forward
-    frontier = [root[j] for i in problem.backward for j in problem.ops[i].inputs if root[j] < nf]
-    seen: set[int] = set()
+    frontier = [s for b in problem.backward for s in problem.storage_inputs[b] if s < nf]
+    needed: set[int] = set()
     while frontier:
         v = frontier.pop()
-        if v in seen:
+        if v in needed:
             continue
-        seen.add(v)
-        frontier.extend(problem.storage_inputs[v])
-    return seen
+        needed.add(v)
+        if v in recomputed:
+            frontier.extend(problem.storage_inputs[v])
+    return needed
 
 
 def _validate(ops: Sequence[Op]) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Iterable, Mapping
 
-from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
+from remat.solvers.problem import Kind, Problem, needed_storages, recompute_blocker, tuple_of
 
 
 class Status(str, enum.Enum):
@@ -160,23 +160,6 @@ def evaluate(problem: Problem, schedule: Schedule, **fields) -> Schedule:
                    cost=sum(problem.ops[v].cost for v in schedule.recomputed),
                    recompute_flops=sum(problem.ops[v].flops for v in schedule.recomputed),
                    peak=simulate(problem, schedule).peak, **fields)
-
-
-def needed_storages(problem: Problem, recomputed: Iterable[int]) -> set[int]:
-    """Forward storages the backward reads, directly or through a recomputation of one of
-    `recomputed`: what a schedule that recomputes those must save or recompute."""
-    recomputed = set(recomputed)
-    nf = problem.num_forward
-    frontier = [s for b in problem.backward for s in problem.storage_inputs[b] if s < nf]
-    needed: set[int] = set()
-    while frontier:
-        v = frontier.pop()
-        if v in needed:
-            continue
-        needed.add(v)
-        if v in recomputed:
-            frontier.extend(problem.storage_inputs[v])
-    return needed
 
 
 def _latest_positions(problem: Problem, recomputed: set[int],
