@@ -144,3 +144,26 @@ def test_korthikanti_activation_figures():
     assert round(LAYERS * layer_activation_bytes(s, b, H, a, flash=True) / 1e8) / 10 == 18.3
     assert round(LAYERS * layer_activation_bytes(s, b, H, a, full_recompute=True) / 1e8) / 10 \
         == 1.1
+
+
+def test_gpt2_small_about_3_7_gb():
+    """MEMORY.md: GPT-2 small, batch 8, sequence 512, mixed precision with Adam, about 3.7 GB in
+    all. From the configuration: the parameters at 16 bytes each (bf16 weights and gradients,
+    fp32 master, Adam), Korthikanti's 34*s*b*h per layer (an attention kernel that stores no
+    s x s scores), and the bf16 logits b*s*V*2. (The captured graph of the same model needs
+    more: Hugging Face's loss upcasts the logits to fp32 and keeps several vocabulary-sized
+    buffers, and attention dropout keeps its masks; `examples/gpt2.py` shows that step.)"""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from remat.planner.estimates import layer_activation_bytes
+
+    config = transformers.GPT2Config()
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config)
+    state = state_memory(model, Training(precision="bf16", optimizer="adam"))
+    assert state.parameters == 124_439_808  # the tied embedding counted once
+    s, b = 512, 8
+    activations = config.n_layer * layer_activation_bytes(s, b, config.n_embd, config.n_head,
+                                                          flash=True)
+    logits = b * s * config.vocab_size * 2
+    assert round((state.total + activations + logits) / 1e8) / 10 == 3.7
