@@ -93,6 +93,32 @@ def _reason(node: fx.Node, mutated: set[str], phase: Phase) -> Reason | None:
     return None
 
 
+def _views_sunk(backward: list[fx.Node]) -> list[fx.Node]:
+    """The backward with every view moved to just before its first reader.
+
+    AOTAutograd's joint graph opens the backward with the `detach` of every saved activation.
+    A view costs nothing, but read there it makes its base a value the backward needs from its
+    very first op: every recomputation would then have to run before the backward starts, and
+    none could lower the peak. Moved next to its reader (what PyTorch's own partitioner does
+    when it reorders the backward), a view asks for its base only when the base is used."""
+    views = {n for n in backward if remat_meta(n).get("alias_of") is not None}
+    placed: set[fx.Node] = set()
+    order: list[fx.Node] = []
+
+    def place(node: fx.Node) -> None:
+        for arg in node.all_input_nodes:
+            if arg in views and arg not in placed:
+                placed.add(arg)
+                place(arg)
+        order.append(node)
+
+    for node in backward:
+        if node not in views:
+            place(node)
+    order.extend(n for n in backward if n in views and n not in placed)
+    return order
+
+
 def lower(captured: Captured, *, target="h100", measure: bool = False,
           device=None) -> Problem:
     gm = captured.graph_module
@@ -101,7 +127,7 @@ def lower(captured: Captured, *, target="h100", measure: bool = False,
     prof = gm.meta["remat_profile"]
     phase = phases(captured)
     order = ([n for n in gm.graph.nodes if phase.get(n) is Phase.FORWARD]
-             + [n for n in gm.graph.nodes if phase.get(n) is Phase.BACKWARD])
+             + _views_sunk([n for n in gm.graph.nodes if phase.get(n) is Phase.BACKWARD]))
     index = {n: i for i, n in enumerate(order)}
     outputs = {v for v in captured.output_values if isinstance(v, fx.Node)}
     mutated = set(captured.mutated_inputs)
