@@ -217,8 +217,12 @@ class _FreeModel:
                 m.Add(end >= self.at[v])
                 for r in later:
                     m.Add(end >= self.at[r]).OnlyEnforceIf(self.rec[r])
+                # A getitem's copy exists from the step after its tuple op's recomputation
+                # (simulate's rule): pos[v] == pos[t] makes that at[v] - (v - t) + 1.
+                t = tuple_of(problem, v)
+                start = self.at[v] if t is None else self.at[v] + (t + 1 - v)
                 length = self.rec_length[v] = m.NewIntVar(1, axis.end + 1, f"rec_length[{v}]")
-                intervals.append(m.NewOptionalIntervalVar(self.at[v], length, end + 1,
+                intervals.append(m.NewOptionalIntervalVar(start, length, end + 1,
                                                           self.rec[v], f"again[{v}]"))
                 demands.append(size[v])
             if v in self.rec and temp[v]:
@@ -238,12 +242,14 @@ class _FreeModel:
             hold(temp[i], axis.op(i), axis.op(i))
             if problem.root[i] != i:
                 continue
+            t = tuple_of(problem, i)
+            made = axis.op(i) if t is None else axis.op(t) + 1  # simulate's rule for getitems
             if i in pinned:
-                hold(size[i], axis.op(i), axis.end)
+                hold(size[i], made, axis.end)
             elif i >= nf:
-                hold(size[i], axis.op(i), max((axis.op(r) for r in readers[i]), default=axis.op(i)))
+                hold(size[i], made, max((axis.op(r) for r in readers[i]), default=axis.op(i)))
             else:  # the forward life every forward storage has, whatever is decided
-                hold(size[i], i, max((r for r in readers[i] if r < nf), default=i))
+                hold(size[i], made, max((r for r in readers[i] if r < nf), default=i))
         level, self.fixed_peak, points = 0, 0, sorted(delta)
         for t, nxt in zip(points, points[1:]):
             level += delta[t]
@@ -533,12 +539,14 @@ class _JitModel:
             hold(temp[i], op_slot[i], op_slot[i])
             if problem.root[i] != i:
                 continue
+            t = tuple_of(problem, i)
+            made = op_slot[i] if t is None else op_slot[t] + 1  # simulate's rule for getitems
             if i in pinned:
-                hold(size[i], op_slot[i], slots - 1)
+                hold(size[i], made, slots - 1)
             elif i >= nf:
-                hold(size[i], op_slot[i], max((op_slot[r] for r in readers[i]), default=op_slot[i]))
+                hold(size[i], made, max((op_slot[r] for r in readers[i]), default=op_slot[i]))
             else:
-                hold(size[i], i, max((r for r in readers[i] if r < nf), default=i))
+                hold(size[i], made, max((r for r in readers[i] if r < nf), default=i))
         for t in range(1, slots + 1):
             fixed[t] += fixed[t - 1]
         self.fixed = fixed[:slots]
@@ -570,10 +578,13 @@ class _JitModel:
                 event(max((r for r in readers[v] if r < nf), default=v) + 1, s, keep)
             if again is not None:
                 previous = None
+                t = tuple_of(problem, v)
                 for p, lit in self.le[v].items():
-                    event(slot_of[(p, v)], s, lit)
+                    # A getitem's copy exists from the slot after its tuple op's (simulate).
+                    made = slot_of[(p, v)] if t is None else slot_of[(p, t)] + 1
+                    event(made, s, lit)
                     if previous is not None:
-                        event(slot_of[(p, v)], -s, previous)
+                        event(made, -s, previous)
                     previous = lit
             direct_end = max((op_slot[r] for r in readers[v] if r >= nf), default=None)
             options_at = [(slot_of[(p, w)], w) for w in readers[v] if w in self.rec

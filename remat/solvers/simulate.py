@@ -13,14 +13,15 @@ nothing else:
   backward (recomputations included). Any other forward storage dies after its last forward
   reader; a recomputed one lives again from its recomputation to its last backward reader.
 - Outputs (and the bases of output views) live to the end of the step.
-- An op's `temp` bytes are live during its step only.
+- An op's `temp` bytes are live during its step only. A tuple op's temp is all its outputs;
+  a tensor taken out of it (a getitem) is live from the step after the tuple op's.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
 
-from remat.solvers.problem import Problem
+from remat.solvers.problem import Problem, tuple_of
 from remat.solvers.schedule import Schedule, pinned_storages, storage_readers
 
 
@@ -88,7 +89,10 @@ def simulate(problem: Problem, schedule: Schedule) -> Timeline:
     for i, op in enumerate(ops):
         if problem.root[i] != i or op.size == 0:
             continue
-        made = first_step[i]
+        # A tensor taken out of a tuple op exists from the tuple op on: the tuple holds it
+        # until the getitem runs, and anything placed in between runs beside it.
+        t = tuple_of(problem, i)
+        made = first_step[i] if t is None else first_step[t] + 1
         if i in pinned:
             hold(op.size, made, end)
             continue
@@ -103,7 +107,7 @@ def simulate(problem: Problem, schedule: Schedule) -> Timeline:
         else:
             hold(op.size, made, max(forward_reads, default=made))
             if i in recompute_step:
-                again = recompute_step[i]
+                again = recompute_step[i] if t is None else recompute_step[t] + 1
                 hold(op.size, again, max(later_reads, default=again))
 
     live = 0
