@@ -367,7 +367,9 @@ class _FreeModel:
                 value = min(max(times + [self.end_low[end.Index()]]), self.axis.end)
                 m.AddHint(end, value)
                 if ends is self.rec_end:
-                    m.AddHint(self.rec_length[v], max(1, value + 1 - start[v]))
+                    t = tuple_of(self.problem, v)
+                    made = start[v] if t is None else start[v] + (t + 1 - v)  # as the interval
+                    m.AddHint(self.rec_length[v], max(1, value + 1 - made))
         m.AddHint(self.peak, max(self.units.bytes_up(schedule.peak), self.fixed_peak))
 
 
@@ -740,7 +742,7 @@ def _solver(options: SolverOptions, seconds: float) -> cp_model.CpSolver:
     return solver
 
 
-def _best_baseline(problem: Problem, budget: int, options: SolverOptions) -> Schedule | None:
+def _baselines(problem: Problem, budget: int, options: SolverOptions) -> list[Schedule]:
     from remat.solvers import registry
 
     found = []
@@ -751,7 +753,18 @@ def _best_baseline(problem: Problem, budget: int, options: SolverOptions) -> Sch
             found.append(registry.solve(problem, budget, strategy, options))
         except BudgetError:
             continue
-    return min(found, key=lambda s: (s.cost, s.peak), default=None)
+    return found
+
+
+def _best_baseline(problem: Problem, budget: int, options: SolverOptions) -> Schedule | None:
+    return min(_baselines(problem, budget, options), key=lambda s: (s.cost, s.peak), default=None)
+
+
+def _least_peak_baseline(problem: Problem, options: SolverOptions) -> Schedule | None:
+    """The baseline schedule of least peak, each baseline at a budget it always meets."""
+    unbounded = sum(op.size + op.temp for op in problem.ops)
+    return min(_baselines(problem, unbounded, options), key=lambda s: (s.peak, s.cost),
+               default=None)
 
 
 def _drop_pass(problem: Problem, budget: int, hint: Schedule, deadline: float) -> Schedule:
@@ -789,14 +802,23 @@ def _smallest_peak(problem: Problem, units: _Units, options: SolverOptions,
     """The schedule of least simulated peak (whatever its cost), and whether that is proven."""
     model = _model(problem, units, options)
     model.model.Minimize(model.peak)
+    # Started from the baseline of least peak, the search can only improve on it; when the
+    # time runs out, that baseline's peak is still a budget that fits.
+    baseline = _least_peak_baseline(problem, options)
+    if baseline is not None:
+        model.hint(baseline)
     solver = _solver(options, seconds)
     status = solver.Solve(model.model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if baseline is not None:
+            return baseline, False
         raise SolverError(f"optimal: no schedule fits, and the search for the smallest peak "
                           f"stopped ({solver.StatusName(status)}) within {seconds:.1f} s; "
                           "raise time_limit to learn the smallest budget that fits")
     recomputed, positions = model.decision(solver.Value)
     schedule = make_schedule(problem, recomputed, recompute_at=positions, strategy="optimal")
+    if baseline is not None and baseline.peak < schedule.peak:
+        return baseline, False
     return schedule, status == cp_model.OPTIMAL and units.exact_bytes
 
 
