@@ -31,7 +31,7 @@ def main(argv=None) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", default="14GB")
+    parser.add_argument("--budget", default="12GB")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--layers", type=int, default=12)

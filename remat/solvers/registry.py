@@ -5,6 +5,7 @@ import enum
 import time
 from typing import Callable
 
+from remat.errors import SolverError
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Problem
 from remat.solvers.schedule import Schedule
@@ -48,7 +49,11 @@ def solve(problem: Problem, budget: int, strategy: Strategy | str = Strategy.OPT
         raise ValueError(f"budget must be a non-negative int of bytes, not {budget!r}")
     start = time.perf_counter()
     schedule = fn(problem, budget, options or SolverOptions())
-    assert schedule.peak <= budget, (schedule.strategy, schedule.peak, budget)
+    if schedule.peak > budget:  # a solver bug: never hand the caller a plan that does not fit
+        raise SolverError(
+            f"{schedule.strategy}: returned a schedule whose simulated peak {schedule.peak:,} "
+            f"exceeds the budget {budget:,}; this is a bug in the strategy: please report it "
+            "with the problem (Problem.to_json) and the budget")
     if not schedule.solve_time:
         from dataclasses import replace
         schedule = replace(schedule, solve_time=time.perf_counter() - start)
