@@ -237,3 +237,23 @@ def test_solvers_import_without_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=str(__import__("pathlib").Path(__file__).parents[1]))
     assert done.returncode == 0, done.stderr
+
+
+def test_a_hint_that_does_not_fit_is_never_returned():
+    """When the search accepts nothing in time, `optimal` may return its hint, but only one that
+    fits: a caller's hint (here, saving everything) can be over the budget."""
+    from remat.errors import SolverError
+    from remat.solvers import make_schedule
+    from remat.solvers.cpsat import optimal
+    from remat.solvers.synthetic import transformer
+
+    problem = transformer(layers=2)
+    save_all = make_schedule(problem, [])
+    budget = int(save_all.peak * 0.9)  # fits some schedule, not saving everything
+    options = SolverOptions(time_limit=0.01, workers=1, hint=save_all)
+    try:  # the strategy itself, not solve(), whose own check would hide the defect
+        schedule = optimal(problem, budget, options)
+    except SolverError as e:
+        assert "does not fit" in str(e)
+        return
+    assert schedule.peak <= budget

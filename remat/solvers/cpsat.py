@@ -872,7 +872,8 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
             raise outcome
         return evaluate(problem, outcome, status=Status.FEASIBLE, budget=budget, bound=0.0,
                         solve_time=time.perf_counter() - start, info=info)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE) and hint is not None:
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE) and hint is not None \
+            and hint.peak <= budget:  # a caller's hint need not fit
         # The search ran out of time before it accepted any schedule, but the hint is one that
         # fits (simulated): return it as what the search has, with the bound it proved.
         logger.warning("optimal: CP-SAT found no schedule within %.1f s; returning the hint "
@@ -884,7 +885,8 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
                         budget=budget, bound=bound if math.isfinite(bound) else None,
                         solve_time=time.perf_counter() - start, info=MappingProxyType(info))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        tried = "no baseline fits to hint"
+        tried = (f"hinted with {hint.strategy}, which does not fit" if hint is not None
+                 else "no baseline fits to hint")
         raise SolverError(f"optimal: no schedule within the time limit of {options.time_limit} s "
                           f"(CP-SAT {solver.StatusName(status)}; {tried}; "
                           f"{info['variables']} variables); raise time_limit or the budget")
