@@ -304,14 +304,20 @@ def _saved_descs(tensors: list[fx.Node], symints: list[fx.Node]) -> list[Any] | 
 
 # --- the forward -----------------------------------------------------------------------------
 
-def _build_forward(joint: fx.GraphModule, problem: Problem, nodes: list[fx.Node],
-                   fwd_outputs: list[Any], tensors: list[fx.Node], symints: list[fx.Node],
-                   inputs: list[fx.Node]) -> fx.GraphModule:
+def _graph_of(inputs: list[fx.Node]) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
+    """A new graph whose placeholders are `inputs` (metadata kept), and the map to them."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in inputs:
         env[n] = graph.placeholder(n.name)
         env[n].meta = n.meta
+    return graph, env
+
+
+def _build_forward(joint: fx.GraphModule, problem: Problem, nodes: list[fx.Node],
+                   fwd_outputs: list[Any], tensors: list[fx.Node], symints: list[fx.Node],
+                   inputs: list[fx.Node]) -> fx.GraphModule:
+    graph, env = _graph_of(inputs)
     def value(n: fx.Node) -> fx.Node:
         if n not in env and n.op == "get_attr":  # a constant of the module, free to read
             env[n] = graph.node_copy(n)
@@ -396,11 +402,7 @@ class _Backward:
 
     def build(self, inputs: list[fx.Node], bwd_outputs: list[Any]
               ) -> tuple[fx.GraphModule, list[str]]:
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        for n in inputs:
-            env[n] = graph.placeholder(n.name)
-            env[n].meta = n.meta
+        graph, env = _graph_of(inputs)
 
         def value(n: fx.Node) -> fx.Node:
             if n in env:
