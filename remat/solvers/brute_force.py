@@ -20,8 +20,7 @@ from remat.errors import BudgetError
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Problem, tuple_of
 from remat.solvers.registry import Strategy, register
-from remat.solvers.schedule import (Schedule, Status, evaluate, make_schedule, recomputable,
-                                    storage_readers)
+from remat.solvers.schedule import Schedule, Status, evaluate, make_schedule, recomputable
 from remat.solvers.simulate import simulate
 
 MAX_CANDIDATES = 16
@@ -31,7 +30,7 @@ MAX_SCHEDULES = 200_000
 def placements(problem: Problem, recomputed: frozenset[int]):
     """Every valid `recompute_at` for the set `recomputed` (tuple ops included)."""
     nf = problem.num_forward
-    readers = storage_readers(problem)
+    readers = problem.storage_readers
     groups: dict[int, list[int]] = {}
     for v in recomputed:
         t = tuple_of(problem, v)

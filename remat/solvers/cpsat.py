@@ -34,8 +34,7 @@ from remat.errors import BudgetError, SolverError
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
 from remat.solvers.registry import STRATEGIES, Strategy, register
-from remat.solvers.schedule import (Schedule, Status, drop_unneeded, evaluate, make_schedule,
-                                    pinned_storages, storage_readers)
+from remat.solvers.schedule import Schedule, Status, drop_unneeded, evaluate, make_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +135,8 @@ class _FreeModel:
         self.problem, self.units = problem, units
         ops, nf = problem.ops, problem.num_forward
         axis = self.axis = _Axis(problem)
-        readers = self.readers = storage_readers(problem)
-        pinned = pinned_storages(problem)
+        readers = self.readers = problem.storage_readers
+        pinned = problem.pinned
         m = self.model = cp_model.CpModel()
         size = [units.bytes_up(op.size) for op in ops]
         temp = [units.bytes_up(op.temp) for op in ops]
@@ -398,8 +397,8 @@ class _JitModel:
     def __init__(self, problem: Problem, units: _Units):
         self.problem, self.units = problem, units
         ops, nf = problem.ops, problem.num_forward
-        readers = self.readers = storage_readers(problem)
-        pinned = pinned_storages(problem)
+        readers = self.readers = problem.storage_readers
+        pinned = problem.pinned
         m = self.model = cp_model.CpModel()
         size = [units.bytes_up(op.size) for op in ops]
         temp = [units.bytes_up(op.temp) for op in ops]

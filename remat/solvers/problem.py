@@ -117,6 +117,22 @@ class Problem:
         return tuple(tuple(dict.fromkeys(self.root[j] for j in op.inputs)) for op in self.ops)
 
     @cached_property
+    def storage_readers(self) -> tuple[tuple[int, ...], ...]:
+        """For each op, the ops that read its storage, directly or through a view of it.
+        Cached: every schedule's evaluation needs it, and strategies evaluate many."""
+        readers: list[list[int]] = [[] for _ in self.ops]
+        for i, storages in enumerate(self.storage_inputs):
+            for s in storages:
+                readers[s].append(i)
+        return tuple(tuple(r) for r in readers)
+
+    @cached_property
+    def pinned(self) -> frozenset[int]:
+        """Storages that live to the end of the step: outputs, and bases of outputs that are
+        views."""
+        return frozenset(self.root[i] for i, op in enumerate(self.ops) if op.is_output)
+
+    @cached_property
     def candidates(self) -> tuple[int, ...]:
         """Forward ops whose storage the backward may need: the only values a schedule decides
         about. Views are never candidates: a view is rebuilt from its base for free."""

@@ -67,20 +67,6 @@ class Schedule:
         }
 
 
-def storage_readers(problem: Problem) -> tuple[tuple[int, ...], ...]:
-    """For each op, the ops that read its storage, directly or through a view of it."""
-    readers: list[list[int]] = [[] for _ in problem.ops]
-    for i, storages in enumerate(problem.storage_inputs):
-        for s in storages:
-            readers[s].append(i)
-    return tuple(tuple(r) for r in readers)
-
-
-def pinned_storages(problem: Problem) -> frozenset[int]:
-    """Storages that live to the end of the step: outputs, and bases of outputs that are views."""
-    return frozenset(problem.root[i] for i, op in enumerate(problem.ops) if op.is_output)
-
-
 def make_schedule(problem: Problem, recomputed: Iterable[int], *,
                   recompute_at: Mapping[int, int] | None = None, **fields) -> Schedule:
     """The schedule that recomputes `recomputed` (forward op indices) and saves the rest of what
@@ -93,7 +79,7 @@ def make_schedule(problem: Problem, recomputed: Iterable[int], *,
     ops = problem.ops
     nf = problem.num_forward
     recomputed = set(recomputed)
-    pinned = pinned_storages(problem)
+    pinned = problem.pinned
     for v in sorted(recomputed, key=repr):
         if not (isinstance(v, int) and 0 <= v < nf):
             raise ValueError(f"cannot recompute {v!r}: not a forward op of the problem")
@@ -118,7 +104,7 @@ def make_schedule(problem: Problem, recomputed: Iterable[int], *,
             raise ValueError(f"tuple op {ops[v].name!r} cannot be saved; recompute it or save the "
                              "tensors taken out of it")
 
-    readers = storage_readers(problem)
+    readers = problem.storage_readers
     if recompute_at is None:
         positions = _latest_positions(problem, recomputed, readers)
     else:
@@ -133,7 +119,7 @@ def recomputable(problem: Problem) -> list[int]:
     """Candidates that a schedule may usefully recompute: tensors owning bytes (recomputing a
     zero-byte value frees nothing), with nothing forbidding it (randomness, mutation, being an
     output)."""
-    pinned = pinned_storages(problem)
+    pinned = problem.pinned
     return [v for v in problem.candidates
             if problem.ops[v].kind is Kind.TENSOR and problem.ops[v].size > 0
             and recompute_blocker(problem, v) is None and v not in pinned]

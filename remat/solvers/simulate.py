@@ -22,7 +22,7 @@ import enum
 from dataclasses import dataclass
 
 from remat.solvers.problem import Problem, tuple_of
-from remat.solvers.schedule import Schedule, pinned_storages, storage_readers
+from remat.solvers.schedule import Schedule
 
 
 class StepKind(str, enum.Enum):
@@ -78,8 +78,8 @@ def simulate(problem: Problem, schedule: Schedule) -> Timeline:
         else:
             first_step[i] = t
 
-    readers = storage_readers(problem)
-    pinned = pinned_storages(problem)
+    readers = problem.storage_readers
+    pinned = problem.pinned
     delta = [0] * (len(order) + 1)
 
     def hold(size: int, start: int, stop: int) -> None:
