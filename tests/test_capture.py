@@ -5,6 +5,7 @@ import torch.nn as nn
 
 from remat.errors import CaptureError
 from remat.fx_passes import capture, lower, op_nodes
+from remat.fx_passes.rng import state_bytes
 from remat.solvers import Kind, Phase, Reason
 from tests import models
 
@@ -105,7 +106,14 @@ def test_every_non_recomputable_op_has_a_reason(tiny_gpt):
     _, _, problem = tiny_gpt
     reasons = {op.target: op.not_recomputable for op in problem.ops if op.not_recomputable}
     assert all(isinstance(r, Reason) for r in reasons.values())
-    assert reasons.get("aten.native_dropout.default") is Reason.RANDOM
+    # Dropout replays from a snapshot of the generator, which itself cannot be taken again.
+    assert reasons.get("remat.fx_passes.rng.rng_state") is Reason.RANDOM
+    dropouts = [op for op in problem.ops if op.target == "aten.native_dropout.default"]
+    assert dropouts and all(op.not_recomputable is None for op in dropouts)
+    for op in dropouts:
+        snapshot = problem.ops[op.inputs[0]]
+        assert snapshot.name == op.name + "_rng_state" and snapshot.size == state_bytes(
+            torch.device("cpu"))
 
 
 def test_batchnorm_reads_mutated_statistics():

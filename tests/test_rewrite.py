@@ -250,8 +250,9 @@ def _forget_reason(problem: Problem, reason: Reason) -> Problem:
     return Problem(tuple(ops), name=problem.name)
 
 
-def test_random_ops_are_never_recomputed():
-    """Even when a problem forgets that dropout is random, the rewrite refuses to draw again."""
+def test_generator_snapshots_are_never_recomputed():
+    """Even when a problem forgets that a snapshot of the generator can only be taken where the
+    forward draws, the rewrite refuses to take it again in the backward."""
     model, inputs, problem = planned("gpt")
     lying = _forget_reason(problem, Reason.RANDOM)
     random_ops = [i for i, op in enumerate(problem.ops) if op.not_recomputable is Reason.RANDOM]
@@ -260,6 +261,48 @@ def test_random_ops_are_never_recomputed():
     assert schedule.recomputed & set(random_ops)
     with pytest.raises(RematError, match="random"):
         planned_module(copy.deepcopy(model), lying, schedule)(*inputs)
+
+
+def dropouts_recomputed(problem: Problem):
+    """The schedule that recomputes every dropout (and what its outputs need), saving the rest."""
+    drops = [i for i, op in enumerate(problem.ops)
+             if op.target == "aten.native_dropout.default" and i < problem.num_forward]
+    assert drops and all(problem.ops[i].not_recomputable is None for i in drops)
+    outputs = {g for d in drops for g in problem.users[d] if g < problem.num_forward}
+    return make_schedule(problem, drop_unneeded(problem, set(drops) | outputs)), drops
+
+
+def test_recomputed_dropout_replays_the_forward_masks():
+    """A recomputed dropout draws from the snapshot its forward took: gradients bitwise equal to
+    eager's, and the generator ends the step where eager's does (the next step draws the same)."""
+    _, _, problem = planned("gpt")
+    schedule, drops = dropouts_recomputed(problem)
+    assert set(drops) <= schedule.recomputed
+    snapshots = {problem.ops[d].inputs[0] for d in drops}
+    assert snapshots <= schedule.saved
+    (eager_model, eager_inputs, eager_loss), (plan_model, plan_inputs, measured, module) = \
+        run_both("gpt", schedule)
+    assert measured.loss == eager_loss
+    assert_grads_equal(eager_model, plan_model, eager_inputs, plan_inputs)
+    replays = [n for n in module.partition.backward.graph.nodes
+               if getattr(n.target, "replay", False)]
+    assert len(replays) == len(drops)
+    assert measured.peak == simulate(problem, schedule).peak
+    # Another step of each: the planned one must leave the generator where eager leaves it.
+    torch.manual_seed(99)
+    measure_step(module, fresh_inputs(plan_inputs))
+    after_plan = torch.rand(4)
+    torch.manual_seed(99)
+    default_loss(eager_model(*fresh_inputs(eager_inputs))).backward()
+    assert torch.equal(after_plan, torch.rand(4))
+
+
+def test_inductor_refuses_to_replay_dropout():
+    model, inputs, problem = planned("gpt")
+    schedule, _ = dropouts_recomputed(problem)
+    module = planned_module(copy.deepcopy(model), problem, schedule, compile=True)
+    with pytest.raises(RematError, match="Inductor draws its own random numbers"):
+        module(*fresh_inputs(inputs))
 
 
 def test_ops_reading_mutated_inputs_are_never_recomputed():

@@ -39,6 +39,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
+from remat.fx_passes.rng import snapshot_random_ops
+
 from remat.errors import CaptureError
 
 log = logging.getLogger(__name__)
@@ -225,6 +227,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], *,
         if "joint" not in seen:
             raise CaptureError("no backward graph was traced: the loss does not require grad "
                                "(are all parameters frozen, or is the model under no_grad?)")
+        snapshot_random_ops(seen["joint"])
         captured = _describe(model, example_inputs, seen, name)
     captured.capture_time = time.perf_counter() - start
     log.info("captured %s: %d nodes in %.1f s", captured.model_name,

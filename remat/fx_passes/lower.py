@@ -18,22 +18,27 @@ Rules (DESIGN.md, "The execution model"):
   getitems of ``split``); an alias of a placeholder owns nothing and is a TENSOR of size 0.
   A multi-output op is a TUPLE whose ``temp`` is the bytes of all its outputs, and its getitems
   are TENSOR ops of cost 0 with the tuple as only input.
-- Not recomputable: ops tagged ``nondeterministic_seeded`` (dropout, rand, bernoulli) are
-  RANDOM; in-place writes, and forward ops that read an input the step mutates (BatchNorm
-  running statistics, which change after the forward), are MUTATION; impure nodes are
-  SIDE_EFFECT; communication ops are COLLECTIVE.
+- Random ops (dropout, rand, bernoulli) are recomputable: each reads a snapshot of its
+  generator, an op of its own (``<op>_rng_state``, see `remat.fx_passes.rng`) that is RANDOM,
+  not recomputable, and saved only when the random op is recomputed. A random op with an
+  explicit generator has no snapshot and is RANDOM itself. In-place writes, and forward ops
+  that read an input the step mutates (BatchNorm running statistics, which change after the
+  forward), are MUTATION; impure nodes are SIDE_EFFECT; communication ops are COLLECTIVE.
 - ``is_output``: forward outputs (the loss, mutated inputs' new values) and gradients.
 """
 from __future__ import annotations
 
 import logging
 import operator
+import types
 
 import torch
 from torch import fx
 
 from remat.fx_passes.capture import Captured
 from remat.fx_passes.profile import profile as run_profile
+from remat.fx_passes.rewrite import target_name
+from remat.fx_passes.rng import is_random, rng_state
 from remat.fx_passes.storage import remat_meta
 from remat.solvers.problem import Kind, Op, Phase, Problem, Reason
 
@@ -79,8 +84,9 @@ def _reason(node: fx.Node, mutated: set[str], phase: Phase) -> Reason | None:
     namespace = getattr(target, "namespace", "")
     if namespace in _COLLECTIVE_NAMESPACES:
         return Reason.COLLECTIVE
-    tags = getattr(target, "tags", ())
-    if torch.Tag.nondeterministic_seeded in tags:
+    # A snapshot of the generator must be taken where the random op first draws; the random op
+    # itself then replays (rng.py). Random ops that draw from elsewhere cannot.
+    if target is rng_state or is_random(target):
         return Reason.RANDOM
     if meta.get("writes") or (getattr(target, "_schema", None) is not None
                               and target._schema.is_mutable):
@@ -153,7 +159,7 @@ def lower(captured: Captured, *, target="h100", measure: bool = False,
             flops=int(meta.get("flops", 0)),
             not_recomputable=_reason(node, mutated, phase[node]),
             is_output=node in outputs, module=meta.get("module", ""),
-            target=str(node.target),
+            target=_target_string(node.target),
         ))
     source = {
         "model": captured.model_name, "batch_shapes": [list(s) for s in captured.input_shapes],
@@ -167,6 +173,11 @@ def lower(captured: Captured, *, target="h100", measure: bool = False,
     log.info("lowered %s: %d ops (%d forward)", captured.model_name, len(problem),
              problem.num_forward)
     return problem
+
+
+def _target_string(target) -> str:
+    # A Python function's str carries its address: name it by module and name instead.
+    return target_name(target) if isinstance(target, types.FunctionType) else str(target)
 
 
 def op_nodes(captured: Captured, problem: Problem) -> list[fx.Node]:

@@ -84,11 +84,14 @@ def _inductor_compilers() -> tuple[Callable, Callable]:
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from remat.fx_passes.rng import without_snapshots
+
     def decomposed(gm: torch.fx.GraphModule, example_inputs: Any) -> torch.fx.GraphModule:
         # The plan names the nodes of the joint graph as captured, in ATen that Inductor's
         # lowerings do not all accept (it decomposes before partitioning when it owns the
         # whole pipeline); so each partitioned graph is decomposed after the plan is applied.
         # Recomputations stay in the backward; Inductor then fuses and plans buffers itself.
+        gm = without_snapshots(gm)
         return make_fx(gm, decomposition_table=select_decomp_table())(*example_inputs)
 
     def forward(gm, example_inputs):

@@ -30,6 +30,7 @@ import torch
 import torch.fx as fx
 
 from remat.errors import RematError
+from remat.fx_passes.rng import RandomOp, is_random, rng_state, snapshot_random_ops
 from remat.fx_passes.storage import remat_meta, storage_pass
 from remat.solvers.problem import Kind, Phase, Problem
 from remat.solvers.schedule import Schedule, make_schedule
@@ -59,7 +60,7 @@ class Partition:
 
 def target_name(target: Any) -> str:
     """The name of an fx node's target as `Op.target` spells it ("aten.mm.default")."""
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, (torch._ops.OpOverload, RandomOp)):
         return str(target)
     if target is operator.getitem:
         return "getitem"
@@ -76,6 +77,7 @@ def partition(joint: fx.GraphModule, problem: Problem, schedule: Schedule, *,
     to `problem`. `mutated_inputs` names the placeholders whose data the step overwrites after
     the forward (BatchNorm running statistics). Raises RematError when the graph is not the
     problem's or the schedule cannot run on it."""
+    snapshot_random_ops(joint)  # as capture did: the problem has the snapshots
     nodes = _match(joint, problem)
     _check_schedule(problem, schedule, nodes, frozenset(mutated_inputs))
     outputs = _flat_outputs(joint)
@@ -224,11 +226,12 @@ def _check_schedule(problem: Problem, schedule: Schedule, nodes: list[fx.Node],
                          f"(differs at {diff[:5]}); build schedules with make_schedule")
     for v in schedule.recomputed:
         node = nodes[v]
-        if _is_random(node):
+        if is_random(node.target) or node.target is rng_state:
             raise RematError(f"the schedule recomputes random op {node.name!r} "
-                             f"({target_name(node.target)}): the backward would draw fresh "
-                             "randomness and change the gradients; save it instead (the "
-                             "lowering should have marked it not recomputable)")
+                             f"({target_name(node.target)}) without a snapshot of its "
+                             "generator: the backward would draw fresh randomness and change "
+                             "the gradients; save it instead (the lowering should have marked "
+                             "it not recomputable)")
         if _is_mutating(node) or node.is_impure():
             raise RematError(f"the schedule recomputes {node.name!r} "
                              f"({target_name(node.target)}), which mutates or has side effects; "
@@ -240,12 +243,6 @@ def _check_schedule(problem: Problem, schedule: Schedule, nodes: list[fx.Node],
                              "the step overwrites after the forward (such as BatchNorm running "
                              "statistics): the backward would see the new values; save it "
                              "instead (the lowering should mark it not recomputable)")
-
-
-def _is_random(node: fx.Node) -> bool:
-    target = node.target
-    return (isinstance(target, torch._ops.OpOverload)
-            and torch.Tag.nondeterministic_seeded in target.tags)
 
 
 def _is_mutating(node: fx.Node) -> bool:
@@ -424,6 +421,8 @@ class _Backward:
             node = self.nodes[i]
             copy = graph.node_copy(node, value)
             if kind is StepKind.RECOMPUTE:
+                if isinstance(copy.target, RandomOp):
+                    copy.target = copy.target.replaying()
                 _mark(copy, RECOMPUTE)
                 recomputed.append(node.name)
             copy.meta["autograd_backward"] = True

@@ -87,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
                                          "frozen (patterns joined by +)")
     plan.add_argument("--solver", default="optimal", help="strategy (default optimal)")
     plan.add_argument("--time-limit", type=float, default=60.0, help="seconds per solve")
+    plan.add_argument("--objective", choices=("time", "flops"), default="time",
+                      help="minimize recompute time on --target (default) or recompute FLOPs")
     plan.add_argument("--sweep", action="store_true",
                       help="also the trade-off curve: one plan per budget")
     plan.add_argument("--budgets", help="budgets of the sweep, comma-separated (default: eight "
@@ -121,7 +123,7 @@ def _plan(args: argparse.Namespace) -> int:
     from remat.solvers import SolverOptions
 
     training = parse_training(args.training)
-    options = SolverOptions(time_limit=args.time_limit)
+    options = SolverOptions(time_limit=args.time_limit, objective=args.objective)
     model, example_inputs = load_factory(args.factory)()
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)

@@ -208,7 +208,8 @@ def optimize(model: Any, budget: int | str | None = None, *,
              solver: Strategy | str = Strategy.OPTIMAL,
              solver_options: SolverOptions | None = None,
              loss_fn: Callable | None = None) -> Plan:
-    """The plan of least recompute time whose whole training step fits `budget` ("60GB",
+    """The plan of least recompute time (least FLOPs with ``SolverOptions(objective="flops")``)
+    whose whole training step fits `budget` ("60GB",
     "60GiB", an int of bytes), or whose activations alone fit `activation_budget`; exactly one
     of the two. `example_inputs` is one micro-batch; `target` the device whose speed the cost
     model uses; `solver` a `Strategy` (the exact CP-SAT solver by default). Raises BudgetError

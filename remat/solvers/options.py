@@ -24,6 +24,10 @@ class SolverOptions:
     large saved input sooner, or put its temp bytes where less is live). False: just in time,
     before the first backward op that needs it, directly or through another recomputation
     (DESIGN.md's rule and make_schedule's default), which the solver proves optimal far faster."""
+    objective: str = "time"
+    """What the strategies minimize: "time" (recompute seconds on the target device) or "flops"
+    (recompute FLOPs, seconds breaking ties); see `remat.solvers.objective`. Schedules come back
+    evaluated in seconds and FLOPs either way."""
     hint: Any = None
     """A Schedule to start the search from (the best baseline when None)."""
     on_solution: Callable[[dict], None] | None = field(default=None, compare=False)

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import enum
 import time
+from dataclasses import replace
 from typing import Callable
 
 from remat.errors import SolverError
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Problem
-from remat.solvers.schedule import Schedule
+from remat.solvers.objective import Objective, with_objective
+from remat.solvers.schedule import Schedule, evaluate
 
 StrategyFn = Callable[[Problem, int, SolverOptions], Schedule]
 
@@ -47,14 +49,34 @@ def solve(problem: Problem, budget: int, strategy: Strategy | str = Strategy.OPT
         raise ValueError(f"unknown strategy {strategy!r}; choose one of: {known}") from None
     if not isinstance(budget, int) or budget < 0:
         raise ValueError(f"budget must be a non-negative int of bytes, not {budget!r}")
+    options = options or SolverOptions()
     start = time.perf_counter()
-    schedule = fn(problem, budget, options or SolverOptions())
+    costed = with_objective(problem, options.objective)
+    if costed is problem:
+        schedule = fn(problem, budget, options)
+    else:
+        if options.hint is not None:
+            options = replace(options, hint=evaluate(costed, options.hint))
+        schedule = _in_problem_units(problem, fn(costed, budget, options), options.objective)
     if schedule.peak > budget:  # a solver bug: never hand the caller a plan that does not fit
         raise SolverError(
             f"{schedule.strategy}: returned a schedule whose simulated peak {schedule.peak:,} "
             f"exceeds the budget {budget:,}; this is a bug in the strategy: please report it "
             "with the problem (Problem.to_json) and the budget")
     if not schedule.solve_time:
-        from dataclasses import replace
         schedule = replace(schedule, solve_time=time.perf_counter() - start)
     return schedule
+
+
+def _in_problem_units(problem: Problem, schedule: Schedule, objective: str) -> Schedule:
+    """A schedule solved under another objective, costed in `problem`'s seconds. Its bound is
+    scaled to keep the objective's gap: what is proven is proven of the objective's cost."""
+    bound = None
+    if schedule.bound is not None and schedule.cost > 0:
+        bound = schedule.bound / schedule.cost
+    evaluated = evaluate(problem, schedule, info={
+        **schedule.info, "objective": Objective.of(objective).value,
+        "objective_cost": schedule.cost, "objective_bound": schedule.bound})
+    if bound is not None:
+        evaluated = replace(evaluated, bound=bound * evaluated.cost)
+    return evaluated

@@ -1,0 +1,178 @@
+"""Random ops that the backward can run again and draw the same numbers: RNG state snapshots.
+
+A dropout recomputed in the backward must draw the mask it drew in the forward, or the
+gradients change. `torch.utils.checkpoint` does it by saving the generator's state and
+restoring it around the recomputation; this pass does the same inside the joint graph, so that
+the planner can weigh a random op like any other: saving its outputs (a dropout mask is a byte
+per element) against saving a snapshot of the generator (5,056 bytes on a CPU, 16 bytes of host
+memory on CUDA) and running it again.
+
+`snapshot_random_ops(gm)` puts, before every random op that draws from its device's default
+generator, a node ``<op>_rng_state = rng_state(device)`` that copies the generator's state, and
+makes the random op read it: its target becomes ``RandomOp(op)``, which prints as the op and
+calls it unchanged. The rewrite turns a recomputed copy into ``RandomOp(op, replay=True)``,
+which runs the op from the snapshot and then puts the generator back where it was, so that the
+rest of the step, and the next step, draw exactly what eager PyTorch draws.
+
+The snapshot is an op like the others: the lowering gives it its bytes, it is never recomputed
+(it must be taken in the forward), and the schedule saves it only when it recomputes the op.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+__all__ = ["RandomOp", "is_random", "rng_state", "snapshot_random_ops", "state_bytes",
+           "without_snapshots"]
+
+SUFFIX = "_rng_state"
+
+
+def is_random(target: Any) -> bool:
+    """An aten op that draws from a generator (dropout, rand, bernoulli)."""
+    return (isinstance(target, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded in target.tags)
+
+
+def _generator_device(device: torch.device) -> torch.device | None:
+    return device if device.type in ("cpu", "cuda") else None
+
+
+def state_bytes(device: torch.device) -> int:
+    """The bytes of a snapshot of the default generator of `device`."""
+    if device.type == "cuda":
+        # Philox: a seed and an offset of 8 bytes each, kept in host memory.
+        return torch.cuda.get_rng_state(device).numel() if torch.cuda.is_available() else 16
+    return torch.get_rng_state().numel()
+
+
+def rng_state(device: torch.device) -> torch.Tensor:
+    """A copy of the default generator's state of `device`. The copy is made by an aten op so
+    that allocation trackers (remat's MemoryTracker is a dispatch mode) see the bytes it holds."""
+    state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+    return state.clone()
+
+
+class RandomOp:
+    """An fx target that runs random op `op` and reads a generator snapshot as first argument:
+    kept alive for a recomputation in the forward (``replay=False``: the op draws as usual);
+    drawn from in the backward (``replay=True``)."""
+
+    def __init__(self, op: torch._ops.OpOverload, replay: bool = False):
+        self.op = op
+        self.replay = replay
+        self.__name__ = op.__name__
+        self.__qualname__ = getattr(op, "__qualname__", op.__name__)
+        self.__module__ = "remat.fx_passes.rng"
+
+    def replaying(self) -> "RandomOp":
+        return RandomOp(self.op, replay=True)
+
+    def __call__(self, state: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not self.replay:
+            return self.op(*args, **kwargs)
+        device = _device_of(args, kwargs)
+        if device.type == "cuda":
+            saved = torch.cuda.get_rng_state(device)
+            torch.cuda.set_rng_state(state, device)
+            try:
+                return self.op(*args, **kwargs)
+            finally:
+                torch.cuda.set_rng_state(saved, device)
+        saved = torch.get_rng_state()
+        torch.set_rng_state(state)
+        try:
+            return self.op(*args, **kwargs)
+        finally:
+            torch.set_rng_state(saved)
+
+    def __str__(self) -> str:
+        return str(self.op)
+
+    def __repr__(self) -> str:
+        return f"RandomOp({self.op}{', replay=True' if self.replay else ''})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RandomOp) and (self.op, self.replay) == (other.op, other.replay)
+
+    def __hash__(self) -> int:
+        return hash((self.op, self.replay))
+
+
+def _device_of(args: tuple, kwargs: dict) -> torch.device:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device
+    device = kwargs.get("device")
+    return torch.device(device) if device is not None else torch.device("cpu")
+
+
+def _value_device(node: fx.Node) -> torch.device | None:
+    value = node.meta.get("val")
+    first = value[0] if isinstance(value, (tuple, list)) and value else value
+    return first.device if isinstance(first, torch.Tensor) else None
+
+
+def snapshot_random_ops(gm: fx.GraphModule) -> list[fx.Node]:
+    """Give every random op of `gm` that draws from a default generator a snapshot of it, read
+    as the op's first argument (see the module's docstring). Returns the snapshot nodes; a
+    graph already done is left as it is. Ops with an explicit generator keep their target: the
+    lowering marks them not recomputable."""
+    graph = gm.graph
+    fake_mode = torch._guards.detect_fake_mode(
+        [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
+    added = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not is_random(node.target):
+            continue
+        device = _value_device(node)
+        # In-place random ops (bernoulli_) write into their input: they stay as they are, not
+        # recomputable. Functionalized joint graphs do not have them anyway.
+        if device is None or _generator_device(device) is None \
+                or node.kwargs.get("generator") is not None or node.target._schema.is_mutable:
+            continue
+        with graph.inserting_before(node):
+            state = graph.create_node("call_function", rng_state, (device,),
+                                      name=node.name + SUFFIX)
+        size = state_bytes(device)
+        if fake_mode is not None:
+            with fake_mode:
+                state.meta["val"] = torch.empty(size, dtype=torch.uint8)
+        else:
+            state.meta["val"] = torch.empty(size, dtype=torch.uint8, device="meta")
+        for key in ("stack_trace", "nn_module_stack", "fwd_nn_module_stack"):
+            if key in node.meta:
+                state.meta[key] = node.meta[key]
+        node.target = RandomOp(node.target)
+        node.args = (state, *node.args)
+        added.append(state)
+    if added:
+        gm.recompile()
+    return added
+
+
+def without_snapshots(gm: fx.GraphModule) -> fx.GraphModule:
+    """`gm` with its random ops back to plain aten and its unread snapshots gone, for Inductor:
+    it draws random numbers with its own generator, not aten's, so it can neither take nor
+    replay a snapshot. Raises RematError where the graph replays a random op or hands a
+    snapshot on (to a backward that would replay it)."""
+    from remat.errors import RematError
+
+    advice = ("Inductor draws its own random numbers, so a recomputed random op would not "
+              "draw what the forward drew; run the plan op by op (compile=False), or use a "
+              "schedule that saves the random ops (plan with dropout off, or in eval mode)")
+    for node in list(gm.graph.nodes):
+        if isinstance(node.target, RandomOp):
+            if node.target.replay:
+                raise RematError(f"the schedule recomputes random op {node.name!r}: {advice}")
+            node.target, node.args = node.target.op, node.args[1:]
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is rng_state:
+            if node.users:
+                raise RematError(f"the schedule saves {node.name!r} to replay a random op in "
+                                 f"the backward: {advice}")
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
