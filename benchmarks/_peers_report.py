@@ -246,6 +246,7 @@ def render(result: dict, out: str) -> str:
     text = [f"== {name}: {result['params']:,} parameters, inputs {result['inputs']}, step "
             f"{result['step_flops'] / 1e9:.3f} GFLOP, save-all peak "
             f"{_mib(result['save_all_peak'])} MiB, torch {result['torch']}, "
+            f"remat solver {result.get('time_limit', '?')} s per budget minimizing FLOPs, "
             f"{result['seconds']:.0f} s ==",
             configurations_table(result), "", budget_table(result), "", "verdict:"]
     text += [f"  [{'PASS' if ok else 'FAIL'}] {line}" for ok, line in verdict(result)]

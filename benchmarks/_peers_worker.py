@@ -5,6 +5,7 @@ Run by peers.py; by hand: python benchmarks/_peers_worker.py MODEL OUT.json [--q
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -121,8 +122,10 @@ def _budgets(lo: int, hi: int, n: int, extra: list[int]) -> list[int]:
     return sorted(set(spaced) | {b for b in extra if lo <= b <= hi})
 
 
-def run(name: str, quick: bool) -> dict:
+def run(name: str, quick: bool, time_limit: float | None = None) -> dict:
     settings = Settings.of(quick)
+    if time_limit is not None:
+        settings = dataclasses.replace(settings, time_limit=time_limit)
     started = time.perf_counter()
     case = MODELS[name](quick)
     w = Worker(case, settings)
@@ -162,7 +165,8 @@ def run(name: str, quick: bool) -> dict:
         chosen = w.torch_for(budget)
         w.row("torch_budget@budget", budget=budget,
               chosen=None if chosen is None else chosen["param"])
-    return {"model": name, "quick": quick, "rows": w.rows, "budgets": budgets,
+    return {"model": name, "quick": quick, "time_limit": settings.time_limit,
+            "rows": w.rows, "budgets": budgets,
             "remat_smallest": smallest, "save_all_peak": w.reference.peak,
             "step_flops": w.reference.flops, "seconds": time.perf_counter() - started,
             "torch": torch.__version__,
@@ -175,10 +179,11 @@ def main() -> None:
     parser.add_argument("model", choices=sorted(MODELS))
     parser.add_argument("out")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--time-limit", type=float)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     try:
-        result = run(args.model, args.quick)
+        result = run(args.model, args.quick, args.time_limit)
     except Exception:
         result = {"model": args.model, "quick": args.quick, "crash": traceback.format_exc()}
         print(result["crash"], file=sys.stderr)

@@ -1,6 +1,6 @@
 """remat against its peers on the CPU: activation peak and recompute FLOPs, per model and budget.
 
-    python benchmarks/peers.py [--quick] [--models gpt2-6,mlp] [--out benchmarks/out/]
+    python benchmarks/peers.py [--quick] [--models gpt2-6,mlp] [--time-limit S] [--out DIR]
 
 Strategies: remat's exact plan at each budget; torch.compile's min-cut partitioner under
 torch._functorch.config.activation_memory_budget (the largest fraction whose measured peak
@@ -35,11 +35,14 @@ from _peers_models import MODELS  # noqa: E402
 from _peers_report import render  # noqa: E402
 
 
-def run_model(name: str, *, quick: bool, out: str, timeout: float) -> dict:
+def run_model(name: str, *, quick: bool, out: str, timeout: float,
+              time_limit: float | None) -> dict:
     path = os.path.join(out, f"peers_{name}.json")
     command = [sys.executable, os.path.join(HERE, "_peers_worker.py"), name, path]
     if quick:
         command.append("--quick")
+    if time_limit is not None:
+        command += ["--time-limit", str(time_limit)]
     print(f"-- {name}: {' '.join(command)}", flush=True)
     try:
         done = subprocess.run(command, timeout=timeout)
@@ -60,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.path.join(HERE, "out"))
     parser.add_argument("--timeout", type=float, default=3600.0,
                         help="seconds per model before its process is stopped")
+    parser.add_argument("--time-limit", type=float,
+                        help="seconds of remat's exact solver per budget (default: 120, "
+                             "30 with --quick)")
     parser.add_argument("--report-only", action="store_true",
                         help="render the JSON already in --out without running anything")
     args = parser.parse_args(argv)
@@ -76,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             with open(os.path.join(args.out, f"peers_{name}.json")) as f:
                 result = json.load(f)
         else:
-            result = run_model(name, quick=args.quick, out=args.out, timeout=args.timeout)
+            result = run_model(name, quick=args.quick, out=args.out, timeout=args.timeout,
+                               time_limit=args.time_limit)
         text = render(result, args.out)
         failed |= "[FAIL]" in text or "crash" in result
         print(text, flush=True)

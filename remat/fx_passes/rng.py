@@ -51,8 +51,9 @@ def state_bytes(device: torch.device) -> int:
 def rng_state(device: torch.device) -> torch.Tensor:
     """A copy of the default generator's state of `device`. The copy is made by an aten op so
     that allocation trackers (remat's MemoryTracker is a dispatch mode) see the bytes it holds."""
-    state = torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-    return state.clone()
+    if device.type == "cuda":
+        return torch.cuda.get_rng_state(device).clone()
+    return torch.default_generator.get_state().clone()
 
 
 class RandomOp:
@@ -81,12 +82,13 @@ class RandomOp:
                 return self.op(*args, **kwargs)
             finally:
                 torch.cuda.set_rng_state(saved, device)
-        saved = torch.get_rng_state()
-        torch.set_rng_state(state)
+        generator = torch.default_generator
+        saved = generator.get_state()
+        generator.set_state(state)
         try:
             return self.op(*args, **kwargs)
         finally:
-            torch.set_rng_state(saved)
+            generator.set_state(saved)
 
     def __str__(self) -> str:
         return str(self.op)
