@@ -68,7 +68,10 @@ class Worker:
         try:
             measured, extra = fn()
         except Exception as e:  # a strategy that fails on a model is a result, not a crash
-            reason = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+            # Dynamo wraps a backend's error in "backend=... raised:"; the cause is the next line.
+            reason = next((line for line in str(e).splitlines()
+                           if line.strip() and not line.rstrip().endswith("raised:")),
+                          type(e).__name__)
             logging.debug("%s failed", strategy, exc_info=True)
             return self.row(strategy, error=f"{type(e).__name__}: {reason[:200]}", **fields)
         return self.row(strategy, measured, **extra, **fields)

@@ -15,12 +15,14 @@ class BudgetError(RematError):
     `smallest` is the smallest budget (in the same terms as `budget`) that the strategy that
     raised can meet; for the exact strategies it is the smallest that any schedule can meet.
     `dominant` names the largest term of the memory where the caller knows it, and `remedy`
-    what acts on that term.
+    what acts on that term. `schedule` is the schedule of that smallest peak, where the
+    strategy found one (the exact solver does).
     """
 
     def __init__(self, message: str, *, budget: int, smallest: int | None,
-                 dominant: str | None = None, remedy: str | None = None):
+                 dominant: str | None = None, remedy: str | None = None, schedule=None):
         super().__init__(message)
+        self.schedule = schedule
         self.budget = budget
         self.smallest = smallest
         self.dominant = dominant

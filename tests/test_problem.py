@@ -18,6 +18,7 @@ F, B = Phase.FORWARD, Phase.BACKWARD
     ([Op("a", F, (), 1), Op("a", F, (0,), 1)], "the name is used by an earlier op"),
     ([Op("a", F, (), 1), Op("v", F, (0,), 4, kind=Kind.VIEW)], "a view owns no bytes"),
     ([Op("t", F, (), kind=Kind.TUPLE, temp=4), Op("x", F, (0, 0), 4)], "may read the tuple op"),
+    ([Op("a", F, (), 1), Op("g", B, (0,), 1, forward_output=True)], "cannot be a forward output"),
 ])
 def test_malformed_problems_name_the_op(ops, message):
     with pytest.raises(ValueError, match=message):
@@ -30,8 +31,9 @@ def test_json_round_trip_keeps_every_field_and_extras():
            not_recomputable=Reason.RANDOM, module="h.0.drop", target="aten.native_dropout"),
         Op("x", F, (0,), 16, not_recomputable=Reason.INHERITED),
         Op("xt", F, (1,), kind=Kind.VIEW),
+        Op("stat", F, (1,), 8, forward_output=True),
         Op("loss", F, (2,), 4, is_output=True),
-        Op("gx", B, (3, 2), 16, is_output=True, cost=2e-6, flops=20),
+        Op("gx", B, (4, 2), 16, is_output=True, cost=2e-6, flops=20),
     ), name="tiny", source={"model": "hand"})
     text = problem.to_json(cases=[{"budget": 100, "cost": 0.0}])
     again, extra = loads(text)

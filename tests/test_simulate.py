@@ -140,3 +140,20 @@ def test_zero_byte_tensors_cost_nothing():
     problem = Problem((Op("a", F, (), 0), Op("loss", F, (0,), 0, is_output=True),
                        Op("ga", B, (0,), 0, is_output=True)))
     assert simulate(problem, make_schedule(problem, [])).peak == 0
+
+
+def test_forward_outputs_live_to_the_end_of_the_forward_only():
+    """A mutated buffer's new value (BatchNorm's running mean) is handed back when the forward
+    returns and dropped: it overlaps the rest of the forward, not the backward."""
+    problem = Problem((
+        Op("x", F, (), 100),
+        Op("stat", F, (0,), 8, forward_output=True),
+        Op("y", F, (0,), 50),
+        Op("loss", F, (2,), 4, is_output=True),
+        Op("gy", B, (3,), 50),
+        Op("gx", B, (4, 0), 100, is_output=True),
+    ))
+    steps = simulate(problem, make_schedule(problem, [])).steps
+    live = [s.live for s in steps]
+    # x, stat, y, loss: the stat lives through the loss; in the backward it is gone.
+    assert live == [100, 108, 158, 162, 154, 254]

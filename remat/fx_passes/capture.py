@@ -167,6 +167,31 @@ def make_backend(partition_fn: Callable, *, fw_compiler: Callable | None = None,
     return backend
 
 
+def prepare_joint(joint: fx.GraphModule) -> None:
+    """The passes every joint graph gets, when it is captured and when a plan is applied to it,
+    so that the problem and the graph it runs on agree."""
+    drop_unused_running_stats(joint)
+    snapshot_random_ops(joint)
+
+
+def drop_unused_running_stats(joint: fx.GraphModule) -> None:
+    """In training, ``native_batch_norm_backward`` reads only ``save_mean`` and ``save_invstd``;
+    its ``running_mean`` and ``running_var`` arguments are unused (by the ATen kernels and the
+    decomposition alike). AOTAutograd passes there the statistics' new values, which the step
+    also copies into the buffers: read by the backward, they would be saved until their layer's
+    backward, where eager saves nothing for them. Pass None instead, as the schema allows."""
+    changed = False
+    for node in joint.graph.find_nodes(op="call_function",
+                                       target=torch.ops.aten.native_batch_norm_backward.default):
+        args = list(node.args)
+        if len(args) > 7 and args[7] is True and (args[3] is not None or args[4] is not None):
+            args[3] = args[4] = None
+            node.args = tuple(args)
+            changed = True
+    if changed:
+        joint.recompile()
+
+
 def compile_step(model: torch.nn.Module, partition_fn: Callable, *,
                  fw_compiler: Callable | None = None, bw_compiler: Callable | None = None,
                  loss_fn: Callable | None = None, reset: bool = True) -> Callable:
@@ -227,7 +252,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], *,
         if "joint" not in seen:
             raise CaptureError("no backward graph was traced: the loss does not require grad "
                                "(are all parameters frozen, or is the model under no_grad?)")
-        snapshot_random_ops(seen["joint"])
+        prepare_joint(seen["joint"])
         captured = _describe(model, example_inputs, seen, name)
     captured.capture_time = time.perf_counter() - start
     log.info("captured %s: %d nodes in %.1f s", captured.model_name,

@@ -24,7 +24,8 @@ Rules (DESIGN.md, "The execution model"):
   explicit generator has no snapshot and is RANDOM itself. In-place writes, and forward ops
   that read an input the step mutates (BatchNorm running statistics, which change after the
   forward), are MUTATION; impure nodes are SIDE_EFFECT; communication ops are COLLECTIVE.
-- ``is_output``: forward outputs (the loss, mutated inputs' new values) and gradients.
+- ``is_output``: the forward's outputs (the loss) and gradients; ``forward_output``: mutated
+  inputs' new values, which live to the end of the forward.
 """
 from __future__ import annotations
 
@@ -135,7 +136,11 @@ def lower(captured: Captured, *, target="h100", measure: bool = False,
     order = ([n for n in gm.graph.nodes if phase.get(n) is Phase.FORWARD]
              + _views_sunk([n for n in gm.graph.nodes if phase.get(n) is Phase.BACKWARD]))
     index = {n: i for i, n in enumerate(order)}
-    outputs = {v for v in captured.output_values if isinstance(v, fx.Node)}
+    values = captured.output_values
+    # The new values of mutated buffers lead the forward outputs; AOTAutograd copies them into
+    # the buffers as the forward returns, and drops them.
+    mutation = {v for v in values[:captured.num_mutation_outputs] if isinstance(v, fx.Node)}
+    outputs = {v for v in values[captured.num_mutation_outputs:] if isinstance(v, fx.Node)}
     mutated = set(captured.mutated_inputs)
 
     ops = []
@@ -158,7 +163,8 @@ def lower(captured: Captured, *, target="h100", measure: bool = False,
             kind=kind, temp=int(temp), cost=float(meta.get("time", 0.0)),
             flops=int(meta.get("flops", 0)),
             not_recomputable=_reason(node, mutated, phase[node]),
-            is_output=node in outputs, module=meta.get("module", ""),
+            is_output=node in outputs, forward_output=node in mutation - outputs,
+            module=meta.get("module", ""),
             target=_target_string(node.target),
         ))
     source = {

@@ -30,7 +30,8 @@ import torch
 import torch.fx as fx
 
 from remat.errors import RematError
-from remat.fx_passes.rng import RandomOp, is_random, rng_state, snapshot_random_ops
+from remat.fx_passes.capture import prepare_joint
+from remat.fx_passes.rng import RandomOp, is_random, rng_state
 from remat.fx_passes.storage import remat_meta, storage_pass
 from remat.solvers.problem import Kind, Phase, Problem
 from remat.solvers.schedule import Schedule, make_schedule
@@ -77,7 +78,7 @@ def partition(joint: fx.GraphModule, problem: Problem, schedule: Schedule, *,
     to `problem`. `mutated_inputs` names the placeholders whose data the step overwrites after
     the forward (BatchNorm running statistics). Raises RematError when the graph is not the
     problem's or the schedule cannot run on it."""
-    snapshot_random_ops(joint)  # as capture did: the problem has the snapshots
+    prepare_joint(joint)  # as capture did
     nodes = _match(joint, problem)
     _check_schedule(problem, schedule, nodes, frozenset(mutated_inputs))
     outputs = _flat_outputs(joint)

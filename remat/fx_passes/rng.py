@@ -45,7 +45,7 @@ def state_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         # Philox: a seed and an offset of 8 bytes each, kept in host memory.
         return torch.cuda.get_rng_state(device).numel() if torch.cuda.is_available() else 16
-    return torch.get_rng_state().numel()
+    return torch.default_generator.get_state().numel()
 
 
 def rng_state(device: torch.device) -> torch.Tensor:

@@ -283,16 +283,19 @@ def _budget_error(prepared: Prepared, error: BudgetError, *, budget: int | None,
     if budget is None:  # activation_budget: the activations are all there is to say about
         remedy = accounting.REMEDIES["activations"]
         return BudgetError(f"{error}\n  remedy: {remedy}", budget=error.budget,
-                           smallest=error.smallest, dominant="activations", remedy=remedy)
+                           smallest=error.smallest, dominant="activations", remedy=remedy,
+                           schedule=error.schedule)
     # The graph's gradients inside the smallest peak belong to the gradients term: estimate
     # them on the schedule that recomputes all it may, the nearest to the smallest peak.
     problem = prepared.problem
     most = make_schedule(problem, drop_unneeded(problem, recomputable(problem)))
     _, grads = accounting.gradients_at_peak(problem, most)
-    return accounting.budget_error(
+    whole = accounting.budget_error(
         budget, smallest_activations=error.smallest, state=prepared.state,
         training=prepared.training, gradients_in_graph=prepared.gradients_in_graph,
         gradients_in_peak=min(grads, error.smallest or 0), strategy=strategy.value)
+    whole.schedule = error.schedule
+    return whole
 
 
 # ----------------------------------------------------------------------------- parameters

@@ -44,6 +44,8 @@ MAX_UNITS = 2 ** 40
 MAX_CUT_TERMS = 400_000
 # The share of the time limit the drop pass may spend improving the hint before the search.
 HINT_SHARE = 0.1
+# The share of the time limit the least-peak search may spend when no baseline fits the budget.
+LEAST_PEAK_SHARE = 0.3
 BASELINES = (Strategy.SAVE_ALL, Strategy.CHECKPOINT_BLOCKS, Strategy.CHEN_SQRT, Strategy.GREEDY)
 
 
@@ -835,16 +837,20 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
     def left() -> float:
         return options.time_limit - (time.perf_counter() - start)
 
-    def fail() -> BudgetError:
-        smallest, proven = _smallest_peak(problem, units, options, max(left(), 1.0))
-        if smallest.peak <= budget:  # only where rounding made the model conservative
-            return smallest
+    def too_small(smallest: Schedule, proven: bool) -> BudgetError:
         words = "" if proven else " (the least found within the time limit)"
         return BudgetError(
             f"no schedule fits a budget of {budget:,} bytes: the smallest activation peak any "
             f"schedule reaches is {smallest.peak:,} bytes{words}; recomputation cannot go lower. "
             "Raise the budget or shrink what the backward must hold (smaller batch, sequence)",
-            budget=budget, smallest=smallest.peak)
+            budget=budget, smallest=smallest.peak,
+            schedule=evaluate(problem, smallest, strategy=Strategy.OPTIMAL.value))
+
+    def fail() -> BudgetError | Schedule:
+        smallest, proven = _smallest_peak(problem, units, options, max(left(), 1.0))
+        if smallest.peak <= budget:  # only where rounding made the model conservative
+            return smallest
+        return too_small(smallest, proven)
 
     # --- Stage 1: least recompute cost under the capacity (budget rounded DOWN to units).
     capacity = units.capacity(budget)
@@ -857,6 +863,15 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
     m.Add(model.peak <= capacity)
     m.Minimize(model.cost)
     hint = options.hint or _best_baseline(problem, budget, options)
+    if hint is None or hint.peak > budget:
+        # Near the smallest peak no baseline fits, and CP-SAT rarely finds a first schedule on
+        # its own there; the least-peak search does (or proves that none fits), and its
+        # schedule, where it fits, is the start.
+        least, proven = _smallest_peak(problem, units, options, LEAST_PEAK_SHARE * left())
+        if least.peak <= budget:
+            hint = least
+        elif proven:
+            raise too_small(least, proven)
     if hint is not None:
         hint = _drop_pass(problem, budget, hint,
                           time.perf_counter() + HINT_SHARE * options.time_limit)

@@ -17,10 +17,12 @@ Conventions (see DESIGN.md, "The execution model"):
 - `cost` is seconds on the target device; `flops` the op's floating-point operations.
 - `not_recomputable` is None for an op that may run again in the backward, else the reason.
 - `is_output` marks values that live to the end of the step: the model's outputs and the
-  parameter gradients.
+  parameter gradients. `forward_output` marks forward values that live to the end of the
+  forward (what the forward returns besides its outputs and saved values).
 """
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 from dataclasses import dataclass, field
@@ -61,6 +63,9 @@ class Op:
     flops: int = 0
     not_recomputable: Reason | None = None
     is_output: bool = False
+    # Returned by the forward and dropped when it ends: the new values of buffers the step
+    # mutates (BatchNorm's running statistics), which AOTAutograd copies into them.
+    forward_output: bool = False
     module: str = ""
     target: str = ""  # the op's name in its framework ("aten.mm.default"), for reports
 
@@ -124,6 +129,11 @@ class Problem:
         for i, storages in enumerate(self.storage_inputs):
             for s in storages:
                 readers[s].append(i)
+        # A forward output is read, in effect, when the forward returns: by its last op.
+        last = self.num_forward - 1
+        for i, op in enumerate(self.ops):
+            if op.forward_output and last not in readers[self.root[i]]:
+                bisect.insort(readers[self.root[i]], last)
         return tuple(tuple(r) for r in readers)
 
     @cached_property
@@ -199,6 +209,8 @@ def _validate(ops: Sequence[Op]) -> None:
             raise ValueError(f"{where}: phase must be a Phase, not {op.phase!r}")
         if op.phase is Phase.BACKWARD:
             seen_backward = True
+            if op.forward_output:
+                raise ValueError(f"{where}: a backward op cannot be a forward output")
         elif seen_backward:
             raise ValueError(f"{where}: a forward op after a backward op; list every forward op "
                              "first, then the backward in the order autograd runs it")

@@ -6,7 +6,7 @@ import time
 from dataclasses import replace
 from typing import Callable
 
-from remat.errors import SolverError
+from remat.errors import BudgetError, SolverError
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Problem
 from remat.solvers.objective import Objective, with_objective
@@ -57,7 +57,12 @@ def solve(problem: Problem, budget: int, strategy: Strategy | str = Strategy.OPT
     else:
         if options.hint is not None:
             options = replace(options, hint=evaluate(costed, options.hint))
-        schedule = _in_problem_units(problem, fn(costed, budget, options), options.objective)
+        try:
+            schedule = _in_problem_units(problem, fn(costed, budget, options), options.objective)
+        except BudgetError as e:
+            if e.schedule is not None:
+                e.schedule = _in_problem_units(problem, e.schedule, options.objective)
+            raise
     if schedule.peak > budget:  # a solver bug: never hand the caller a plan that does not fit
         raise SolverError(
             f"{schedule.strategy}: returned a schedule whose simulated peak {schedule.peak:,} "

@@ -22,14 +22,14 @@ class Builder:
     def add(self, name: str, inputs: Sequence[int] = (), size: int = 0, *, flops: int = 0,
             kind: Kind = Kind.TENSOR, temp: int = 0, module: str = "", target: str = "",
             not_recomputable: Reason | None = None, is_output: bool = False,
-            cost: float | None = None) -> int:
+            forward_output: bool = False, cost: float | None = None) -> int:
         if cost is None:
             moved = size + temp + sum(self.ops[i].size for i in inputs)
             cost = max(flops / PEAK_FLOPS, moved / BANDWIDTH)
         self.ops.append(Op(name=name, phase=self.phase, inputs=tuple(inputs), size=size,
                            kind=kind, temp=temp, cost=cost, flops=flops, module=module,
                            target=target, not_recomputable=not_recomputable,
-                           is_output=is_output))
+                           is_output=is_output, forward_output=forward_output))
         return len(self.ops) - 1
 
     def backward(self) -> None:
@@ -306,8 +306,9 @@ def random_problem(source: random.Random | int | Callable, *, max_forward: int =
             for j in range(2):
                 tensors.append(g.add(f"get{k}_{j}", [t], size(), cost=0.0))
         else:
+            # Some are handed back when the forward ends (a buffer's new value).
             tensors.append(g.add(f"op{k}", inputs, size(), temp=temp(), cost=cost(),
-                                 not_recomputable=fixed()))
+                                 not_recomputable=fixed(), forward_output=rng.random() < 0.1))
     loss = g.add("loss", [tensors[-1]], rng.randint(1, 4), cost=1.0, is_output=True)
     g.backward()
     grads = [loss]
