@@ -257,3 +257,18 @@ def test_a_hint_that_does_not_fit_is_never_returned():
         assert "does not fit" in str(e)
         return
     assert schedule.peak <= budget
+
+
+def test_a_budget_at_the_smallest_peak_is_met():
+    """No baseline fits there, and CP-SAT alone rarely finds a first schedule: the least-peak
+    schedule, which the BudgetError below the floor carries, is its start."""
+    problem = transformer(layers=2, batch=2, seq=64, d_model=64, heads=4)
+    options = SolverOptions(workers=2, time_limit=20)
+    with pytest.raises(BudgetError) as below:
+        solve(problem, 0, Strategy.OPTIMAL, options)
+    floor = below.value.smallest
+    assert below.value.schedule is not None and below.value.schedule.peak == floor
+    for strategy in BASELINES:
+        assert isinstance(outcome(problem, floor, strategy, options), BudgetError)
+    at_floor = solve(problem, floor, Strategy.OPTIMAL, options)
+    assert at_floor.peak <= floor
