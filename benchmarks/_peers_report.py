@@ -163,9 +163,15 @@ def verdict(result: dict) -> list[tuple[bool, str]]:
                              f"fit: {at_block.get('error', '') if at_block else 'not run'}"))
     else:
         ok = at_block["recompute"] <= 0.5 * block["recompute"]
+        # How much room per-block's peak leaves above the least any schedule reaches: near the
+        # floor, every schedule must recompute almost everything.
+        floor = min([result["remat_smallest"] or block["peak"]]
+                    + [r["peak"] for r in remat.values() if "peak" in r])
+        room = (f"; per-block's peak is {100 * (block['peak'] / floor - 1):.1f} % above the "
+                f"smallest remat reaches ({_mib(floor)} MiB)")
         lines.append((ok, f"at per-block's peak ({_mib(block['peak'])} MiB): remat recomputes "
                           f"{at_block['recompute'] / 1e9:.3f} GFLOP vs per-block "
-                          f"{block['recompute'] / 1e9:.3f} (needs <= half)"))
+                          f"{block['recompute'] / 1e9:.3f} (needs <= half){room}"))
 
     remat_min = min((r["peak"] for r in remat.values() if "peak" in r and r.get("grads") in GOOD),
                     default=None)

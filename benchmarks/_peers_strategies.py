@@ -193,16 +193,21 @@ class Remat:
         self.least = None
 
     def _hint(self, budget: int):
-        """The warm start: of save_all, checkpoint_blocks, chen_sqrt and the least-peak schedule
-        (once smallest() ran), the fitting one of fewest FLOPs, else the one of least peak.
-        Chosen here, once per budget, so that the benchmark's timing of remat does not depend on
-        which baselines the solver tries."""
+        """The warm start: of save_all, checkpoint_blocks, chen_sqrt, greedy (at this budget,
+        by FLOPs per byte) and the least-peak schedule (once smallest() ran), the fitting one of
+        fewest FLOPs, else the one of least peak. The optimal strategy would pick among the
+        baselines itself; the least-peak schedule is known only here."""
+        from remat.errors import BudgetError
         from remat.solvers import solve
 
         problem = self.prepared.problem
         unbounded = sum(op.size + op.temp for op in problem.ops)
         baselines = [solve(problem, unbounded, s)
                      for s in ("save_all", "checkpoint_blocks", "chen_sqrt")]
+        try:
+            baselines.append(solve(problem, budget, "greedy", self.options))
+        except BudgetError:
+            pass
         if self.least is not None:  # the least-peak schedule, found once by smallest()
             baselines.append(self.least)
         fitting = [s for s in baselines if s.peak <= budget]

@@ -79,12 +79,18 @@ def chen_sqrt(problem: Problem, budget: int, options: SolverOptions) -> Schedule
     return _fitting(problem, recompute, budget, Strategy.CHEN_SQRT)
 
 
+# Prefix lengths greedy tries before it bisects: the peak is not monotone in the length.
+GREEDY_GRID = 32
+
+
 @register(Strategy.GREEDY)
 def greedy(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
-    """Recompute the values that cost the least time per byte first, as few as fit.
+    """Recompute the values that cost the least per byte first, as few as fit.
 
-    The peak is not monotone in how many are recomputed, so the search bisects on the prefix
-    length and then returns the shortest fitting prefix it evaluated."""
+    A longer prefix of that order costs more but does not always peak lower: recomputing
+    everything puts every recomputation at the start of the backward, where it peaks as high
+    as saving everything. So the search scans prefix lengths on a grid, then bisects below the
+    first that fits, and returns the cheapest fitting prefix it evaluated."""
     order = sorted(recomputable(problem),
                    key=lambda v: (problem.ops[v].cost / problem.ops[v].size, v))
     evaluated: dict[int, Schedule] = {}
@@ -96,14 +102,18 @@ def greedy(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
                                          budget=budget)
         return evaluated[k]
 
-    low, high = 0, len(order)
-    if attempt(low).peak <= budget:
-        return attempt(low)
-    if attempt(high).peak > budget:
+    grid = sorted({len(order) * i // GREEDY_GRID for i in range(GREEDY_GRID + 1)})
+    low, high = 0, None
+    for k in grid:
+        if attempt(k).peak <= budget:
+            high = k
+            break
+        low = k
+    if high is None:
         smallest = min(s.peak for s in evaluated.values())
         raise BudgetError(
-            f"greedy: even recomputing everything it may, the peak is {smallest:,} bytes, above "
-            f"the budget of {budget:,}; try the optimal strategy or a larger budget",
+            f"greedy: no prefix of its order fits; the least peak it saw is {smallest:,} bytes, "
+            f"above the budget of {budget:,}; try the optimal strategy or a larger budget",
             budget=budget, smallest=smallest)
     while high - low > 1:
         middle = (low + high) // 2
