@@ -142,3 +142,31 @@ def test_source_describes_the_step(tiny_gpt):
     assert problem.source["model"] == "GPT"
     assert problem.source["batch_shapes"] == [[4, 32], [4, 32]]
     assert problem.source["dtype"] == "float32" and problem.source["target"] == "H100 SXM"
+
+
+class _Attention(nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.p = p
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.p).sum()
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_attention_draws_only_with_dropout(p):
+    """SDPA is tagged random whatever its dropout: at p=0 it must count its FLOPs, need no
+    generator snapshot and be recomputable; with dropout it replays from a snapshot."""
+    torch.manual_seed(0)
+    problem = lower(capture(_Attention(p), (torch.randn(2, 8, 16),)))
+    attention = [op for op in problem.ops if "scaled_dot_product" in op.target
+                 and op.phase is Phase.FORWARD]
+    snapshots = [op for op in problem.ops if op.target == "remat.fx_passes.rng.rng_state"]
+    if p == 0.0:
+        assert attention and not snapshots
+        assert all(op.flops > 0 and op.not_recomputable is None for op in attention)
+    else:
+        # With dropout, CPU attention takes the math path: its dropout replays.
+        assert snapshots and all(op.not_recomputable is Reason.RANDOM for op in snapshots)

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 from torch import fx
+
+from remat.fx_passes.rng import unwrapped
 from torch.utils import flop_counter
 
 log = logging.getLogger(__name__)
@@ -51,12 +53,12 @@ def _val(arg: Any) -> Any:
 def node_flops(node: fx.Node) -> int:
     """The FLOPs of one call_function node, computed from its inputs' fake values."""
     register_cpu_attention()
-    target = node.target
+    target, args = unwrapped(node)
     packet = getattr(target, "overloadpacket", None)
     formula = flop_counter.flop_registry.get(packet)
     if formula is None:
         return 0
-    args = torch.fx.node.map_aggregate(node.args, _val)
+    args = torch.fx.node.map_aggregate(args, _val)
     kwargs = torch.fx.node.map_aggregate(node.kwargs, _val)
     try:
         return int(formula(*args, out_val=node.meta.get("val"), **kwargs))

@@ -39,7 +39,7 @@ from torch import fx
 from remat.fx_passes.capture import Captured
 from remat.fx_passes.profile import profile as run_profile
 from remat.fx_passes.rewrite import target_name
-from remat.fx_passes.rng import is_random, rng_state
+from remat.fx_passes.rng import draws, has_side_effects, rng_state
 from remat.fx_passes.storage import remat_meta
 from remat.solvers.problem import Kind, Op, Phase, Problem, Reason
 
@@ -87,7 +87,7 @@ def _reason(node: fx.Node, mutated: set[str], phase: Phase) -> Reason | None:
         return Reason.COLLECTIVE
     # A snapshot of the generator must be taken where the random op first draws; the random op
     # itself then replays (rng.py). Random ops that draw from elsewhere cannot.
-    if target is rng_state or is_random(target):
+    if target is rng_state or draws(node):
         return Reason.RANDOM
     if meta.get("writes") or (getattr(target, "_schema", None) is not None
                               and target._schema.is_mutable):
@@ -95,7 +95,7 @@ def _reason(node: fx.Node, mutated: set[str], phase: Phase) -> Reason | None:
     if phase is Phase.FORWARD and any(n.op == "placeholder" and n.name in mutated
                                       for n in node.all_input_nodes):
         return Reason.MUTATION
-    if target is not operator.getitem and node.is_impure():
+    if target is not operator.getitem and has_side_effects(node):
         return Reason.SIDE_EFFECT
     return None
 

@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from remat.errors import RematError
 from remat.fx_passes.capture import prepare_joint
-from remat.fx_passes.rng import RandomOp, is_random, rng_state
+from remat.fx_passes.rng import RandomOp, draws, has_side_effects, rng_state
 from remat.fx_passes.storage import remat_meta, storage_pass
 from remat.solvers.problem import Kind, Phase, Problem
 from remat.solvers.schedule import Schedule, make_schedule
@@ -227,13 +227,13 @@ def _check_schedule(problem: Problem, schedule: Schedule, nodes: list[fx.Node],
                          f"(differs at {diff[:5]}); build schedules with make_schedule")
     for v in schedule.recomputed:
         node = nodes[v]
-        if is_random(node.target) or node.target is rng_state:
+        if draws(node) or node.target is rng_state:
             raise RematError(f"the schedule recomputes random op {node.name!r} "
                              f"({target_name(node.target)}) without a snapshot of its "
                              "generator: the backward would draw fresh randomness and change "
                              "the gradients; save it instead (the lowering should have marked "
                              "it not recomputable)")
-        if _is_mutating(node) or node.is_impure():
+        if _is_mutating(node) or has_side_effects(node):
             raise RematError(f"the schedule recomputes {node.name!r} "
                              f"({target_name(node.target)}), which mutates or has side effects; "
                              "it must run exactly once")

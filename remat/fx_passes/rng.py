@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["RandomOp", "is_random", "rng_state", "snapshot_random_ops", "state_bytes",
-           "without_snapshots"]
+__all__ = ["RandomOp", "draws", "has_side_effects", "is_random", "rng_state",
+           "snapshot_random_ops", "state_bytes", "unwrapped", "without_snapshots"]
 
 SUFFIX = "_rng_state"
 
@@ -34,6 +34,36 @@ def is_random(target: Any) -> bool:
     """An aten op that draws from a generator (dropout, rand, bernoulli)."""
     return (isinstance(target, torch._ops.OpOverload)
             and torch.Tag.nondeterministic_seeded in target.tags)
+
+
+def draws(node: fx.Node) -> bool:
+    """Whether an aten node draws random numbers: a random op, unless the argument that gives
+    its probability is 0 (attention with ``dropout_p=0.0``, which is tagged random all the same)."""
+    if not is_random(node.target):
+        return False
+    for i, argument in enumerate(node.target._schema.arguments):
+        if argument.name in ("dropout_p", "p"):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name,
+                                                                            argument.default_value)
+            return not (isinstance(value, (int, float)) and value == 0)
+    return True
+
+
+def has_side_effects(node: fx.Node) -> bool:
+    """fx's impurity apart from drawing random numbers, which `draws` and the snapshots handle
+    (fx counts every op tagged random as impure, attention without dropout included)."""
+    try:
+        return node.is_impure(impure_random=False)
+    except TypeError:  # a torch whose is_impure has no such flag
+        return node.is_impure() and not is_random(node.target)
+
+
+def unwrapped(node: fx.Node) -> tuple[Any, tuple]:
+    """The op and arguments a node runs, seen through `RandomOp` (its snapshot argument
+    dropped): what FLOP formulas and readers of the ATen graph expect."""
+    if isinstance(node.target, RandomOp):
+        return node.target.op, node.args[1:]
+    return node.target, node.args
 
 
 def _generator_device(device: torch.device) -> torch.device | None:
@@ -127,7 +157,7 @@ def snapshot_random_ops(gm: fx.GraphModule) -> list[fx.Node]:
         [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
     added = []
     for node in list(graph.nodes):
-        if node.op != "call_function" or not is_random(node.target):
+        if node.op != "call_function" or not draws(node):
             continue
         device = _value_device(node)
         # In-place random ops (bernoulli_) write into their input: they stay as they are, not
