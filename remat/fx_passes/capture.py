@@ -39,9 +39,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from remat.fx_passes.rng import snapshot_random_ops
-
 from remat.errors import CaptureError
+from remat.fx_passes.rng import snapshot_random_ops
 
 log = logging.getLogger(__name__)
 

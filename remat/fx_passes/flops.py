@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.utils import flop_counter
 
 from remat.fx_passes.rng import unwrapped
-from torch.utils import flop_counter
 
 log = logging.getLogger(__name__)
 

@@ -8,11 +8,12 @@ per element) against saving a snapshot of the generator (5,056 bytes on a CPU, 1
 memory on CUDA) and running it again.
 
 `snapshot_random_ops(gm)` puts, before every random op that draws from its device's default
-generator, a node ``<op>_rng_state = rng_state(device)`` that copies the generator's state, and
-makes the random op read it: its target becomes ``RandomOp(op)``, which prints as the op and
-calls it unchanged. The rewrite turns a recomputed copy into ``RandomOp(op, replay=True)``,
-which runs the op from the snapshot and then puts the generator back where it was, so that the
-rest of the step, and the next step, draw exactly what eager PyTorch draws.
+generator, a node ``<op>_rng_state = rng_state(device)`` that copies the generator's state,
+and makes the random op read it: its target becomes ``RandomOp(op, device)``, which prints as
+the op and calls it unchanged. The rewrite turns a recomputed copy into
+``RandomOp(op, device, replay=True)``, which runs the op from the snapshot and then puts the
+generator back where it was, so that the rest of the step, and the next step, draw exactly what
+eager PyTorch draws.
 
 The snapshot is an op like the others: the lowering gives it its bytes, it is never recomputed
 (it must be taken in the forward), and the schedule saves it only when it recomputes the op.
@@ -66,10 +67,6 @@ def unwrapped(node: fx.Node) -> tuple[Any, tuple]:
     return node.target, node.args
 
 
-def _generator_device(device: torch.device) -> torch.device | None:
-    return device if device.type in ("cpu", "cuda") else None
-
-
 def state_bytes(device: torch.device) -> int:
     """The bytes of a snapshot of the default generator of `device`."""
     if device.type == "cuda":
@@ -91,20 +88,21 @@ class RandomOp:
     kept alive for a recomputation in the forward (``replay=False``: the op draws as usual);
     drawn from in the backward (``replay=True``)."""
 
-    def __init__(self, op: torch._ops.OpOverload, replay: bool = False):
+    def __init__(self, op: torch._ops.OpOverload, device: torch.device, replay: bool = False):
         self.op = op
+        self.device = device  # whose default generator the op draws from
         self.replay = replay
         self.__name__ = op.__name__
         self.__qualname__ = getattr(op, "__qualname__", op.__name__)
         self.__module__ = "remat.fx_passes.rng"
 
     def replaying(self) -> "RandomOp":
-        return RandomOp(self.op, replay=True)
+        return RandomOp(self.op, self.device, replay=True)
 
     def __call__(self, state: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not self.replay:
             return self.op(*args, **kwargs)
-        device = _device_of(args, kwargs)
+        device = self.device
         if device.type == "cuda":
             saved = torch.cuda.get_rng_state(device)
             torch.cuda.set_rng_state(state, device)
@@ -127,18 +125,13 @@ class RandomOp:
         return f"RandomOp({self.op}{', replay=True' if self.replay else ''})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, RandomOp) and (self.op, self.replay) == (other.op, other.replay)
+        return isinstance(other, RandomOp) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash((self.op, self.replay))
+        return hash(self._key())
 
-
-def _device_of(args: tuple, kwargs: dict) -> torch.device:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value.device
-    device = kwargs.get("device")
-    return torch.device(device) if device is not None else torch.device("cpu")
+    def _key(self) -> tuple:
+        return self.op, self.device, self.replay
 
 
 def _value_device(node: fx.Node) -> torch.device | None:
@@ -162,7 +155,7 @@ def snapshot_random_ops(gm: fx.GraphModule) -> list[fx.Node]:
         device = _value_device(node)
         # In-place random ops (bernoulli_) write into their input: they stay as they are, not
         # recomputable. Functionalized joint graphs do not have them anyway.
-        if device is None or _generator_device(device) is None \
+        if device is None or device.type not in ("cpu", "cuda") \
                 or node.kwargs.get("generator") is not None or node.target._schema.is_mutable:
             continue
         with graph.inserting_before(node):
@@ -177,7 +170,7 @@ def snapshot_random_ops(gm: fx.GraphModule) -> list[fx.Node]:
         for key in ("stack_trace", "nn_module_stack", "fwd_nn_module_stack"):
             if key in node.meta:
                 state.meta[key] = node.meta[key]
-        node.target = RandomOp(node.target)
+        node.target = RandomOp(node.target, device)
         node.args = (state, *node.args)
         added.append(state)
     if added:

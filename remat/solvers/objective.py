@@ -7,7 +7,8 @@ that FLOP counters such as torch's `FlopCounterMode` report; time breaks the tie
 plans of equal FLOPs the faster one wins and a zero-FLOP op is never quite free.
 
 `with_objective` returns a problem whose costs are the objective's; solve it, then `evaluate`
-the schedule on the original problem to get seconds and FLOPs back (`solve_for` does both).
+the schedule on the original problem to get seconds and FLOPs back (`remat.solvers.solve`
+does both when `SolverOptions.objective` says so).
 """
 from __future__ import annotations
 
@@ -44,8 +45,7 @@ def with_objective(problem: Problem, objective: Objective | str) -> Problem:
     objective = Objective.of(objective)
     if objective is Objective.TIME:
         return problem
-    total_flops = sum(op.flops for op in problem.ops)
-    total_time = sum(op.cost for op in problem.ops)
+    total_flops, total_time = problem.total_flops, problem.total_cost
     per_second = total_flops / total_time if total_time > 0 and total_flops > 0 else 1.0
     ops = tuple(replace(op, cost=op.flops + TIME_TIE_BREAK * op.cost * per_second)
                 for op in problem.ops)
