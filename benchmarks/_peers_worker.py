@@ -41,6 +41,10 @@ class Settings:
         return Settings(False, tuple(i / 10 for i in range(11)), 2, 10, 3, 120.0)
 
 
+# Seconds for each proven bound (remat.solvers.bound): one CP-SAT solve per backward step tried.
+BOUND_SECONDS = 60.0
+
+
 class Worker:
     def __init__(self, case: Case, settings: Settings):
         self.case = case
@@ -120,6 +124,27 @@ def _with_how(result):
     return measured, {"how": how}
 
 
+def proven_bounds(problem, rows: list[dict]) -> dict:
+    """What no schedule of remat's execution model (the traced op order, recomputations
+    inserted) can beat, from remat.solvers.bound: the least activation peak, and the least
+    recompute FLOPs at per-block checkpointing's measured peak. Independent of remat's search,
+    so a check that remat fails can be told apart from a check that nothing can pass."""
+    from remat.solvers.bound import peak_bound, recompute_bound
+
+    floor = peak_bound(problem, time_limit=BOUND_SECONDS)
+    found = {"peak": floor.value, "peak_exact": floor.exact,
+             "peak_at": floor.where(problem) if floor.steps else None}
+    block = next((r for r in rows if r["strategy"] == "per_block" and "peak" in r), None)
+    if block is not None:
+        flops = recompute_bound(problem, block["peak"], cost=lambda op: op.flops,
+                                time_limit=BOUND_SECONDS)
+        found.update(per_block_peak=block["peak"], flops_at_per_block=flops.value,
+                     flops_exact=flops.exact,
+                     flops_at=flops.where(problem) if flops.steps else None)
+    print(f"  proven bounds: {found}", flush=True)
+    return found
+
+
 def _budgets(lo: int, hi: int, n: int, extra: list[int]) -> list[int]:
     spaced = [lo + (hi - lo) * i // (n - 1) for i in range(n)] if hi > lo else [lo]
     return sorted(set(spaced) | {b for b in extra if lo <= b <= hi})
@@ -163,6 +188,7 @@ def run(name: str, quick: bool, time_limit: float | None = None) -> dict:
     baseline_peaks = [r["peak"] for r in w.rows if r["strategy"] in ("per_block", "chen_sqrt")
                       and "peak" in r]
     budgets = _budgets(lo, hi, settings.budgets, baseline_peaks)
+    bounds = proven_bounds(remat.prepared.problem, w.rows)
     for budget in budgets:
         w.attempt("remat", schedule("optimal", budget), budget=budget)
         chosen = w.torch_for(budget)
@@ -170,7 +196,7 @@ def run(name: str, quick: bool, time_limit: float | None = None) -> dict:
               chosen=None if chosen is None else chosen["param"])
     return {"model": name, "quick": quick, "time_limit": settings.time_limit,
             "rows": w.rows, "budgets": budgets,
-            "remat_smallest": smallest, "save_all_peak": w.reference.peak,
+            "remat_smallest": smallest, "save_all_peak": w.reference.peak, "bounds": bounds,
             "step_flops": w.reference.flops, "seconds": time.perf_counter() - started,
             "torch": torch.__version__,
             "params": sum(p.numel() for p in case.model.parameters()),

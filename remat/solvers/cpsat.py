@@ -31,10 +31,12 @@ from types import MappingProxyType
 from ortools.sat.python import cp_model
 
 from remat.errors import BudgetError, SolverError
+from remat.solvers.bound import recompute_bound
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
 from remat.solvers.registry import STRATEGIES, Strategy, register
 from remat.solvers.schedule import Schedule, Status, drop_unneeded, evaluate, make_schedule
+from remat.solvers.simulate import simulate
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +48,11 @@ MAX_CUT_TERMS = 400_000
 HINT_SHARE = 0.1
 # The share of the time limit the least-peak search may spend when no baseline fits the budget.
 LEAST_PEAK_SHARE = 0.3
-BASELINES = (Strategy.SAVE_ALL, Strategy.CHECKPOINT_BLOCKS, Strategy.CHEN_SQRT, Strategy.GREEDY)
+# The share of the time limit for the bound proven from single backward steps (remat.solvers.
+# bound): a second or two on real graphs, where CP-SAT's own bound stays near zero.
+BOUND_SHARE = 0.1
+BASELINES = (Strategy.SAVE_ALL, Strategy.CHECKPOINT_BLOCKS, Strategy.CHEN_SQRT, Strategy.GREEDY,
+             Strategy.SELECTIVE)
 
 
 @dataclass(frozen=True)
@@ -712,9 +718,10 @@ class _JitModel:
 class _Trace(cp_model.CpSolverSolutionCallback):
     """The anytime trace: every improving schedule's cost and the bound at that moment."""
 
-    def __init__(self, units: _Units, start: float, user):
+    def __init__(self, units: _Units, start: float, user, enough: float = -math.inf):
         super().__init__()
         self.units, self.start, self.user, self.trace = units, start, user, []
+        self.enough = enough  # a cost this low is proven optimal elsewhere: stop there
 
     def on_solution_callback(self) -> None:
         entry = {"time": time.perf_counter() - self.start,
@@ -723,6 +730,8 @@ class _Trace(cp_model.CpSolverSolutionCallback):
         self.trace.append(entry)
         if self.user is not None:
             self.user(entry)
+        if entry["cost"] <= self.enough:
+            self.StopSearch()
 
 
 def _solver(options: SolverOptions, seconds: float) -> cp_model.CpSolver:
@@ -877,7 +886,26 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
                           time.perf_counter() + HINT_SHARE * options.time_limit)
         model.hint(hint)
         info["hint"] = hint.strategy
-    trace = _Trace(units, start, options.on_solution)
+    # Where the hint peaks is where the budget binds: a good step to prove a bound at.
+    peak_step = simulate(problem, hint).peak_step if hint is not None else None
+    step_bound = recompute_bound(problem, budget, time_limit=BOUND_SHARE * options.time_limit,
+                                 workers=options.workers,
+                                 steps=[peak_step.op] if peak_step is not None else [])
+    if step_bound.value == math.inf:  # no schedule fits: find the least peak for the error
+        outcome = fail()
+        if isinstance(outcome, BudgetError):
+            raise outcome
+        return evaluate(problem, outcome, status=Status.FEASIBLE, budget=budget, bound=0.0,
+                        solve_time=time.perf_counter() - start, info=info)
+    # The model's costs are rounded to units: a schedule within a unit per recomputed value of
+    # the proven bound is optimal as far as the model can tell.
+    resolution = len(problem.candidates) * units.cost
+    if step_bound.steps:
+        info.update(step_bound=step_bound.value, step_bound_at=step_bound.where(problem))
+        # Told the bound, CP-SAT's own bound starts there (each rounded cost is at most half a
+        # unit below the real one, hence the slack).
+        m.Add(model.cost >= max(0, math.floor((step_bound.value - resolution / 2) / units.cost)))
+    trace = _Trace(units, start, options.on_solution, enough=step_bound.value + resolution)
     solver = _solver(options, left())
     status = solver.Solve(m, trace)
     if status == cp_model.INFEASIBLE:
@@ -895,8 +923,9 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
                        hint.strategy)
         info.update(stage1_time=solver.WallTime(), trace=trace.trace, from_hint=True)
         bound = solver.BestObjectiveBound() * units.cost
+        bound = max(bound if math.isfinite(bound) else 0.0, step_bound.value)
         return evaluate(problem, hint, strategy=Strategy.OPTIMAL.value, status=Status.FEASIBLE,
-                        budget=budget, bound=bound if math.isfinite(bound) else None,
+                        budget=budget, bound=bound,
                         solve_time=time.perf_counter() - start, info=MappingProxyType(info))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         tried = (f"hinted with {hint.strategy}, which does not fit" if hint is not None
@@ -904,9 +933,9 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
         raise SolverError(f"optimal: no schedule within the time limit of {options.time_limit} s "
                           f"(CP-SAT {solver.StatusName(status)}; {tried}; "
                           f"{info['variables']} variables); raise time_limit or the budget")
-    proven = status == cp_model.OPTIMAL
+    optimum = status == cp_model.OPTIMAL
     best_cost = round(solver.ObjectiveValue())
-    bound = solver.BestObjectiveBound() * units.cost
+    bound = max(solver.BestObjectiveBound() * units.cost, step_bound.value)
     recomputed, positions = model.decision(solver.Value)
     model_peak = solver.Value(model.peak)
     info.update(stage1_time=solver.WallTime(), trace=trace.trace)
@@ -926,7 +955,8 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
     info["model_peak"] = model_peak * units.byte
 
     schedule = make_schedule(problem, recomputed, recompute_at=positions)
+    optimum = optimum or schedule.cost <= step_bound.value + resolution
     return evaluate(problem, schedule, strategy=Strategy.OPTIMAL.value,
-                    status=Status.OPTIMAL if proven else Status.FEASIBLE, budget=budget,
+                    status=Status.OPTIMAL if optimum else Status.FEASIBLE, budget=budget,
                     bound=bound, solve_time=time.perf_counter() - start,
                     info=MappingProxyType(info))

@@ -20,6 +20,7 @@ class Strategy(str, enum.Enum):
     CHECKPOINT_BLOCKS = "checkpoint_blocks"
     CHEN_SQRT = "chen_sqrt"
     GREEDY = "greedy"
+    SELECTIVE = "selective"
     OPTIMAL = "optimal"
     BRUTE_FORCE = "brute_force"
 

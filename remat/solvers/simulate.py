@@ -64,10 +64,14 @@ def step_order(problem: Problem, schedule: Schedule) -> list[tuple[int, StepKind
     return order
 
 
-def simulate(problem: Problem, schedule: Schedule) -> Timeline:
+def holds(problem: Problem, schedule: Schedule,
+          order: list[tuple[int, StepKind]] | None = None) -> list[tuple[int, int, int, int]]:
+    """Every (storage, bytes, first step, last step) that the step holds under `schedule`, steps
+    counted in `order` (step_order's). A recomputed storage holds twice: its original copy and
+    its recomputed one."""
     ops = problem.ops
     nf = problem.num_forward
-    order = step_order(problem, schedule)
+    order = step_order(problem, schedule) if order is None else order
     end = len(order) - 1
     # Where each op's value is made: forward and backward ops once, recomputed ops twice.
     first_step = [0] * len(ops)
@@ -80,12 +84,7 @@ def simulate(problem: Problem, schedule: Schedule) -> Timeline:
 
     readers = problem.storage_readers
     pinned = problem.pinned
-    delta = [0] * (len(order) + 1)
-
-    def hold(size: int, start: int, stop: int) -> None:
-        delta[start] += size
-        delta[stop + 1] -= size
-
+    held = []
     for i, op in enumerate(ops):
         if problem.root[i] != i or op.size == 0:
             continue
@@ -94,21 +93,31 @@ def simulate(problem: Problem, schedule: Schedule) -> Timeline:
         t = tuple_of(problem, i)
         made = first_step[i] if t is None else first_step[t] + 1
         if i in pinned:
-            hold(op.size, made, end)
+            held.append((i, op.size, made, end))
             continue
         # Steps at which the original and the recomputed copy are read.
         forward_reads = [first_step[r] for r in readers[i] if r < nf]
         later_reads = [first_step[r] for r in readers[i] if r >= nf]
         later_reads += [recompute_step[r] for r in readers[i] if r in recompute_step]
         if i >= nf:
-            hold(op.size, made, max(later_reads, default=made))
+            held.append((i, op.size, made, max(later_reads, default=made)))
         elif i in schedule.saved:
-            hold(op.size, made, max(forward_reads + later_reads, default=made))
+            held.append((i, op.size, made, max(forward_reads + later_reads, default=made)))
         else:
-            hold(op.size, made, max(forward_reads, default=made))
+            held.append((i, op.size, made, max(forward_reads, default=made)))
             if i in recompute_step:
                 again = recompute_step[i] if t is None else recompute_step[t] + 1
-                hold(op.size, again, max(later_reads, default=again))
+                held.append((i, op.size, again, max(later_reads, default=again)))
+    return held
+
+
+def simulate(problem: Problem, schedule: Schedule) -> Timeline:
+    ops = problem.ops
+    order = step_order(problem, schedule)
+    delta = [0] * (len(order) + 1)
+    for _, size, start, stop in holds(problem, schedule, order):
+        delta[start] += size
+        delta[stop + 1] -= size
 
     live = 0
     steps = []

@@ -1,0 +1,289 @@
+"""Lower bounds that no schedule can beat, proven one backward step at a time.
+
+The exact solver's own bound stays near zero on real graphs (its LP relaxation lets a value be
+half saved and half recomputed), so its gaps read near 100 % even where its plan is optimal.
+This module proves bounds from a relaxation of DESIGN.md's execution model instead.
+
+Take a backward op `b`. While it runs, the simulator holds, whatever the schedule:
+- what no schedule decides: backward values made before `b` and read at or after it, outputs,
+  `b`'s own output and temp bytes (`fixed_bytes`);
+- some set L of forward storages (saved, or recomputed earlier and still held).
+Every forward storage that `b` or a later backward op reads is in L or is recomputed after `b`,
+and then so is every forward storage that recomputation reads: a storage recomputed after `b`
+reads values that are live at `b` or recomputed after it themselves. What `b` reads is in L.
+
+So a schedule that fits a budget gives a pair (L, A) with those closure rules, L's bytes at most
+the budget minus `fixed_bytes[b]`, and a cost of at least A's (each value is recomputed at most
+once; what is recomputed before `b` is not counted). The least such cost, a knapsack with
+closure constraints that CP-SAT solves exactly in a second, bounds every schedule's cost; the
+least such L bounds every schedule's peak.
+
+Several steps together bound tighter: one decision per value, saved (S) or recomputed (R) once
+in the whole step, ties their pairs. A saved value is in L at every step up to its last backward
+reader; one recomputed after a step is recomputed after every earlier step; one in L and
+recomputed was recomputed before, so not after. On a chain the single steps miss a layer's
+recomputation (the one before the step); the joint model does not.
+
+Both are bounds of the model, with the ops in their traced order: no checkpointing that runs the
+backward in autograd's order (torch.utils.checkpoint's does) can beat them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from ortools.sat.python import cp_model
+
+from remat.solvers.problem import Kind, Problem, recompute_blocker
+from remat.solvers.schedule import Schedule
+from remat.solvers.simulate import holds
+
+__all__ = ["Bound", "fixed_bytes", "peak_bound", "recompute_bound"]
+
+# Backward steps tried, besides the first backward op and any the caller names: those that hold
+# the most whatever the schedule, where the room left for forward values is least.
+STEPS = 8
+# Backward steps the joint model adds, evenly spread, besides those tried alone.
+SPREAD = 16
+# CP-SAT workers for the relaxations when the caller names none. At 8 the portfolio runs the
+# subsolvers that prove these knapsacks at once (Llama stack, one step: 0.06 s); at 2 or 4
+# workers the same proof takes 15 s or does not end within 20.
+WORKERS = 8
+# Costs become integers in this fraction of their total, rounded down, so that the integer
+# bound stays a bound of the real costs (the rounding loses at most ops x this share).
+COST_RESOLUTION = 1e-9
+
+
+@dataclass(frozen=True)
+class Bound:
+    """`value` is proven: no schedule does better (math.inf: no schedule fits at all).
+
+    `steps` are the backward ops whose steps prove it; `exact` says whether that relaxation was
+    solved to optimality (else `value` is CP-SAT's bound of it, still a bound)."""
+
+    value: float
+    steps: tuple[int, ...]
+    exact: bool
+
+    def where(self, problem: Problem) -> str:
+        if len(self.steps) == 1:
+            return problem.ops[self.steps[0]].name
+        return f"{len(self.steps)} backward steps together"
+
+
+def fixed_bytes(problem: Problem) -> list[int]:
+    """For each backward op (index - num_forward), the bytes its step holds under every schedule:
+    backward values, outputs and its temp bytes; forward storages that are not outputs aside."""
+    nf = problem.num_forward
+    nothing = Schedule(saved=frozenset(), recomputed=frozenset(), recompute_at={})
+    delta = [0] * (len(problem.ops) + 1)
+    pinned = problem.pinned
+    # With nothing recomputed, step t runs op t; backward storages and outputs hold the same
+    # ops under every schedule, only their step numbers shift.
+    for storage, size, start, stop in holds(problem, nothing):
+        if storage >= nf or storage in pinned:
+            delta[start] += size
+            delta[stop + 1] -= size
+    level, fixed = 0, []
+    for t, op in enumerate(problem.ops):
+        level += delta[t]
+        if t >= nf:
+            fixed.append(level + op.temp)
+    return fixed
+
+
+def recompute_bound(problem: Problem, budget: int, *, time_limit: float = 10.0,
+                    steps: Iterable[int] = (), cost: Callable | None = None,
+                    workers: int = 0) -> Bound:
+    """A lower bound on the recompute cost (`Op.cost`, or `cost(op)`) of every schedule whose
+    simulated activation peak is at most `budget`; math.inf when none can fit. `steps` adds
+    backward ops to try (the peak step of a known schedule is a good one). Half the time goes to
+    single steps, half to the joint model over them and steps spread over the backward."""
+    cost = cost or (lambda op: op.cost)
+    nf = problem.num_forward
+    fixed = fixed_bytes(problem)
+    tried = _steps(problem, fixed, steps)
+    for b in tried:
+        if budget < fixed[b - nf]:
+            return Bound(math.inf, (b,), True)
+    rooms = {b: budget - fixed[b - nf] for b in _spread(problem, tried)}
+    best = Bound(0.0, (), True)
+    per_step = time_limit / 2 / max(len(tried), 1)
+    for b in tried:
+        value, exact = _Relaxation(problem, [b]).least_cost({b: rooms[b]}, cost, per_step,
+                                                            workers)
+        if value > best.value or not best.steps:
+            best = Bound(value, (b,), exact)
+        if value == math.inf:
+            return best
+    if len(rooms) > 1:
+        value, exact = _Relaxation(problem, sorted(rooms)).least_cost(
+            rooms, cost, time_limit / 2, workers)
+        if value > best.value:
+            best = Bound(value, tuple(sorted(rooms)), exact)
+    return best
+
+
+def peak_bound(problem: Problem, *, time_limit: float = 10.0, steps: Iterable[int] = (),
+               workers: int = 0) -> Bound:
+    """A lower bound on the simulated activation peak of every schedule, in bytes: single steps
+    with half the time, then the joint model over them and steps spread over the backward."""
+    nf = problem.num_forward
+    fixed = fixed_bytes(problem)
+    tried = _steps(problem, fixed, steps)
+    best = Bound(0.0, (), True)
+    per_step = time_limit / 2 / max(len(tried), 1)
+    for b in tried:
+        value, exact = _Relaxation(problem, [b]).least_peak({b: fixed[b - nf]}, per_step,
+                                                            workers)
+        if value > best.value:
+            best = Bound(value, (b,), exact)
+    joint = _spread(problem, tried)
+    if len(joint) > 1:
+        value, exact = _Relaxation(problem, joint).least_peak(
+            {b: fixed[b - nf] for b in joint}, time_limit / 2, workers)
+        if value > best.value:
+            best = Bound(value, tuple(joint), exact)
+    return best
+
+
+def _steps(problem: Problem, fixed: Sequence[int], extra: Iterable[int]) -> list[int]:
+    nf = problem.num_forward
+    if nf == len(problem.ops):
+        return []
+    # What the op itself reads must be live: a cheap floor of its step beside the fixed bytes.
+    reads = [sum(problem.ops[s].size for s in problem.storage_inputs[b] if s < nf)
+             for b in problem.backward]
+    heaviest = sorted(problem.backward, key=lambda b: -(fixed[b - nf] + reads[b - nf]))
+    chosen = [nf, *(b for b in extra if nf <= b < len(problem.ops)), *heaviest[:STEPS]]
+    return list(dict.fromkeys(chosen))
+
+
+def _spread(problem: Problem, tried: list[int]) -> list[int]:
+    """`tried` and up to SPREAD more backward ops, evenly among those that read forward values
+    (one per layer's backward, on a stack of SPREAD layers or fewer)."""
+    nf = problem.num_forward
+    readers = [b for b in problem.backward if any(s < nf for s in problem.storage_inputs[b])]
+    picked = [readers[i * len(readers) // SPREAD] for i in range(min(SPREAD, len(readers)))]
+    return sorted(set(tried) | set(picked))
+
+
+class _Relaxation:
+    """The joint model over backward ops `steps`: per forward storage that the backward may
+    need, save[v] or recompute[v] once; per step b, keep[b, v] (v live at b's step) and
+    after[b, v] (v recomputed after it)."""
+
+    def __init__(self, problem: Problem, steps: Sequence[int]):
+        nf = problem.num_forward
+        pinned = problem.pinned
+        inputs = problem.storage_inputs
+
+        def forward(storages):  # outputs are always held: fixed bytes, never decided
+            return [s for s in storages if s < nf and s not in pinned]
+
+        def closure(start) -> list[int]:
+            reach, frontier = set(), list(start)
+            while frontier:
+                v = frontier.pop()
+                if v not in reach:
+                    reach.add(v)
+                    frontier.extend(forward(inputs[v]))
+            return sorted(reach)
+
+        m = cp_model.CpModel()
+        self.model, self.problem = m, problem
+        # One step alone needs no whole-step decision: what it recomputes after it is its cost.
+        # (Solved without that layer, real graphs' single steps prove in a second, not 20.)
+        joint = len(steps) > 1
+        read_by_backward = {s for r in problem.backward for s in forward(inputs[r])}
+        self.values = closure(read_by_backward)
+        last_read = {v: max((r for r in problem.storage_readers[v] if r >= nf), default=-1)
+                     for v in self.values}
+        self.redo = {}
+        save: dict[int, cp_model.IntVar] = {}
+        for v in self.values if joint else ():
+            # A tuple op holds no storage of its own: what is live of it are its getitems.
+            tuple_op = problem.ops[v].kind is Kind.TUPLE
+            save[v] = m.NewConstant(0) if tuple_op else m.NewBoolVar(f"s{v}")
+            self.redo[v] = (m.NewBoolVar(f"r{v}") if recompute_blocker(problem, v) is None
+                            else m.NewConstant(0))
+            m.Add(save[v] + self.redo[v] <= 1)
+        for v in read_by_backward if joint else ():
+            m.AddBoolOr([save[v], self.redo[v]])
+        for u in self.values if joint else ():
+            for s in forward(inputs[u]):
+                m.Add(save[s] + self.redo[s] >= self.redo[u])
+
+        self.keep: dict[int, dict[int, cp_model.IntVar]] = {}
+        earlier: dict[int, cp_model.IntVar] | None = None
+        for b in sorted(steps):
+            ahead = {s for r in range(b, len(problem.ops)) for s in forward(inputs[r])}
+            keep, after = {}, {}
+            for v in closure(ahead):
+                tuple_op = problem.ops[v].kind is Kind.TUPLE
+                keep[v] = m.NewConstant(0) if tuple_op else m.NewBoolVar(f"k{b}_{v}")
+                after[v] = (m.NewBoolVar(f"a{b}_{v}") if recompute_blocker(problem, v) is None
+                            else m.NewConstant(0))
+                if not joint:
+                    continue
+                m.Add(keep[v] + after[v] <= save[v] + self.redo[v])
+                m.AddImplication(after[v], self.redo[v])
+                if last_read[v] >= b:  # a saved value lives to its last reader
+                    m.AddImplication(save[v], keep[v])
+                if earlier is not None:  # recomputed after b: after every earlier step too
+                    m.AddImplication(after[v], earlier[v])
+            for v in ahead:
+                m.AddBoolOr([keep[v], after[v]])
+            for s in forward(inputs[b]):
+                m.Add(keep[s] == 1)
+            for u in after:
+                for s in forward(inputs[u]):
+                    m.Add(keep[s] + after[s] >= after[u])
+            self.keep[b], earlier = keep, after
+        if not joint:
+            self.redo = earlier or {}
+
+    def _bytes(self, b: int):
+        ops = self.problem.ops
+        return sum(ops[v].size * k for v, k in self.keep[b].items() if ops[v].size)
+
+    def least_cost(self, rooms: dict[int, int], cost: Callable, seconds: float,
+                   workers: int) -> tuple[float, bool]:
+        ops = self.problem.ops
+        for b, room in rooms.items():
+            if self.keep[b]:
+                self.model.Add(self._bytes(b) <= room)
+        weights = {v: cost(ops[v]) for v in self.redo}
+        total = sum(weights.values())
+        if total <= 0:
+            return self._solve(1.0, seconds, workers, costless=True)
+        unit = total * COST_RESOLUTION
+        self.model.Minimize(sum(math.floor(w / unit) * self.redo[v]
+                                for v, w in weights.items() if w >= unit))
+        return self._solve(unit, seconds, workers)
+
+    def least_peak(self, fixed: dict[int, int], seconds: float,
+                   workers: int) -> tuple[float, bool]:
+        """The least, over the model's choices, of the most that any of the steps holds."""
+        top = sum(op.size for op in self.problem.ops) + max(fixed.values())
+        peak = self.model.NewIntVar(0, top, "peak")
+        for b, held in fixed.items():
+            self.model.Add(held + self._bytes(b) <= peak)
+        self.model.Minimize(peak)
+        return self._solve(1, seconds, workers)
+
+    def _solve(self, unit: float, seconds: float, workers: int,
+               costless: bool = False) -> tuple[float, bool]:
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = max(seconds, 0.05)
+        solver.parameters.num_workers = workers or WORKERS
+        status = solver.Solve(self.model)
+        if status == cp_model.INFEASIBLE:
+            return math.inf, True
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return 0.0, False  # nothing proven in the time given
+        if costless:
+            return 0.0, True
+        # The objective is an integer: its bound rounds up, less float noise (448.00000000000006).
+        return math.ceil(solver.BestObjectiveBound() - 1e-6) * unit, status == cp_model.OPTIMAL
