@@ -175,7 +175,7 @@ def verdict(result: dict) -> list[tuple[str, str]]:
         half = 0.5 * block["recompute"]
         least = bounds.get("flops_at_per_block") if bounds.get("per_block_peak") == block["peak"] \
             else None
-        proof = ("" if least is None else
+        proof = ("" if not least else
                  f"; no schedule of the traced order can recompute less than "
                  f"{least / 1e9:.3f} GFLOP there (proven at {bounds['flops_at']})")
         mark = PASS if at_block["recompute"] <= half else (
@@ -197,7 +197,7 @@ def verdict(result: dict) -> list[tuple[str, str]]:
                  if wrong_min is not None and wrong_min < min(remat_min, other_min or wrong_min + 1)
                  else "")
         floor = bounds.get("peak")
-        proof = "" if floor is None else f"; no schedule peaks below {_mib(floor)} MiB (proven)"
+        proof = "" if not floor else f"; no schedule peaks below {_mib(floor)} MiB (proven)"
         lines.append((_mark(other_min is None or remat_min <= other_min),
                       f"smallest measured peak with right gradients: remat {_mib(remat_min)} MiB, "
                       f"others {_mib(other_min)} MiB{wrong} (remat's solver says "

@@ -16,9 +16,8 @@ from tabulate import tabulate
 
 from remat.errors import BudgetError, SolverError
 from remat.solvers import SolverOptions, Strategy, make_schedule, simulate, solve
+from remat.solvers.cpsat import BASELINES
 from remat.solvers.synthetic import transformer_ops
-
-BASELINES = (Strategy.SAVE_ALL, Strategy.CHECKPOINT_BLOCKS, Strategy.CHEN_SQRT, Strategy.GREEDY)
 
 
 def row(ops: int, fraction: float, options: SolverOptions) -> dict:
@@ -31,10 +30,11 @@ def row(ops: int, fraction: float, options: SolverOptions) -> dict:
         best = solve(problem, budget, Strategy.OPTIMAL, options)
         out.update(time_s=round(time.perf_counter() - start, 1), status=best.status.value,
                    gap=f"{best.gap:.2%}" if best.gap is not None else "-",
+                   bound_from=best.info.get("bound_from", "-"),
                    optimal=f"{best.cost * 1e3:.3f}")
     except (BudgetError, SolverError) as error:
         out.update(time_s=round(time.perf_counter() - start, 1), status=type(error).__name__,
-                   gap="-", optimal="-")
+                   gap="-", bound_from="-", optimal="-")
         smallest = getattr(error, "smallest", None)
         if smallest is not None:  # the least peak the solver found: the feasible floor
             out["status"] += f" (least {smallest / save_all_peak:.1%})"

@@ -111,13 +111,16 @@ class SolverSummary:
     minimized: str = "time"
     """The solver's objective: "time", or "flops" (then `bound` is scaled from the FLOPs bound
     so that `gap` is the FLOPs objective's)."""
+    bound_from: str = ""
+    """Which proof gave `bound`: CP-SAT's search, or backward steps (remat.solvers.bound)."""
 
     @staticmethod
     def of(schedule: Schedule) -> "SolverSummary":
         return SolverSummary(strategy=schedule.strategy, status=schedule.status.value,
                              objective=schedule.cost, bound=schedule.bound, gap=schedule.gap,
                              time=schedule.solve_time, activation_budget=schedule.budget or 0,
-                             minimized=schedule.info.get("objective", "time"))
+                             minimized=schedule.info.get("objective", "time"),
+                             bound_from=schedule.info.get("bound_from", ""))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -307,6 +310,7 @@ def _solver_table(s: SolverSummary) -> str:
             ["recompute time", f"{s.objective * 1e3:.4f} ms"],
             ["bound", "n/a" if s.bound is None else f"{s.bound * 1e3:.4f} ms"],
             ["gap", "n/a" if s.gap is None else f"{100 * s.gap:.2f} %"],
+            *([["bound from", s.bound_from]] if s.bound_from else []),
             ["solve time", f"{s.time:.2f} s"],
             ["activation allowance", format_size(s.activation_budget)]]
     return tabulate(rows, disable_numparse=True)

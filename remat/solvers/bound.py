@@ -1,8 +1,8 @@
-"""Lower bounds that no schedule can beat, proven one backward step at a time.
+"""Lower bounds that no schedule can beat, proven from what backward steps must hold.
 
-The exact solver's own bound stays near zero on real graphs (its LP relaxation lets a value be
-half saved and half recomputed), so its gaps read near 100 % even where its plan is optimal.
-This module proves bounds from a relaxation of DESIGN.md's execution model instead.
+The exact solver's own bound stays near zero on real graphs (gaps near 100 % on the peers
+benchmark's FLOPs objective), even where its plan is optimal or nearly so. This module proves
+bounds from a relaxation of DESIGN.md's execution model instead.
 
 Take a backward op `b`. While it runs, the simulator holds, whatever the schedule:
 - what no schedule decides: backward values made before `b` and read at or after it, outputs,

@@ -31,7 +31,7 @@ from types import MappingProxyType
 from ortools.sat.python import cp_model
 
 from remat.errors import BudgetError, SolverError
-from remat.solvers.bound import recompute_bound
+from remat.solvers.bound import Bound, peak_bound, recompute_bound
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
 from remat.solvers.registry import STRATEGIES, Strategy, register
@@ -832,6 +832,16 @@ def _smallest_peak(problem: Problem, units: _Units, options: SolverOptions,
     return schedule, status == cp_model.OPTIMAL and units.exact_bytes
 
 
+def _best_bound(searched: float, steps: Bound, problem: Problem, info: dict) -> float:
+    """The higher of CP-SAT's bound and the one proven from backward steps; `info["bound_from"]`
+    says which, for the report."""
+    if steps.steps and steps.value > searched:
+        info["bound_from"] = f"backward steps ({steps.where(problem)})"
+        return steps.value
+    info["bound_from"] = "CP-SAT search"
+    return searched
+
+
 @register(Strategy.OPTIMAL)
 def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
     """The least-recompute-cost schedule whose simulated peak fits `budget`, least peak among
@@ -847,7 +857,13 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
         return options.time_limit - (time.perf_counter() - start)
 
     def too_small(smallest: Schedule, proven: bool) -> BudgetError:
-        words = "" if proven else " (the least found within the time limit)"
+        words = ""
+        if not proven:
+            floor = peak_bound(problem, time_limit=BOUND_SHARE * options.time_limit,
+                               workers=options.workers)
+            proven = floor.value >= smallest.peak
+            words = "" if proven else (f" (the least found within the time limit; no schedule "
+                                       f"peaks below {math.ceil(floor.value):,}, proven)")
         return BudgetError(
             f"no schedule fits a budget of {budget:,} bytes: the smallest activation peak any "
             f"schedule reaches is {smallest.peak:,} bytes{words}; recomputation cannot go lower. "
@@ -923,7 +939,7 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
                        hint.strategy)
         info.update(stage1_time=solver.WallTime(), trace=trace.trace, from_hint=True)
         bound = solver.BestObjectiveBound() * units.cost
-        bound = max(bound if math.isfinite(bound) else 0.0, step_bound.value)
+        bound = _best_bound(bound if math.isfinite(bound) else 0.0, step_bound, problem, info)
         return evaluate(problem, hint, strategy=Strategy.OPTIMAL.value, status=Status.FEASIBLE,
                         budget=budget, bound=bound,
                         solve_time=time.perf_counter() - start, info=MappingProxyType(info))
@@ -935,7 +951,7 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
                           f"{info['variables']} variables); raise time_limit or the budget")
     optimum = status == cp_model.OPTIMAL
     best_cost = round(solver.ObjectiveValue())
-    bound = max(solver.BestObjectiveBound() * units.cost, step_bound.value)
+    bound = _best_bound(solver.BestObjectiveBound() * units.cost, step_bound, problem, info)
     recomputed, positions = model.decision(solver.Value)
     model_peak = solver.Value(model.peak)
     info.update(stage1_time=solver.WallTime(), trace=trace.trace)
