@@ -30,6 +30,7 @@ backward in autograd's order (torch.utils.checkpoint's does) can beat them.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -99,9 +100,10 @@ def recompute_bound(problem: Problem, budget: int, *, time_limit: float = 10.0,
     """A lower bound on the recompute cost (`Op.cost`, or `cost(op)`) of every schedule whose
     simulated activation peak is at most `budget`; math.inf when none can fit. `steps` adds
     backward ops to try (the peak step of a known schedule is a good one). Half the time goes to
-    single steps, half to the joint model over them and steps spread over the backward."""
+    single steps, the rest to the joint model over them and steps spread over the backward."""
     cost = cost or (lambda op: op.cost)
     nf = problem.num_forward
+    deadline = time.perf_counter() + time_limit
     fixed = fixed_bytes(problem)
     tried = _steps(problem, fixed, steps)
     for b in tried:
@@ -109,20 +111,39 @@ def recompute_bound(problem: Problem, budget: int, *, time_limit: float = 10.0,
             return Bound(math.inf, (b,), True)
     rooms = {b: budget - fixed[b - nf] for b in _spread(problem, tried)}
     best = Bound(0.0, (), True)
-    per_step = time_limit / 2 / max(len(tried), 1)
-    for b in tried:
-        value, exact = _Relaxation(problem, [b]).least_cost({b: rooms[b]}, cost, per_step,
-                                                            workers)
+
+    def single(b: int, seconds: float) -> tuple[float, bool]:
+        return _Relaxation(problem, [b]).least_cost({b: rooms[b]}, cost, seconds, workers)
+
+    for b, value, exact in _by_turns(tried, single, deadline - time_limit / 2):
         if value > best.value or not best.steps:
             best = Bound(value, (b,), exact)
         if value == math.inf:
             return best
-    if len(rooms) > 1:
+    if len(rooms) > 1 and deadline - time.perf_counter() > 0:
         value, exact = _Relaxation(problem, sorted(rooms)).least_cost(
-            rooms, cost, time_limit / 2, workers)
+            rooms, cost, deadline - time.perf_counter(), workers)
         if value > best.value:
             best = Bound(value, tuple(sorted(rooms)), exact)
     return best
+
+
+def _by_turns(steps: list[int], solve: Callable, deadline: float):
+    """(step, value, exact) of each step solved alone before `deadline`, in two turns: first an
+    equal share each; then the steps that did not prove their optimum share what the quick ones
+    left (on the 7B demo, most steps prove in 0.01 s and the one that binds needs 0.6 s)."""
+    pending = list(steps)
+    for _ in range(2):
+        unproven = []
+        for i, b in enumerate(pending):
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            value, exact = solve(b, left / (len(pending) - i))
+            yield b, value, exact
+            if not exact:
+                unproven.append(b)
+        pending = unproven
 
 
 def peak_bound(problem: Problem, *, time_limit: float = 10.0, steps: Iterable[int] = (),
@@ -130,19 +151,21 @@ def peak_bound(problem: Problem, *, time_limit: float = 10.0, steps: Iterable[in
     """A lower bound on the simulated activation peak of every schedule, in bytes: single steps
     with half the time, then the joint model over them and steps spread over the backward."""
     nf = problem.num_forward
+    deadline = time.perf_counter() + time_limit
     fixed = fixed_bytes(problem)
     tried = _steps(problem, fixed, steps)
     best = Bound(0.0, (), True)
-    per_step = time_limit / 2 / max(len(tried), 1)
-    for b in tried:
-        value, exact = _Relaxation(problem, [b]).least_peak({b: fixed[b - nf]}, per_step,
-                                                            workers)
+
+    def single(b: int, seconds: float) -> tuple[float, bool]:
+        return _Relaxation(problem, [b]).least_peak({b: fixed[b - nf]}, seconds, workers)
+
+    for b, value, exact in _by_turns(tried, single, deadline - time_limit / 2):
         if value > best.value:
             best = Bound(value, (b,), exact)
     joint = _spread(problem, tried)
-    if len(joint) > 1:
+    if len(joint) > 1 and deadline - time.perf_counter() > 0:
         value, exact = _Relaxation(problem, joint).least_peak(
-            {b: fixed[b - nf] for b in joint}, time_limit / 2, workers)
+            {b: fixed[b - nf] for b in joint}, deadline - time.perf_counter(), workers)
         if value > best.value:
             best = Bound(value, tuple(joint), exact)
     return best
