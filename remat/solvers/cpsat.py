@@ -48,8 +48,8 @@ MAX_CUT_TERMS = 400_000
 HINT_SHARE = 0.1
 # The share of the time limit the least-peak search may spend when no baseline fits the budget.
 LEAST_PEAK_SHARE = 0.3
-# The share of the time limit for the bound proven from single backward steps (remat.solvers.
-# bound): a second or two on real graphs, where CP-SAT's own bound stays near zero.
+# The share of the time limit for the bound proven from backward steps (remat.solvers.bound):
+# a second or two on real graphs, where CP-SAT's own bound stays near zero.
 BOUND_SHARE = 0.1
 BASELINES = (Strategy.SAVE_ALL, Strategy.CHECKPOINT_BLOCKS, Strategy.CHEN_SQRT, Strategy.GREEDY,
              Strategy.SELECTIVE)
@@ -913,15 +913,15 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
             raise outcome
         return evaluate(problem, outcome, status=Status.FEASIBLE, budget=budget, bound=0.0,
                         solve_time=time.perf_counter() - start, info=info)
-    # The model's costs are rounded to units: a schedule within a unit per recomputed value of
-    # the proven bound is optimal as far as the model can tell.
+    # The model's costs are rounded to units, each at most half a unit off the real one; its
+    # OPTIMAL means optimal within a unit per value (see _Units), and so does meeting the bound.
     resolution = len(problem.candidates) * units.cost
     if step_bound.steps:
         info.update(step_bound=step_bound.value, step_bound_at=step_bound.where(problem))
-        # Told the bound, CP-SAT's own bound starts there (each rounded cost is at most half a
-        # unit below the real one, hence the slack).
+        # Told the bound, CP-SAT's own bound starts there, and the search stops once a plan
+        # reaches it as closely as the rounding lets the model tell.
         m.Add(model.cost >= max(0, math.floor((step_bound.value - resolution / 2) / units.cost)))
-    trace = _Trace(units, start, options.on_solution, enough=step_bound.value + resolution)
+    trace = _Trace(units, start, options.on_solution, enough=step_bound.value + resolution / 2)
     solver = _solver(options, left())
     status = solver.Solve(m, trace)
     if status == cp_model.INFEASIBLE:
