@@ -153,8 +153,8 @@ small = st.builds(lambda seed, f, b, marks: with_flops(
 @given(problem=small, where=st.floats(0.0, 1.05))
 def test_against_brute_force(problem, where):
     """A heuristic: whatever it returns fits and is simulated, recomputes nothing that does
-    FLOPs, and costs at least the optimum; whatever it refuses has no schedule of its own kind
-    at that budget."""
+    FLOPs, and costs at least the optimum; where it refuses, the smallest peak it names is one
+    it meets, and no lower than the smallest any schedule reaches."""
     assume(len(recomputable(problem)) <= MAX_CANDIDATES)
     save_all = make_schedule(problem, []).peak
     budget = int(where * save_all)

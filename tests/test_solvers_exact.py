@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, example, given, settings, strategies as st
 
 from remat.errors import BudgetError
 from remat.solvers import Op, Phase, Problem, SolverOptions, Status, Strategy, make_schedule, simulate, solve
@@ -75,6 +75,9 @@ JUST_IN_TIME = SolverOptions(cost_resolution=1e-9, workers=2, time_limit=30, fre
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problem=small, where=st.floats(-0.1, 1.0))
+# A value read only by recomputations was both saved and recomputed in the model, which then
+# placed its recomputation later than the just-in-time rule does (planned 247, simulated 263).
+@example(problem=random_problem(0, max_forward=7, max_backward=3), where=0.0)
 def test_just_in_time_matches_brute_force(problem, where):
     """The just-in-time model (free_positions=False) against the oracle enumerating the same
     space: every recomputed set, each placed by make_schedule's default rule."""

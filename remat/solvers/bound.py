@@ -99,73 +99,60 @@ def recompute_bound(problem: Problem, budget: int, *, time_limit: float = 10.0,
                     workers: int = 0) -> Bound:
     """A lower bound on the recompute cost (`Op.cost`, or `cost(op)`) of every schedule whose
     simulated activation peak is at most `budget`; math.inf when none can fit. `steps` adds
-    backward ops to try (the peak step of a known schedule is a good one). Half the time goes to
-    single steps, the rest to the joint model over them and steps spread over the backward."""
+    backward ops to try (the peak step of a known schedule is a good one)."""
     cost = cost or (lambda op: op.cost)
     nf = problem.num_forward
-    deadline = time.perf_counter() + time_limit
     fixed = fixed_bytes(problem)
     tried = _steps(problem, fixed, steps)
     for b in tried:
         if budget < fixed[b - nf]:
             return Bound(math.inf, (b,), True)
-    rooms = {b: budget - fixed[b - nf] for b in _spread(problem, tried)}
-    best = Bound(0.0, (), True)
 
-    def single(b: int, seconds: float) -> tuple[float, bool]:
-        return _Relaxation(problem, [b]).least_cost({b: rooms[b]}, cost, seconds, workers)
+    def least_cost(at: list[int], seconds: float) -> tuple[float, bool]:
+        rooms = {b: budget - fixed[b - nf] for b in at}
+        return _Relaxation(problem, at).least_cost(rooms, cost, seconds, workers)
 
-    for b, value, exact in _by_turns(tried, single, deadline - time_limit / 2):
-        if value > best.value or not best.steps:
-            best = Bound(value, (b,), exact)
-        if value == math.inf:
-            return best
-    if len(rooms) > 1 and deadline - time.perf_counter() > 0:
-        value, exact = _Relaxation(problem, sorted(rooms)).least_cost(
-            rooms, cost, deadline - time.perf_counter(), workers)
-        if value > best.value:
-            best = Bound(value, tuple(sorted(rooms)), exact)
-    return best
-
-
-def _by_turns(steps: list[int], solve: Callable, deadline: float):
-    """(step, value, exact) of each step solved alone before `deadline`, in two turns: first an
-    equal share each; then the steps that did not prove their optimum share what the quick ones
-    left (on the 7B demo, most steps prove in 0.01 s and the one that binds needs 0.6 s)."""
-    pending = list(steps)
-    for _ in range(2):
-        unproven = []
-        for i, b in enumerate(pending):
-            left = deadline - time.perf_counter()
-            if left <= 0:
-                return
-            value, exact = solve(b, left / (len(pending) - i))
-            yield b, value, exact
-            if not exact:
-                unproven.append(b)
-        pending = unproven
+    return _best(problem, tried, least_cost, time_limit)
 
 
 def peak_bound(problem: Problem, *, time_limit: float = 10.0, steps: Iterable[int] = (),
                workers: int = 0) -> Bound:
-    """A lower bound on the simulated activation peak of every schedule, in bytes: single steps
-    with half the time, then the joint model over them and steps spread over the backward."""
+    """A lower bound on the simulated activation peak of every schedule, in bytes."""
     nf = problem.num_forward
-    deadline = time.perf_counter() + time_limit
     fixed = fixed_bytes(problem)
-    tried = _steps(problem, fixed, steps)
+
+    def least_peak(at: list[int], seconds: float) -> tuple[float, bool]:
+        return _Relaxation(problem, at).least_peak({b: fixed[b - nf] for b in at}, seconds,
+                                                   workers)
+
+    return _best(problem, _steps(problem, fixed, steps), least_peak, time_limit)
+
+
+def _best(problem: Problem, tried: list[int], solve: Callable, time_limit: float) -> Bound:
+    """The best bound `solve(steps, seconds)` proves: each of `tried` alone, with half the time,
+    in two turns (first an equal share each; then the steps that did not prove their optimum
+    share what the quick ones left: on the 7B demo most steps prove in 0.01 s, and the one that
+    binds needs 0.6 s); then the joint model over them and steps spread over the backward."""
+    deadline = time.perf_counter() + time_limit
     best = Bound(0.0, (), True)
-
-    def single(b: int, seconds: float) -> tuple[float, bool]:
-        return _Relaxation(problem, [b]).least_peak({b: fixed[b - nf]}, seconds, workers)
-
-    for b, value, exact in _by_turns(tried, single, deadline - time_limit / 2):
-        if value > best.value:
-            best = Bound(value, (b,), exact)
+    pending = list(tried)
+    for _ in range(2):
+        unproven = []
+        for i, b in enumerate(pending):
+            left = deadline - time_limit / 2 - time.perf_counter()
+            if left <= 0:
+                break
+            value, exact = solve([b], left / (len(pending) - i))
+            if value > best.value or not best.steps:
+                best = Bound(value, (b,), exact)
+            if value == math.inf:
+                return best
+            if not exact:
+                unproven.append(b)
+        pending = unproven
     joint = _spread(problem, tried)
     if len(joint) > 1 and deadline - time.perf_counter() > 0:
-        value, exact = _Relaxation(problem, joint).least_peak(
-            {b: fixed[b - nf] for b in joint}, deadline - time.perf_counter(), workers)
+        value, exact = solve(joint, deadline - time.perf_counter())
         if value > best.value:
             best = Bound(value, tuple(joint), exact)
     return best
@@ -219,24 +206,25 @@ class _Relaxation:
         # One step alone needs no whole-step decision: what it recomputes after it is its cost.
         # (Solved without that layer, real graphs' single steps prove in a second, not 20.)
         joint = len(steps) > 1
-        read_by_backward = {s for r in problem.backward for s in forward(inputs[r])}
-        self.values = closure(read_by_backward)
-        last_read = {v: max((r for r in problem.storage_readers[v] if r >= nf), default=-1)
-                     for v in self.values}
-        self.redo = {}
+        self.redo: dict[int, cp_model.IntVar] = {}
         save: dict[int, cp_model.IntVar] = {}
-        for v in self.values if joint else ():
-            # A tuple op holds no storage of its own: what is live of it are its getitems.
-            tuple_op = problem.ops[v].kind is Kind.TUPLE
-            save[v] = m.NewConstant(0) if tuple_op else m.NewBoolVar(f"s{v}")
-            self.redo[v] = (m.NewBoolVar(f"r{v}") if recompute_blocker(problem, v) is None
-                            else m.NewConstant(0))
-            m.Add(save[v] + self.redo[v] <= 1)
-        for v in read_by_backward if joint else ():
-            m.AddBoolOr([save[v], self.redo[v]])
-        for u in self.values if joint else ():
-            for s in forward(inputs[u]):
-                m.Add(save[s] + self.redo[s] >= self.redo[u])
+        if joint:
+            read_by_backward = {s for r in problem.backward for s in forward(inputs[r])}
+            values = closure(read_by_backward)
+            last_read = {v: max((r for r in problem.storage_readers[v] if r >= nf), default=-1)
+                         for v in values}
+            for v in values:
+                # A tuple op holds no storage of its own: what is live of it are its getitems.
+                tuple_op = problem.ops[v].kind is Kind.TUPLE
+                save[v] = m.NewConstant(0) if tuple_op else m.NewBoolVar(f"s{v}")
+                self.redo[v] = (m.NewBoolVar(f"r{v}") if recompute_blocker(problem, v) is None
+                                else m.NewConstant(0))
+                m.Add(save[v] + self.redo[v] <= 1)
+            for v in read_by_backward:
+                m.AddBoolOr([save[v], self.redo[v]])
+            for u in values:
+                for s in forward(inputs[u]):
+                    m.Add(save[s] + self.redo[s] >= self.redo[u])
 
         self.keep: dict[int, dict[int, cp_model.IntVar]] = {}
         earlier: dict[int, cp_model.IntVar] | None = None
@@ -264,7 +252,7 @@ class _Relaxation:
                 for s in forward(inputs[u]):
                     m.Add(keep[s] + after[s] >= after[u])
             self.keep[b], earlier = keep, after
-        if not joint:
+        if not joint:  # the step's own recomputations after it are all there is to pay
             self.redo = earlier or {}
 
     def _bytes(self, b: int):

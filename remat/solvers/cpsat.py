@@ -112,6 +112,9 @@ def _provide_what_is_needed(m: cp_model.CpModel, problem: Problem, candidates, d
             m.AddExactlyOne(held)
             continue
         if held:
+            # Once at most: a value both saved and recomputed is not a schedule, and the
+            # just-in-time rule would read "saved" as leave to recompute it late.
+            m.AddAtMostOne(held)
             m.Add(sum(held) <= sum(users))
         for u in users:
             if not held:
@@ -871,20 +874,19 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
             budget=budget, smallest=smallest.peak,
             schedule=evaluate(problem, smallest, strategy=Strategy.OPTIMAL.value))
 
-    def fail() -> BudgetError | Schedule:
+    def fail() -> Schedule:
+        """Where the model finds nothing that fits: the least-peak schedule, which fits only
+        where rounding made the model conservative; else BudgetError."""
         smallest, proven = _smallest_peak(problem, units, options, max(left(), 1.0))
-        if smallest.peak <= budget:  # only where rounding made the model conservative
-            return smallest
-        return too_small(smallest, proven)
+        if smallest.peak > budget:
+            raise too_small(smallest, proven)
+        return evaluate(problem, smallest, status=Status.FEASIBLE, budget=budget, bound=0.0,
+                        solve_time=time.perf_counter() - start, info=info)
 
     # --- Stage 1: least recompute cost under the capacity (budget rounded DOWN to units).
     capacity = units.capacity(budget)
     if model.fixed_peak > capacity:
-        outcome = fail()
-        if isinstance(outcome, BudgetError):
-            raise outcome
-        return evaluate(problem, outcome, status=Status.FEASIBLE, budget=budget, bound=0.0,
-                        solve_time=time.perf_counter() - start, info=info)
+        return fail()
     m.Add(model.peak <= capacity)
     m.Minimize(model.cost)
     hint = options.hint or _best_baseline(problem, budget, options)
@@ -908,11 +910,7 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
                                  workers=options.workers,
                                  steps=[peak_step.op] if peak_step is not None else [])
     if step_bound.value == math.inf:  # no schedule fits: find the least peak for the error
-        outcome = fail()
-        if isinstance(outcome, BudgetError):
-            raise outcome
-        return evaluate(problem, outcome, status=Status.FEASIBLE, budget=budget, bound=0.0,
-                        solve_time=time.perf_counter() - start, info=info)
+        return fail()
     # The model's costs are rounded to units, each at most half a unit off the real one; its
     # OPTIMAL means optimal within a unit per value (see _Units), and so does meeting the bound.
     resolution = len(problem.candidates) * units.cost
@@ -925,11 +923,7 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
     solver = _solver(options, left())
     status = solver.Solve(m, trace)
     if status == cp_model.INFEASIBLE:
-        outcome = fail()
-        if isinstance(outcome, BudgetError):
-            raise outcome
-        return evaluate(problem, outcome, status=Status.FEASIBLE, budget=budget, bound=0.0,
-                        solve_time=time.perf_counter() - start, info=info)
+        return fail()
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE) and hint is not None \
             and hint.peak <= budget:  # a caller's hint need not fit
         # The search ran out of time before it accepted any schedule, but the hint is one that
