@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from remat.errors import RematError
+from remat.fx_passes.inductor import inductor_compilers
 from remat.fx_passes.rewrite import Partition, partition_fn
 from remat.solvers.problem import Problem
 from remat.solvers.schedule import Schedule
@@ -79,31 +80,6 @@ def _instrumented(compiler: Callable, phase: str, hooks: _Hooks) -> Callable:
     return compile_graph
 
 
-def _inductor_compilers() -> tuple[Callable, Callable]:
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from remat.fx_passes.rng import without_snapshots
-
-    def decomposed(gm: torch.fx.GraphModule, example_inputs: Any) -> torch.fx.GraphModule:
-        # The plan names the nodes of the joint graph as captured, in ATen that Inductor's
-        # lowerings do not all accept (it decomposes before partitioning when it owns the
-        # whole pipeline); so each partitioned graph is decomposed after the plan is applied.
-        # Recomputations stay in the backward; Inductor then fuses and plans buffers itself.
-        gm = without_snapshots(gm)
-        return make_fx(gm, decomposition_table=select_decomp_table())(*example_inputs)
-
-    def forward(gm, example_inputs):
-        return compile_fx_inner(decomposed(gm, example_inputs), example_inputs)
-
-    def backward(gm, example_inputs):
-        return compile_fx_inner(decomposed(gm, example_inputs), example_inputs,
-                                is_backward=True)
-
-    return forward, backward
-
-
 class PlannedModule(nn.Module):
     """The training step of `model` under a schedule. `forward(*inputs)` returns the loss (what
     the captured step returns); `loss.backward()` runs the planned backward. The wrapped model is
@@ -121,16 +97,16 @@ class PlannedModule(nn.Module):
         self.schedule = schedule
         self.partitions: list[Partition] = []
         self._hooks = _Hooks()
-        fw, bw = _inductor_compilers() if compile else (boxed_nop, boxed_nop)
+        fw, bw = inductor_compilers() if compile else (boxed_nop, boxed_nop)
         if compile:
             # Inductor plans its own buffers; only the boxed_nop path runs the schedule op by op.
             fw_compiler, bw_compiler = fw, bw
         else:
             fw_compiler = _instrumented(fw, "forward", self._hooks)
             bw_compiler = _instrumented(bw, "backward", self._hooks)
-        self._step = compile_step(model, partition_fn(problem, schedule, self.partitions.append),
-                                  fw_compiler=fw_compiler, bw_compiler=bw_compiler,
-                                  loss_fn=loss_fn, reset=False)
+        self._step = _opaque_to_dynamo(compile_step(
+            model, partition_fn(problem, schedule, self.partitions.append),
+            fw_compiler=fw_compiler, bw_compiler=bw_compiler, loss_fn=loss_fn, reset=False))
         self.compiled = compile
 
     def forward(self, *inputs: Any) -> torch.Tensor:
@@ -174,6 +150,29 @@ def planned_module(model: nn.Module, problem: Problem, schedule: Schedule, *,
     must be the one lowered from `capture(model, inputs, loss_fn=loss_fn)` for inputs of the
     shapes the module is called with; anything else raises RematError at the first call."""
     return PlannedModule(model, problem, schedule, compile=compile, loss_fn=loss_fn)
+
+
+_OPAQUE_REASON = ("remat's planned step is compiled with its own partitioner, and an outer "
+                  "torch.compile tracing into it would partition the model again and drop the "
+                  "plan; so the step is opaque to it. Without fullgraph=True the outer compile "
+                  "runs the step as one call, plan kept; to compile the step itself with "
+                  "Inductor, use planned_module(..., compile=True)")
+
+
+def _opaque_to_dynamo(step: Callable) -> Callable:
+    """`step` as a call that an outer `torch.compile` cannot trace into. Tracing into it would
+    inline the model's code and partition it again with the outer backend's partitioner: the
+    plan silently dropped (TORCH-NOTES.md). Disabled, the call is a graph break, and the step
+    runs under its own compile, with remat's partitioner. `disable` would unwrap a compiled
+    function to its original code, so the compiled step is called through a closure."""
+
+    def run_planned_step(*inputs: Any) -> Any:
+        return step(*inputs)
+
+    try:
+        return torch._dynamo.disable(run_planned_step, reason=_OPAQUE_REASON)
+    except TypeError:  # a torch whose disable takes no reason
+        return torch._dynamo.disable(run_planned_step)
 
 
 def _remat_error(e: BaseException) -> RematError | None:

@@ -20,13 +20,14 @@ The snapshot is an op like the others: the lowering gives it its bytes, it is ne
 """
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 from torch import fx
 
-__all__ = ["RandomOp", "draws", "has_side_effects", "is_random", "rng_state",
-           "snapshot_random_ops", "state_bytes", "unwrapped", "without_snapshots"]
+__all__ = ["RandomOp", "as_rng_state_ops", "draws", "has_side_effects", "is_random",
+           "rng_state", "snapshot_random_ops", "state_bytes", "unwrapped"]
 
 SUFFIX = "_rng_state"
 
@@ -178,26 +179,37 @@ def snapshot_random_ops(gm: fx.GraphModule) -> list[fx.Node]:
     return added
 
 
-def without_snapshots(gm: fx.GraphModule) -> fx.GraphModule:
-    """`gm` with its random ops back to plain aten and its unread snapshots gone, for Inductor:
-    it draws random numbers with its own generator, not aten's, so it can neither take nor
-    replay a snapshot. Raises RematError where the graph replays a random op or hands a
-    snapshot on (to a backward that would replay it)."""
-    from remat.errors import RematError
+def as_rng_state_ops(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` with its snapshots and replays as PyTorch's own RNG-state operators, for
+    Inductor, which cannot run remat's Python targets: a random op whose snapshot the backward
+    reads becomes ``run_and_save_rng_state(op, *args)`` (the generator's state and the op's
+    output, taken together), a replay becomes ``run_with_rng_state(state, op, *args)``, and
+    every other random op becomes the plain aten op again. Inductor runs these operators as
+    fallback kernels on aten's generator, so with ``fallback_random`` on the step draws what
+    eager draws. `gm` itself is left as the plan built it."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
-    advice = ("Inductor draws its own random numbers, so a recomputed random op would not "
-              "draw what the forward drew; run the plan op by op (compile=False), or use a "
-              "schedule that saves the random ops (plan with dropout off, or in eval mode)")
-    for node in list(gm.graph.nodes):
-        if isinstance(node.target, RandomOp):
-            if node.target.replay:
-                raise RematError(f"the schedule recomputes random op {node.name!r}: {advice}")
-            node.target, node.args = node.target.op, node.args[1:]
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is rng_state:
-            if node.users:
-                raise RematError(f"the schedule saves {node.name!r} to replay a random op in "
-                                 f"the backward: {advice}")
-            gm.graph.erase_node(node)
-    gm.recompile()
-    return gm
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in list(graph.nodes):
+        if not isinstance(node.target, RandomOp):
+            continue
+        state, *args = node.args
+        op = node.target.op
+        if node.target.replay:
+            node.target, node.args = run_with_rng_state, (state, op, *args)
+            continue
+        if len(state.users) == 1:  # no backward replays this op
+            node.target, node.args = op, tuple(args)
+            graph.erase_node(state)
+            continue
+        with graph.inserting_before(node):
+            both = graph.call_function(run_and_save_rng_state, (op, *args), dict(node.kwargs))
+            taken = graph.call_function(operator.getitem, (both, 0))
+            output = graph.call_function(operator.getitem, (both, 1))
+        state.replace_all_uses_with(taken, delete_user_cb=lambda user: user is not node)
+        node.replace_all_uses_with(output)
+        graph.erase_node(node)
+        graph.erase_node(state)
+    graph.lint()
+    return fx.GraphModule(gm, graph)

@@ -1,0 +1,69 @@
+"""Inductor as the forward and backward compiler of a planned step.
+
+AOTAutograd hands each compiler a graph that the plan partitioned and fake example inputs; what
+Inductor expects is what its own pipeline would have produced: ATen decomposed by its table,
+no Python targets, random ops it knows how to run. Three things stand between the two:
+
+- Decomposition. The plan names the nodes of the joint graph as captured, so the graphs are
+  decomposed only after partitioning (recomputations stay in the backward). The retrace must
+  run inside the inputs' fake mode, as AOTAutograd's own trace does: outside it, a
+  decomposition's scalar (``torch.where(mask, target, 0)`` in ``nll_loss_backward``) becomes a
+  real tensor beside fake ones, and fake propagation stops at "Please convert all Tensors to
+  FakeTensors first".
+- Random numbers. Inductor normally replaces aten's random ops by its own generator in a joint
+  graph pass that a custom partition never reaches (hence "should have been handled in
+  replace_random.py"). With ``fallback_random`` the step runs aten's random kernels instead,
+  in eager's order on eager's generator: the same masks as eager, so the same gradients.
+- Snapshots. remat's `RandomOp` and `rng_state` targets become PyTorch's RNG-state operators,
+  which Inductor runs as fallbacks (`remat.fx_passes.rng.as_rng_state_ops`); a recomputed
+  dropout then replays the mask its forward drew.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from remat.errors import RematError
+from remat.fx_passes.rng import as_rng_state_ops
+
+__all__ = ["inductor_compilers"]
+
+
+def _decomposed(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    gm = as_rng_state_ops(gm)
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    with fake_mode or contextlib.nullcontext(), enable_python_dispatcher():
+        return make_fx(gm, decomposition_table=select_decomp_table())(*example_inputs)
+
+
+def _inductor_config() -> contextlib.AbstractContextManager:
+    import torch._inductor.config as config
+
+    if not hasattr(config, "fallback_random"):
+        raise RematError(f"this torch ({torch.__version__}) has no Inductor option "
+                         "fallback_random, which a planned step needs to draw eager's random "
+                         "numbers; run the plan op by op (compile=False)")
+    return config.patch(fallback_random=True)
+
+
+def inductor_compilers() -> tuple[Callable, Callable]:
+    """The forward and backward compilers: each graph decomposed and compiled by Inductor's
+    `compile_fx_inner`, random ops on aten's generator."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    def compiler(is_backward: bool) -> Callable:
+        def compile_graph(gm: fx.GraphModule, example_inputs: Any) -> Callable:
+            with _inductor_config():
+                return compile_fx_inner(_decomposed(gm, example_inputs), example_inputs,
+                                        is_backward=is_backward)
+
+        return compile_graph
+
+    return compiler(False), compiler(True)
