@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -132,12 +133,31 @@ class CountingBackend:
         return lookup_backend(self.backend)(gm, example_inputs)
 
 
-def tiny_plan():
-    model, inputs = models.mlp(batch=8, width=32, depth=3)
+@functools.cache
+def tiny_budget() -> int:
+    """An activation budget at which remat.optimize recomputes part of `models.mlp`'s step:
+    60 % of its save-all peak, or the least it fits."""
+    import remat
+
+    model, inputs = models.mlp(batch=32, width=64, depth=4)
     problem = lower(capture(model, inputs))
-    schedule = make_schedule(problem, drop_unneeded(problem, recomputable(problem)))
-    assert schedule.recomputed
-    return model, inputs, problem, schedule
+    budget = int(0.6 * simulate(problem, save_all(problem)).peak)
+    try:
+        remat.optimize(model, activation_budget=budget, example_inputs=inputs,
+                       solver_options=SolverOptions(time_limit=5, workers=2))
+    except BudgetError as e:
+        return e.smallest
+    return budget
+
+
+def tiny_plan():
+    import remat
+
+    model, inputs = models.mlp(batch=32, width=64, depth=4)
+    plan = remat.optimize(model, activation_budget=tiny_budget(), example_inputs=inputs,
+                          solver_options=SolverOptions(time_limit=5, workers=2))
+    assert plan.schedule.recomputed
+    return model, inputs, plan
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -145,27 +165,27 @@ def test_an_outer_torch_compile_keeps_the_plan(backend):
     """torch.compile(plan.module) runs remat's own partitioned graphs: the outer backend gets
     no graph of the model, remat's partitioner runs, and its forward and backward graphs are
     the ones that execute (the recomputing backward, with eager's gradients)."""
-    model, inputs, problem, schedule = tiny_plan()
-    eager, plan = copy.deepcopy(model), copy.deepcopy(model)
+    model, inputs, plan = tiny_plan()
+    eager = copy.deepcopy(model)
     default_loss(eager(*inputs)).backward()
-    module = planned_module(plan, problem, schedule)
+    module = plan.module
     outer = CountingBackend(backend)
     compiled = torch.compile(module, backend=outer)
     with module.instrument(contextlib.nullcontext()) as calls:
         compiled(*inputs).backward()
     assert calls.forward == 1 and calls.backward == 1
     assert len(module.partitions) == 1
-    assert set(module.partition.recomputed) == {problem.ops[i].name
-                                                for i in schedule.recomputed}
+    assert set(module.partition.recomputed) == {plan.problem.ops[i].name
+                                                for i in plan.schedule.recomputed}
     assert not [n for g in outer.graphs for n in g.graph.nodes if n.op == "call_function"]
-    for a, b in zip(eager.parameters(), plan.parameters()):
+    for a, b in zip(eager.parameters(), model.parameters()):
         assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-7)
 
 
 def test_an_outer_fullgraph_compile_says_what_to_do():
     """fullgraph=True cannot keep the plan opaque: the error names the remedy."""
-    model, inputs, problem, schedule = tiny_plan()
-    module = planned_module(model, problem, schedule)
+    _, inputs, plan = tiny_plan()
+    module = plan.module
     compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
     with pytest.raises(Exception, match=r"planned_module\(\.\.\., compile=True\)"):
         compiled(*inputs)

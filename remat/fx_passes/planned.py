@@ -11,6 +11,11 @@ Measuring: a dispatch mode entered around a torch.compile'd call makes dynamo ru
 code instead (TORCH-NOTES.md, "the dispatch-mode trap"). `PlannedModule.instrument(...)` enters
 modes inside the compiled forward and backward graphs instead, and counts the graph calls so a
 test can prove that the compiled graphs really ran.
+
+Compiling: `compile=True` hands the partitioned graphs to Inductor (`remat.fx_passes.inductor`).
+An outer `torch.compile(planned)` would trace into the step and partition the model again with
+its own partitioner, silently dropping the plan (TORCH-NOTES.md); the step is therefore opaque
+to dynamo: the outer compile runs it as one call, under remat's own compile.
 """
 from __future__ import annotations
 
@@ -166,8 +171,8 @@ def _opaque_to_dynamo(step: Callable) -> Callable:
     runs under its own compile, with remat's partitioner. `disable` would unwrap a compiled
     function to its original code, so the compiled step is called through a closure."""
 
-    def run_planned_step(*inputs: Any) -> Any:
-        return step(*inputs)
+    def run_planned_step(*args: Any, **kwargs: Any) -> Any:
+        return step(*args, **kwargs)
 
     try:
         return torch._dynamo.disable(run_planned_step, reason=_OPAQUE_REASON)

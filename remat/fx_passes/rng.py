@@ -15,6 +15,9 @@ the op and calls it unchanged. The rewrite turns a recomputed copy into
 generator back where it was, so that the rest of the step, and the next step, draw exactly what
 eager PyTorch draws.
 
+Inductor cannot run these Python targets: `as_rng_state_ops` turns them into PyTorch's own
+RNG-state operators, which it runs as fallback kernels on the same generator.
+
 The snapshot is an op like the others: the lowering gives it its bytes, it is never recomputed
 (it must be taken in the forward), and the schedule saves it only when it recomputes the op.
 """
@@ -187,7 +190,14 @@ def as_rng_state_ops(gm: fx.GraphModule) -> fx.GraphModule:
     every other random op becomes the plain aten op again. Inductor runs these operators as
     fallback kernels on aten's generator, so with ``fallback_random`` on the step draws what
     eager draws. `gm` itself is left as the plan built it."""
-    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+    try:
+        from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+    except ImportError as e:
+        from remat.errors import RematError
+
+        raise RematError(f"this torch ({torch.__version__}) has no RNG-state operators "
+                         "(torch._prims.rng_prims), which Inductor needs to run a plan's random "
+                         "ops; run the plan op by op (compile=False)") from e
 
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
