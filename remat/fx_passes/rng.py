@@ -190,11 +190,11 @@ def as_rng_state_ops(gm: fx.GraphModule) -> fx.GraphModule:
     every other random op becomes the plain aten op again. Inductor runs these operators as
     fallback kernels on aten's generator, so with ``fallback_random`` on the step draws what
     eager draws. `gm` itself is left as the plan built it."""
+    from remat.errors import RematError
+
     try:
         from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
     except ImportError as e:
-        from remat.errors import RematError
-
         raise RematError(f"this torch ({torch.__version__}) has no RNG-state operators "
                          "(torch._prims.rng_prims), which Inductor needs to run a plan's random "
                          "ops; run the plan op by op (compile=False)") from e
@@ -205,7 +205,12 @@ def as_rng_state_ops(gm: fx.GraphModule) -> fx.GraphModule:
         if not isinstance(node.target, RandomOp):
             continue
         state, *args = node.args
-        op = node.target.op
+        op, device = node.target.op, node.target.device
+        if device.type == "cuda" and device.index not in (None, torch.cuda.current_device()):
+            # The operators snapshot the current device's generator, not the op's.
+            raise RematError(f"random op {node.name!r} draws on {device}, not on the current "
+                             f"device: call torch.cuda.set_device({device.index}) before the "
+                             "planned step, or run it op by op (compile=False)")
         if node.target.replay:
             node.target, node.args = run_with_rng_state, (state, op, *args)
             continue
