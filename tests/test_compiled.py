@@ -98,9 +98,21 @@ def step_both(model, inputs, schedule_of, *, compile=True):
     ("llama, the solver's plan", llama_stack, solver_plan),
     ("gpt, dropout replayed", tiny_gpt, dropouts_recomputed),
 ])
-def test_inductor_runs_the_plan_with_eager_gradients(name, factory, schedule_of):
+def test_inductor_runs_the_plan_with_eager_gradients(name, factory, schedule_of, monkeypatch):
+    import torch._inductor.compile_fx as compile_fx
+    from torch._prims.rng_prims import run_with_rng_state
+
+    compiled = []  # (graph, is_backward) for every graph Inductor compiles
+    inner = compile_fx.compile_fx_inner
+
+    def counting(gm, example_inputs, **kwargs):
+        compiled.append((gm, kwargs.get("is_backward", False)))
+        return inner(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", counting)
     model, inputs = factory()
     problem, schedule, module = step_both(model, inputs, schedule_of)
+    assert [is_backward for _, is_backward in compiled] == [False, True]
     part = module.partition
     assert set(part.recomputed) == {problem.ops[i].name for i in schedule.recomputed}
     assert set(part.saved) == {problem.ops[i].name for i in schedule.saved}
@@ -109,12 +121,14 @@ def test_inductor_runs_the_plan_with_eager_gradients(name, factory, schedule_of)
     else:
         assert part.recomputed
     if schedule_of is dropouts_recomputed:
-        # The backward replays each dropout from its snapshot; with fresh randomness the
-        # gradients above would differ from eager's.
+        # The backward Inductor compiled replays each dropout from its forward's snapshot;
+        # with fresh randomness the gradients above would differ from eager's.
         replays = [n for n in part.backward.graph.nodes
                    if isinstance(n.target, RandomOp) and n.target.replay]
-        assert len(replays) == sum(problem.ops[i].target == "aten.native_dropout.default"
-                                   for i in schedule.recomputed) > 0
+        assert replays
+        compiled_replays = [n for n in compiled[1][0].graph.nodes
+                            if n.target is run_with_rng_state]
+        assert len(compiled_replays) == len(replays)
 
 
 # --- torch.compile(plan.module) --------------------------------------------------------------
