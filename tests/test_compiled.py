@@ -70,12 +70,12 @@ def dropouts_recomputed(problem):
     return make_schedule(problem, drop_unneeded(problem, set(drops) | outputs))
 
 
-def step_both(model, inputs, schedule_of, *, compile=True):
-    """One planned step and one eager step from the same weights and the same seed."""
+def step_both(model, inputs, schedule_of):
+    """One Inductor-compiled planned step and one eager step from the same weights and the same seed."""
     problem = lower(capture(model, inputs))
     schedule = schedule_of(problem)
     eager, plan = copy.deepcopy(model), copy.deepcopy(model)
-    module = planned_module(plan, problem, schedule, compile=compile)
+    module = planned_module(plan, problem, schedule, compile=True)
     torch.manual_seed(1234)
     plan_loss = module(*inputs)
     plan_loss.backward()
