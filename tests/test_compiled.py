@@ -71,7 +71,7 @@ def dropouts_recomputed(problem):
 
 
 def step_both(model, inputs, schedule_of):
-    """One Inductor-compiled planned step and one eager step from the same weights and the same seed."""
+    """One Inductor-compiled planned step and one eager step, same weights and seed."""
     problem = lower(capture(model, inputs))
     schedule = schedule_of(problem)
     eager, plan = copy.deepcopy(model), copy.deepcopy(model)
