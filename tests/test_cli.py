@@ -25,7 +25,10 @@ def test_json_round_trips(tmp_path, capsys):
     plan = data["plan"]
     report = plan["report"]
     assert report["memory"][0]["memory"]["total"] == plan["peak"] == plan["memory"]["total"]
-    assert plan["schedule"]["peak"] == plan["memory"]["activation_peak"]
+    assert plan["schedule"]["peak"] == plan["memory"]["simulated_peak"]
+    assert plan["memory"]["activation_peak"] == (plan["memory"]["simulated_peak"]
+                                                 - plan["memory"]["graph_gradients"])
+    assert plan["memory"]["activation_peak"] <= 2 * 10**6  # the activation budget given
     assert plan["schedule"]["recompute_flops"] == report["price"]["recompute_flops"]
     assert plan["training"]["optimizer"] == "sgd"
     assert plan["memory"]["state"]["optimizer"] == 0
