@@ -53,6 +53,8 @@ class Sharded:
     """For each op of `problem`, the index of the same op in the graph problem, or None."""
     graph: Problem
     """The graph problem (what the rewrite runs)."""
+    moved: frozenset[int] = frozenset()
+    """Graph ops placed elsewhere in `problem` than in the graph problem (gradient views)."""
 
 
 def _nbytes(node: fx.Node) -> tuple[int, int]:
@@ -86,16 +88,19 @@ def shard(problem: Problem, captured: Captured, *, data_parallel: int, zero_stag
             grad_numel[unit] = grad_numel.get(unit, 0) + numel
             grad_elem[unit] = grad_bytes or nbytes // max(numel, 1)
 
+    moved = _gradient_views(problem, [g for gs in grads.values() for g in gs])
     forward, backward = {}, {}  # unit -> [first, last] op index
     for i, op in enumerate(ops):
         unit = block_of(op.module)
+        if i in moved:
+            continue
         if unit is None or unit not in param_bytes:
             continue
         span = (forward if op.phase is Phase.FORWARD else backward).setdefault(unit, [i, i])
         span[0], span[1] = min(span[0], i), max(span[1], i)
     for unit, gs in grads.items():
         if unit in backward:
-            backward[unit][1] = max([backward[unit][1], *gs])
+            backward[unit][1] = max([backward[unit][1], *(problem.root[g] for g in gs)])
     blocks = sorted(forward, key=lambda u: forward[u][0])
     reverse = sorted((u for u in blocks if u in backward), key=lambda u: backward[u][0])
 
@@ -153,19 +158,49 @@ def shard(problem: Problem, captured: Captured, *, data_parallel: int, zero_stag
         new_ops.append(Op(**{**op.__dict__, "inputs": tuple(position[n] for n in inputs)}))
         graph_index.append(source)
 
+    def emit_graph(i: int) -> None:
+        op = ops[i]
+        keep = op if i not in graph_grads else Op(**{**op.__dict__, "is_output": False})
+        emit(keep, i, [ops[j].name for j in op.inputs])
+
     for i, op in enumerate(ops):
         for extra in before.get(i, []):
             emit(extra, None, list(extra.inputs))
-        names = [ops[j].name for j in op.inputs]
-        keep = op if i not in graph_grads else Op(**{**op.__dict__, "is_output": False})
-        emit(keep, i, names)
+        if i not in moved:
+            emit_graph(i)
+            for v in moved.get(("after", i), ()):
+                emit_graph(v)
         for extra in after.get(i, []):
             emit(extra, None, list(extra.inputs))
     source = {**problem.source, "zero_stage": zero_stage, "data_parallel": data_parallel,
               "prefetch": prefetch,
               "param_gradients": [f"grad_shard.{u}" for u in [*reverse, ROOT] if u in grads]}
     sharded = Problem(tuple(new_ops), name=problem.name, source=source)
-    return Sharded(sharded, tuple(graph_index), problem)
+    return Sharded(sharded, tuple(graph_index), problem,
+                   frozenset(k for k in moved if isinstance(k, int)))
+
+
+def _gradient_views(problem: Problem, grads: list[int]) -> dict:
+    """Gradients that are views (a weight's gradient is often the transpose of a matmul):
+    lowering sinks a view to its first reader, and an output has none, so these sit at the
+    end of the backward, where they would keep their base alive to the step's end once they
+    are no longer outputs. Each moves, with the views it is taken through, to just after its
+    base, where autograd makes it. Returns {view: base} and {("after", base): [views]}."""
+    moved: dict = {}
+    for g in sorted(grads):
+        chain = []
+        v = g
+        while problem.ops[v].kind is Kind.VIEW:
+            chain.append(v)
+            v = problem.ops[v].inputs[0]
+        others = [j for c in chain for j in problem.ops[c].inputs[1:]]
+        if not chain or any(j > v for j in others):
+            continue  # read something made after its base: leave it where it is
+        for c in reversed(chain):
+            if c not in moved:
+                moved[c] = v
+                moved.setdefault(("after", v), []).append(c)
+    return moved
 
 
 def project(sharded: Sharded, schedule: Schedule) -> Schedule:
@@ -177,7 +212,8 @@ def project(sharded: Sharded, schedule: Schedule) -> Schedule:
     recomputed = {to_graph[v] for v in schedule.recomputed}
     at = {}
     for v, b in schedule.recompute_at.items():
-        while to_graph[b] is None:  # before a collective: before the next graph op
+        # Before a collective or a moved view: before the next graph op in its place.
+        while to_graph[b] is None or to_graph[b] in sharded.moved:
             b += 1
         at[to_graph[v]] = to_graph[b]
     return make_schedule(sharded.graph, recomputed, recompute_at=at, strategy=schedule.strategy,
