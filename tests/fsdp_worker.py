@@ -14,7 +14,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def llama_model(layers: int = 4, batch: int = 2):
+def llama_model(layers: int = 2, batch: int = 2):
     """A small Llama (examples/llama.py) and its inputs, the same on every call."""
     sys.path.insert(0, str(ROOT / "examples"))
     from llama import LLAMA_TINY, llama

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 import remat
 from remat.planner.training import Training
-from remat.solvers import SolverOptions
+from remat.planner.optimize import plan_prepared, prepare
+from remat.solvers import SolverOptions, Strategy
 from tests.allocator import allocator_peak, storage_bytes
 
 STATE_ONLY = Training(optimizer="sgd", reserve=0, fragmentation=0.0)  # state: weights + grads
@@ -50,13 +51,13 @@ def test_gradients_larger_than_the_activations_plan_below_their_bytes():
     BudgetError on such a model (its smallest "activation" peak was all its gradients)."""
     model, inputs = wide_mlp()
     grads = sum(p.numel() * 4 for p in model.parameters())
-    save_all = remat.optimize(model, activation_budget=10**12, example_inputs=inputs,
-                              training=STATE_ONLY, solver="save_all")
+    prepared = prepare(model, inputs, training=STATE_ONLY)
+    save_all = prepared.step_memory(prepared.baselines[Strategy.SAVE_ALL], None)
     budget = 2 * save_all.activation_peak
     assert budget < grads // 4  # the model this test is about
-    assert save_all.memory.simulated_peak > grads  # what the old meaning bounded
-    plan = remat.optimize(model, activation_budget=budget, example_inputs=inputs,
-                          training=STATE_ONLY, solver_options=SolverOptions(time_limit=10))
+    assert save_all.simulated_peak > grads  # what the old meaning bounded
+    plan = plan_prepared(model, prepared, budget=None, activation_budget=budget, target="h100",
+                         solver_options=SolverOptions(time_limit=2))
     assert plan.activation_peak <= budget < grads
     assert plan.memory.state.gradients == grads == plan.prepared.graph_gradients
     # The report's terms add up, and the activation budget adds no reserve.

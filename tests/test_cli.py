@@ -81,7 +81,8 @@ def test_demo_prints_predicted_and_measured_within_5_percent():
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "Llama 7B" in out and "Memory of one step" in out
-    match = re.search(r"predicted live bytes of the step's graph: (\d+) bytes .*measured: (\d+) bytes", out)
+    match = re.search(r"predicted live bytes of the step's graph: (\d+) bytes "
+                      r".*measured: (\d+) bytes", out)
     assert match, out[-2000:]
     predicted, measured = map(int, match.groups())
     assert abs(measured - predicted) <= 0.05 * predicted

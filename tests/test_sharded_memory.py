@@ -115,8 +115,8 @@ def test_zero3_gathers_each_block_for_its_forward_and_backward(captured):
     assert gathers["all_gather.root"] == unit_bytes(c, "root")
     assert problem.ops[problem.index("all_gather.root")].is_output  # kept to the step's end
     # Prefetch 1: block 1 is gathered as block 0 starts, before block 0's first op.
-    first_of_block0 = next(i for i, op in enumerate(problem.ops)
-                           if op.module.startswith("layers.0") and not op.target.startswith("remat"))
+    first_of_block0 = next(i for i, op in enumerate(problem.ops) if op.module.startswith(
+        "layers.0") and not op.target.startswith("remat"))
     assert names.index("all_gather.layers.1") < first_of_block0
     assert names.index("reshard.layers.0") < names.index("reshard.layers.1")
     no_prefetch = [op.name for op in shard(graph, c, data_parallel=2, zero_stage=3,

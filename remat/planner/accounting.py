@@ -85,11 +85,16 @@ class StepMemory:
     def rows(self) -> list[tuple[str, int, bool, str]]:
         """(term, bytes, added to the total, note): the breakdown the report prints."""
         s = self.state
-        grads_note = ("the graph's own, counted here, not in the activations"
+        grads_note = ("the .grad the optimizer reads (the graph's, or the shards its "
+                      "reduce-scatters leave): state, not activations"
                       if self.gradients_in_graph else
                       "fp32 buffers of their own; the graph's low-precision gradients are "
                       "activations until accumulated")
-        rows = [("parameters", s.weights, True, f"{s.parameters:,} parameters")]
+        params_note = f"{s.parameters:,} parameters"
+        if not s.weights and s.master:
+            params_note += ("; no low-precision copy of their own: the fp32 shards (master "
+                            "weights) are all-gathered in bf16, inside the activations")
+        rows = [("parameters", s.weights, True, params_note)]
         if s.cast_copies:
             rows.append(("autocast weight copies", s.cast_copies, True,
                          "low-precision copies held for the backward"))
@@ -213,7 +218,8 @@ def budget_error(budget: int, *, smallest_activations: int | None, state: StateM
         how = f" ({strategy})" if strategy else ""
         lines.append(f"  the smallest activation peak{how}: {format_size(activations)} (the "
                      "step's peak less the state)")
-        lines.append(f"  the smallest budget that fits: {format_size(smallest)} ({smallest:,} bytes)")
+        lines.append(f"  the smallest budget that fits: {format_size(smallest)} "
+                     f"({smallest:,} bytes)")
     lines.append(f"  the largest term is {dominant} ({format_size(sizes[dominant])}): {remedy}")
     return BudgetError("\n".join(lines), budget=budget, smallest=smallest, dominant=dominant,
                        remedy=remedy)

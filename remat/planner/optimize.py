@@ -300,7 +300,7 @@ def plan_prepared(model: Any, prepared: Prepared, *, budget: int | None,
         raise _budget_error(prepared, e, budget=budget, strategy=strategy) from None
     memory = prepared.step_memory(schedule, budget)
     log.info("plan: %s %s, activation peak %s, step %s", schedule.strategy,
-             schedule.status.value, format_size(schedule.peak), format_size(memory.total))
+             schedule.status.value, format_size(memory.activation_peak), format_size(memory.total))
     return Plan(model=model, prepared=prepared, schedule=schedule, memory=memory, target=target,
                 solver=strategy, solver_options=solver_options,
                 activation_budget=activation_budget)

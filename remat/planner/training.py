@@ -80,7 +80,10 @@ class Training:
     """Number of data-parallel ranks that ZeRO shards state across."""
     zero_stage: int = 0
     """ZeRO stage: 0 shards nothing; 1 the optimizer state and master copy; 2 also the
-    gradients; 3 also the weights (FSDP)."""
+    gradients; 3 also the weights (FSDP). From 2 on, the step is planned with FSDP2's
+    collectives (remat.fx_passes.sharding): each block's full gradients live until its
+    reduce-scatter, and from 3 on its full parameters from its all-gather to its reshard;
+    these count as activations, the shards as state."""
     prefetch: int = 1
     """ZeRO-3/FSDP: how many blocks ahead a block's parameters are all-gathered, in the forward
     and in the backward (1, as FSDP2 overlaps communication by default)."""
