@@ -187,8 +187,8 @@ def _point(prepared: Prepared, schedule: Schedule, budget: int | None, target: s
                  peak_flops=chip.peak_flops(prepared.training.compute_dtype),
                  time_source="predicted")
     return Point(strategy=strategy, budget=memory.budget, peak=memory.total, needs=needs,
-                 activation_peak=memory.activation_peak, recompute_pct=cost.recompute_pct, mfu=cost.mfu,
-                 hfu=cost.hfu, status=schedule.status.value, gap=schedule.gap)
+                 activation_peak=memory.activation_peak, recompute_pct=cost.recompute_pct,
+                 mfu=cost.mfu, hfu=cost.hfu, status=schedule.status.value, gap=schedule.gap)
 
 
 def knee(points: Sequence[Point]) -> Point | None:
