@@ -271,7 +271,8 @@ def _memory_table(columns: tuple[MemoryColumn, ...]) -> str:
     for name, counted, note in terms:
         if not counted:
             text += f"\n* {name}: {note}"
-        elif name in ("gradients", "activation peak"):
+        elif name in ("gradients", "activation peak") or (
+                name == "parameters" and not present[0].memory.state.weights):
             text += f"\n  {name}: {note}"
     return text
 
