@@ -1,6 +1,12 @@
 """ZeRO-3 / FSDP2 memory per rank: the planner's prediction for the unsharded model against
 what `torch.distributed.fsdp.fully_shard` holds on 2 gloo ranks, measured by the allocator
-(torch.profiler memory events)."""
+(torch.profiler memory events, which work under gloo).
+
+Around the collectives the simulated timeline meets FSDP2's to a few bytes (after the
+backward prefetch of block 0: 1,808,648 measured, 1,808,644 simulated at 4 layers). The
+prediction is 3.6 % under (2 layers) because the measured step runs in eager autograd and the
+simulator models the compiled graph: eager's SwiGLU MulBackward0 holds two more (b, s, mlp)
+tensors, 88,064 bytes, the same excess as without FSDP at that op."""
 import json
 import socket
 
