@@ -3,7 +3,7 @@ what `torch.distributed.fsdp.fully_shard` holds on 2 gloo ranks, measured by the
 (torch.profiler memory events, which work under gloo).
 
 Around the collectives the simulated timeline meets FSDP2's to a few bytes (after the
-backward prefetch of block 0: 1,808,648 measured, 1,808,644 simulated at 4 layers). The
+backward prefetch of block 0: 2,392,584 measured, 2,392,580 simulated at 4 layers). The
 prediction is 3.6 % under (2 layers) because the measured step runs in eager autograd and the
 simulator models the compiled graph: eager's SwiGLU MulBackward0 holds two more (b, s, mlp)
 tensors, 88,064 bytes, the same excess as without FSDP at that op."""
