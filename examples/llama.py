@@ -23,12 +23,16 @@ class LlamaConfig:
     layers: int = 32
     heads: int = 32
     mlp: int = 11008
+    kv_heads: int | None = None  # grouped-query attention: fewer key/value heads (None: heads)
     seq: int = 4096
     rope_theta: float = 10000.0
     eps: float = 1e-5
 
 
 LLAMA_7B = LlamaConfig()
+# Llama 3 70B's shape: grouped-query attention with 8 key/value heads, vocabulary 128256.
+LLAMA_70B = LlamaConfig(vocab_size=128256, hidden=8192, layers=80, heads=64, kv_heads=8,
+                        mlp=28672, rope_theta=500000.0)
 LLAMA_TINY = LlamaConfig(vocab_size=256, hidden=64, layers=2, heads=4, mlp=172, seq=32)
 
 
@@ -62,17 +66,21 @@ class Attention(nn.Module):
     def __init__(self, c: LlamaConfig):
         super().__init__()
         self.heads, self.head_dim = c.heads, c.hidden // c.heads
+        self.kv_heads = c.kv_heads or c.heads
+        kv = self.kv_heads * self.head_dim
         self.wq = nn.Linear(c.hidden, c.hidden, bias=False)
-        self.wk = nn.Linear(c.hidden, c.hidden, bias=False)
-        self.wv = nn.Linear(c.hidden, c.hidden, bias=False)
+        self.wk = nn.Linear(c.hidden, kv, bias=False)
+        self.wv = nn.Linear(c.hidden, kv, bias=False)
         self.wo = nn.Linear(c.hidden, c.hidden, bias=False)
 
     def forward(self, x, cos, sin):
         b, s, h = x.shape
-        q, k, v = (w(x).view(b, s, self.heads, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        q = self.wq(x).view(b, s, self.heads, self.head_dim)
+        k, v = (w(x).view(b, s, self.kv_heads, self.head_dim) for w in (self.wk, self.wv))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        gqa = {"enable_gqa": True} if self.kv_heads != self.heads else {}
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True)
+                                           v.transpose(1, 2), is_causal=True, **gqa)
         return self.wo(y.transpose(1, 2).reshape(b, s, h))
 
 
@@ -138,6 +146,12 @@ def tiny():
 def seven_b():
     """A factory for `remat plan examples/llama.py:seven_b`: 7B on meta tensors, bf16."""
     return llama(LLAMA_7B, batch=1, device="meta", dtype=torch.bfloat16)
+
+
+def seventy_b():
+    """A factory for `remat plan examples/llama.py:seventy_b`: Llama 3 70B's shape on meta
+    tensors, bf16, sequence 4096, batch 1."""
+    return llama(LLAMA_70B, batch=1, device="meta", dtype=torch.bfloat16)
 
 
 def main(argv=None) -> None:

@@ -25,7 +25,10 @@ def test_json_round_trips(tmp_path, capsys):
     plan = data["plan"]
     report = plan["report"]
     assert report["memory"][0]["memory"]["total"] == plan["peak"] == plan["memory"]["total"]
-    assert plan["schedule"]["peak"] == plan["memory"]["activation_peak"]
+    assert plan["schedule"]["peak"] == plan["memory"]["simulated_peak"]
+    assert plan["memory"]["activation_peak"] == (plan["memory"]["simulated_peak"]
+                                                 - plan["memory"]["graph_gradients"])
+    assert plan["memory"]["activation_peak"] <= 2 * 10**6  # the activation budget given
     assert plan["schedule"]["recompute_flops"] == report["price"]["recompute_flops"]
     assert plan["training"]["optimizer"] == "sgd"
     assert plan["memory"]["state"]["optimizer"] == 0
@@ -78,7 +81,8 @@ def test_demo_prints_predicted_and_measured_within_5_percent():
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "Llama 7B" in out and "Memory of one step" in out
-    match = re.search(r"predicted activation peak: (\d+) bytes .*measured: (\d+) bytes", out)
+    match = re.search(r"predicted live bytes of the step's graph: (\d+) bytes "
+                      r".*measured: (\d+) bytes", out)
     assert match, out[-2000:]
     predicted, measured = map(int, match.groups())
     assert abs(measured - predicted) <= 0.05 * predicted

@@ -35,7 +35,7 @@ def prepared(model_inputs):
 def between_baselines(prepared):
     """An activation allowance halfway between checkpointing every block and saving all."""
     peaks = sorted(s.peak for s in prepared.baselines.values())
-    return (peaks[0] + peaks[-1]) // 2
+    return (peaks[0] + peaks[-1]) // 2 - prepared.graph_gradients
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,8 @@ def test_report_numbers_are_the_plans(plan):
     report = plan.report()
     memory = report.plan_memory
     assert memory.total == plan.peak
-    assert memory.activation_peak == plan.schedule.peak == plan.activation_peak
+    assert memory.activation_peak == plan.activation_peak
+    assert memory.activation_peak == plan.schedule.peak - plan.prepared.graph_gradients
     assert report.price.recompute_flops == plan.recompute_flops
     assert report.price.model_flops == plan.problem.total_flops
     assert report.solver.status == plan.status.value and report.solver.gap == plan.gap
@@ -72,16 +73,16 @@ def test_gradients_shown_and_counted_once(plan):
     memory = plan.report().plan_memory
     rows = {name: (size, counted) for name, size, counted, _ in memory.rows()}
     assert memory.gradients_in_graph  # fp32 model, fp32 gradients: the graph's own
-    assert rows["gradients"] == (memory.state.gradients, False)
+    assert rows["gradients"] == (memory.state.gradients, True)
     assert sum(size for size, counted in rows.values() if counted) == memory.total
-    assert 0 <= memory.gradients_at_peak <= memory.activation_peak
+    assert memory.graph_gradients == plan.prepared.graph_gradients
     # The graph's gradients are exactly the configuration's: one fp32 gradient per parameter
     # (the tied embedding once), so counting them inside the activation peak is complete.
     problem = plan.problem
     roots = {problem.root[i] for i, op in enumerate(problem.ops)
              if op.is_output and op.phase.value == "backward"}  # weight grads are often views
     graph_grads = sum(problem.ops[r].size for r in roots)
-    assert graph_grads == memory.state.gradients
+    assert graph_grads == memory.state.gradients == memory.graph_gradients
 
 
 def test_the_plan_runs_and_its_measured_peak_is_the_simulated_one(plan, model_inputs):
@@ -97,7 +98,8 @@ def test_the_plan_runs_and_its_measured_peak_is_the_simulated_one(plan, model_in
         loss = module(*inputs)
         loss.backward()
     assert calls.forward == 1 and calls.backward == 1
-    assert tracker.peak == plan.activation_peak
+    # The tracker sees the graph's values, its gradients included: the simulated peak.
+    assert tracker.peak == plan.memory.simulated_peak
     torch.testing.assert_close(loss, expected)
     for n, p in model.named_parameters():  # the module shares the model's parameters
         torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-5)
@@ -146,7 +148,7 @@ def test_state_dominated_budget_error(model_inputs, prepared):
 def test_activation_dominated_budget_error(model_inputs, prepared):
     model, _ = model_inputs
     smallest_peak = prepared.baselines[remat.solvers.Strategy.CHECKPOINT_BLOCKS].peak
-    budget = prepared.state.total + smallest_peak // 4
+    budget = prepared.state.total + (smallest_peak - prepared.graph_gradients) // 4
     with pytest.raises(BudgetError) as info:
         plan_prepared(model, prepared, budget=budget, activation_budget=None, target="h100",
                       solver="checkpoint_blocks")

@@ -86,11 +86,31 @@ def test_zero_stages_shard_what_they_say():
     for stage, sharded in [(0, set()), (1, {"master", "optimizer"}),
                            (2, {"master", "optimizer", "gradients"}),
                            (3, {"master", "optimizer", "gradients", "weights"})]:
-        state = state_memory(shapes, Training(precision="bf16-mixed", optimizer="adam",
+        state = state_memory(shapes, Training(precision="fp32", optimizer="adam",
                                               data_parallel=8, zero_stage=stage))
+        fp32 = state_memory(shapes, Training(precision="fp32", optimizer="adam"))
         for term in ("weights", "master", "gradients", "optimizer"):
-            expected = getattr(base, term) // 8 if term in sharded else getattr(base, term)
+            expected = getattr(fp32, term) // 8 if term in sharded else getattr(fp32, term)
             assert getattr(state, term) == expected, (stage, term)
+    # bf16-mixed: the same, but ZeRO-3 keeps no bf16 shard beside the fp32 one (below).
+    state = state_memory(shapes, Training(precision="bf16-mixed", optimizer="adam",
+                                          data_parallel=8, zero_stage=2))
+    assert (state.weights, state.master) == (base.weights, base.master // 8)
+
+
+def test_bf16_mixed_zero3_keeps_the_fp32_shard_only():
+    """FSDP2 with MixedPrecisionPolicy(param_dtype=bf16) keeps fp32 shards (the master
+    weights) and casts them to bf16 as it all-gathers: 16 bytes per parameter over the ranks,
+    not 18 (issue 11: 7B on 8 ranks gave 15.16 GB)."""
+    training = Training(precision="bf16-mixed", optimizer="adamw", data_parallel=8,
+                        zero_stage=3)
+    state = state_memory(llama7b_shapes(), training)
+    assert state.weights == 0
+    assert state.total == 16 * state.parameters // 8  # 13.41 GB; 13.48 GB at 6.74e9 params
+    frozen = state_memory([("a", (800,)), ("b", (800,))],
+                          Training(precision="bf16-mixed", data_parallel=8, zero_stage=3,
+                                   frozen=["b"]))
+    assert frozen.weights == 2 * 800 // 8  # a frozen parameter keeps its bf16 shard
 
 
 def test_frozen_parameters_cost_their_weights_alone():

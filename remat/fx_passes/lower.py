@@ -45,7 +45,7 @@ from remat.solvers.problem import Kind, Op, Phase, Problem, Reason
 
 log = logging.getLogger(__name__)
 
-__all__ = ["lower", "op_nodes", "phases"]
+__all__ = ["lower", "op_nodes", "phases", "parameter_gradients"]
 
 _COLLECTIVE_NAMESPACES = {"_c10d_functional", "c10d", "c10d_functional", "_dtensor"}
 
@@ -174,11 +174,23 @@ def lower(captured: Captured, *, target="h100", measure: bool = False,
         "buffer_bytes": captured.buffer_bytes, "input_bytes": captured.input_bytes,
         "time_source": "measured" if prof.measured else "roofline",
         "graph_nodes": len(gm.graph.nodes),
+        # The parameters' gradients: the values the state's gradients term counts.
+        "param_gradients": [n for n in parameter_gradients(captured).values()
+                            if n in {o.name for o in ops}],
     }
     problem = Problem(tuple(ops), name=captured.model_name, source=source)
     log.info("lowered %s: %d ops (%d forward)", captured.model_name, len(problem),
              problem.num_forward)
     return problem
+
+
+def parameter_gradients(captured: Captured) -> dict[str, str]:
+    """Parameter placeholder name -> the name of the node that is its gradient (parameters
+    that get one): the joint graph returns one gradient per primal, in placeholder order."""
+    primals = [n for n in captured.placeholders if n.name not in set(captured.tangents)]
+    grads = captured.output_values[captured.num_fwd_outputs:]
+    return {p.name: g.name for p, g in zip(primals, grads)
+            if p.name in captured.params and isinstance(g, fx.Node)}
 
 
 def _target_string(target) -> str:

@@ -20,7 +20,6 @@ from remat.planner.report import (Measured, MemoryColumn, Report, SolverSummary,
                                   module_rows, price)
 from remat.planner.training import StateMemory, Training, state_memory
 from remat.solvers import Problem, Schedule, SolverOptions, Strategy, solve
-from remat.solvers.schedule import drop_unneeded, make_schedule, recomputable
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +33,7 @@ class Prepared:
     does not depend on the budget."""
 
     problem: Problem
+    """The problem the solver plans: the graph's ops, and under ZeRO-2/3 the collectives too."""
     captured: Any  # remat.fx_passes.capture.Captured
     profile: Any  # remat.fx_passes.profile.Profile
     state: StateMemory
@@ -48,6 +48,13 @@ class Prepared:
     """The example inputs as (shape, dtype) for tensors, the value itself otherwise: enough to
     capture the same step again on another device."""
     prepare_time: float = 0.0
+    sharded: Any = None
+    """remat.fx_passes.sharding.Sharded: `problem` and the graph problem the rewrite runs."""
+
+    @cached_property
+    def graph_gradients(self) -> int:
+        """Bytes of the graph's gradients that the state counts (remat.planner.accounting)."""
+        return accounting.graph_gradients(self.problem) if self.gradients_in_graph else 0
 
     @cached_property
     def baselines(self) -> dict[Strategy, Schedule]:
@@ -56,12 +63,22 @@ class Prepared:
         return {s: solve(self.problem, unbounded, s) for s in BASELINES}
 
     def step_memory(self, schedule: Schedule, budget: int | None) -> StepMemory:
-        return accounting.step_memory(self.problem, schedule, self.state, self.training,
+        return accounting.step_memory(schedule, self.state, self.training,
+                                      graph_gradients=self.graph_gradients,
                                       gradients_in_graph=self.gradients_in_graph, budget=budget)
 
-    def allowance(self, budget: int) -> int:
-        return accounting.activation_allowance(budget, self.state, self.training,
-                                               gradients_in_graph=self.gradients_in_graph)
+    def allowance(self, budget: int | None, activation_budget: int | None = None) -> int:
+        """The simulated peak the solver may reach: the activations' share of a whole-step
+        `budget` (or `activation_budget`), plus the graph's gradients the state counts."""
+        if budget is None:
+            return activation_budget + self.graph_gradients
+        return (accounting.activation_allowance(budget, self.state, self.training)
+                + self.graph_gradients)
+
+    def needs(self, simulated_peak: int) -> int:
+        """The smallest whole-step budget that holds a schedule of this simulated peak."""
+        return accounting.smallest_budget(simulated_peak - self.graph_gradients, self.state,
+                                          self.training)
 
 
 class Plan:
@@ -97,7 +114,8 @@ class Plan:
 
     @property
     def activation_peak(self) -> int:
-        return self.schedule.peak
+        """The step's peak less the state (parameters, gradients, master, optimizer state)."""
+        return self.memory.activation_peak
 
     @property
     def recompute_flops(self) -> int:
@@ -136,7 +154,11 @@ class Plan:
         where = _device_of(model)
         if where != self.prepared.captured.device:
             plan = self._replan(model, where)
-        return planned_module(model, plan.problem, plan.schedule, loss_fn=self.prepared.loss_fn)
+        from remat.fx_passes.sharding import project
+
+        sharded = plan.prepared.sharded
+        return planned_module(model, sharded.graph, project(sharded, plan.schedule),
+                              loss_fn=self.prepared.loss_fn)
 
     def _replan(self, model: Any, where: str) -> "Plan":
         """The same plan made on the graph `model`'s device produces: PyTorch picks kernels by
@@ -235,19 +257,25 @@ def prepare(model: Any, example_inputs: Sequence[Any], *, training: Training = T
     from remat.fx_passes.capture import capture
     from remat.fx_passes.lower import lower
     from remat.fx_passes.profile import profile
+    from remat.fx_passes.sharding import shard
 
     start = time.perf_counter()
     log.info("capturing the training step of %s", type(model).__name__)
     captured = capture(model, example_inputs, loss_fn=loss_fn)
     log.info("profiling %d nodes for %s", len(captured.graph.nodes), target)
     profiled = profile(captured, target=target)
-    problem = lower(captured)
+    sharded = shard(lower(captured), captured, data_parallel=training.data_parallel,
+                    zero_stage=training.zero_stage, prefetch=training.prefetch,
+                    grad_bytes=training.grad_bytes)
+    problem = sharded.problem
     log.info("lowered to %d ops (%d forward), %d candidates", len(problem),
              problem.num_forward, len(problem.candidates))
     state = state_memory(model, training)
     _warn_on_mismatch(model, training)
+    # Sharded gradients are made in the optimizer's dtype (remat.fx_passes.sharding).
+    in_graph = training.zero_stage >= 2 or _gradients_in_graph(model, training)
     return Prepared(problem=problem, captured=captured, profile=profiled, state=state,
-                    training=training, gradients_in_graph=_gradients_in_graph(model, training),
+                    training=training, gradients_in_graph=in_graph, sharded=sharded,
                     param_shapes=_param_shapes(model), loss_fn=loss_fn,
                     meta_weights=_has_meta_weights(model), inputs=_input_specs(example_inputs),
                     prepare_time=time.perf_counter() - start)
@@ -259,7 +287,7 @@ def plan_prepared(model: Any, prepared: Prepared, *, budget: int | None,
                   solver_options: SolverOptions | None = None) -> Plan:
     """Solve one budget for a prepared step and simulate the result."""
     strategy = Strategy(solver)
-    allowance = activation_budget if budget is None else prepared.allowance(budget)
+    allowance = prepared.allowance(budget, activation_budget)
     log.info("solving with %s for an activation allowance of %s", strategy.value,
              format_size(allowance))
     try:
@@ -272,7 +300,7 @@ def plan_prepared(model: Any, prepared: Prepared, *, budget: int | None,
         raise _budget_error(prepared, e, budget=budget, strategy=strategy) from None
     memory = prepared.step_memory(schedule, budget)
     log.info("plan: %s %s, activation peak %s, step %s", schedule.strategy,
-             schedule.status.value, format_size(schedule.peak), format_size(memory.total))
+             schedule.status.value, format_size(memory.activation_peak), format_size(memory.total))
     return Plan(model=model, prepared=prepared, schedule=schedule, memory=memory, target=target,
                 solver=strategy, solver_options=solver_options,
                 activation_budget=activation_budget)
@@ -280,20 +308,24 @@ def plan_prepared(model: Any, prepared: Prepared, *, budget: int | None,
 
 def _budget_error(prepared: Prepared, error: BudgetError, *, budget: int | None,
                   strategy: Strategy) -> BudgetError:
+    """The solver's BudgetError (in simulated-peak terms) restated in the user's terms: the
+    activations are the step's peak less the state (remat.planner.accounting)."""
+    grads = prepared.graph_gradients
+    smallest = None if error.smallest is None else max(0, error.smallest - grads)
     if budget is None:  # activation_budget: the activations are all there is to say about
         remedy = accounting.REMEDIES["activations"]
-        return BudgetError(f"{error}\n  remedy: {remedy}", budget=error.budget,
-                           smallest=error.smallest, dominant="activations", remedy=remedy,
-                           schedule=error.schedule)
-    # The graph's gradients inside the smallest peak belong to the gradients term: estimate
-    # them on the schedule that recomputes all it may, the nearest to the smallest peak.
-    problem = prepared.problem
-    most = make_schedule(problem, drop_unneeded(problem, recomputable(problem)))
-    _, grads = accounting.gradients_at_peak(problem, most)
-    whole = accounting.budget_error(
-        budget, smallest_activations=error.smallest, state=prepared.state,
-        training=prepared.training, gradients_in_graph=prepared.gradients_in_graph,
-        gradients_in_peak=min(grads, error.smallest or 0), strategy=strategy.value)
+        asked = error.budget - grads if error.budget is not None else None
+        lines = [f"no plan keeps the activations within {format_size(asked)} ({asked:,} bytes)"]
+        if smallest is not None:
+            lines.append(f"  the smallest activation peak ({strategy.value}): "
+                         f"{format_size(smallest)} ({smallest:,} bytes), the step's peak less "
+                         "the state")
+        lines += [f"  the solver: {error} (its figures count the graph's "
+                  f"{format_size(grads)} of gradients too)", f"  remedy: {remedy}"]
+        return BudgetError("\n".join(lines), budget=asked, smallest=smallest,
+                           dominant="activations", remedy=remedy, schedule=error.schedule)
+    whole = accounting.budget_error(budget, smallest_activations=smallest, state=prepared.state,
+                                    training=prepared.training, strategy=strategy.value)
     whole.schedule = error.schedule
     return whole
 

@@ -131,7 +131,8 @@ class Measured:
     """Numbers measured by running the planned step, to set beside the prediction."""
 
     peak: int
-    """Measured peak live bytes of the activations (the same scope as the simulated peak)."""
+    """Measured peak live bytes of the step's graph values (the scope of the simulated peak:
+    activations and the gradients the graph makes)."""
     source: str
     step_time: float | None = None
 
@@ -267,11 +268,12 @@ def _memory_table(columns: tuple[MemoryColumn, ...]) -> str:
                                 for c in columns]])
     text = tabulate(table, headers=["term", *[c.name for c in columns]], disable_numparse=True,
                     colalign=("left", *["right"] * len(columns)))
-    starred = [note for name, counted, note in terms if not counted]
-    if starred:
-        text += f"\n* not added to the total: {starred[0]}"
-    elif any(name == "gradients" for name, _, _ in terms):
-        text += "\n  gradients: " + next(note for name, _, note in terms if name == "gradients")
+    for name, counted, note in terms:
+        if not counted:
+            text += f"\n* {name}: {note}"
+        elif name in ("gradients", "activation peak") or (
+                name == "parameters" and not present[0].memory.state.weights):
+            text += f"\n  {name}: {note}"
     return text
 
 
@@ -312,14 +314,17 @@ def _solver_table(s: SolverSummary) -> str:
             ["gap", "n/a" if s.gap is None else f"{100 * s.gap:.2f} %"],
             *([["bound from", s.bound_from]] if s.bound_from else []),
             ["solve time", f"{s.time:.2f} s"],
-            ["activation allowance", format_size(s.activation_budget)]]
+            ["simulated-peak allowance", format_size(s.activation_budget)]]
     return tabulate(rows, disable_numparse=True)
 
 
 def _measured_table(memory: StepMemory, measured: Measured) -> str:
-    error = (measured.peak - memory.activation_peak) / max(memory.activation_peak, 1)
-    rows = [["activation peak", format_size(memory.activation_peak), format_size(measured.peak),
-             f"{100 * error:+.2f} %", measured.source]]
+    # A tracker of the step's graph sees its values, the gradients it makes included: the
+    # simulated peak, not the activations alone.
+    predicted = memory.simulated_peak
+    error = (measured.peak - predicted) / max(predicted, 1)
+    rows = [["graph's live bytes (activations and its gradients)", format_size(predicted),
+             format_size(measured.peak), f"{100 * error:+.2f} %", measured.source]]
     return tabulate(rows, headers=["", "predicted", "measured", "error", "measured by"],
                     disable_numparse=True)
 

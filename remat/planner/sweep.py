@@ -16,7 +16,6 @@ from typing import Any, Callable, Sequence
 from tabulate import tabulate
 
 from remat.errors import BudgetError
-from remat.planner import accounting
 from remat.planner.budget import format_size, parse_size
 from remat.planner.optimize import Plan, Prepared, plan_prepared, prepare
 from remat.planner.report import price
@@ -166,16 +165,13 @@ def smallest_feasible(prepared: Prepared, strategy: Strategy,
         peak = solve(prepared.problem, 0, strategy, options).peak
     except BudgetError as e:
         peak = e.smallest
-    return accounting.smallest_budget(peak, prepared.state, prepared.training,
-                                      gradients_in_graph=prepared.gradients_in_graph)
+    return prepared.needs(peak)
 
 
 def default_budgets(prepared: Prepared, count: int = 8) -> list[int]:
     """`count` whole-step budgets evenly from 90 % of what checkpointing every block needs to
     what saving everything needs: the stretch where the plan has choices to make."""
-    needs = [accounting.smallest_budget(s.peak, prepared.state, prepared.training,
-                                        gradients_in_graph=prepared.gradients_in_graph)
-             for s in prepared.baselines.values()]
+    needs = [prepared.needs(s.peak) for s in prepared.baselines.values()]
     low, high = int(0.9 * min(needs)), max(needs)
     return sorted({low + (high - low) * k // (count - 1) for k in range(count)})
 
@@ -185,15 +181,14 @@ def _point(prepared: Prepared, schedule: Schedule, budget: int | None, target: s
     from remat.fx_passes.devices import device
 
     chip = device(target)
-    needs = accounting.smallest_budget(schedule.peak, prepared.state, prepared.training,
-                                       gradients_in_graph=prepared.gradients_in_graph)
+    needs = prepared.needs(schedule.peak)
     memory = prepared.step_memory(schedule, needs if budget is None else budget)
     cost = price(prepared.problem, schedule, device=chip.name,
                  peak_flops=chip.peak_flops(prepared.training.compute_dtype),
                  time_source="predicted")
     return Point(strategy=strategy, budget=memory.budget, peak=memory.total, needs=needs,
-                 activation_peak=schedule.peak, recompute_pct=cost.recompute_pct, mfu=cost.mfu,
-                 hfu=cost.hfu, status=schedule.status.value, gap=schedule.gap)
+                 activation_peak=memory.activation_peak, recompute_pct=cost.recompute_pct,
+                 mfu=cost.mfu, hfu=cost.hfu, status=schedule.status.value, gap=schedule.gap)
 
 
 def knee(points: Sequence[Point]) -> Point | None:

@@ -80,7 +80,13 @@ class Training:
     """Number of data-parallel ranks that ZeRO shards state across."""
     zero_stage: int = 0
     """ZeRO stage: 0 shards nothing; 1 the optimizer state and master copy; 2 also the
-    gradients; 3 also the weights (FSDP)."""
+    gradients; 3 also the weights (FSDP). From 2 on, the step is planned with FSDP2's
+    collectives (remat.fx_passes.sharding): each block's full gradients live until its
+    reduce-scatter, and from 3 on its full parameters from its all-gather to its reshard;
+    these count as activations, the shards as state."""
+    prefetch: int = 1
+    """ZeRO-3/FSDP: how many blocks ahead a block's parameters are all-gathered, in the forward
+    and in the backward (1, as FSDP2 overlaps communication by default)."""
     frozen: frozenset[str] | Callable[[str], bool] = frozenset()
     """Parameters that are not trained (no gradients, no master copy, no optimizer state): names
     or fnmatch patterns ("model.embed_tokens.*"), or a predicate on the name. Parameters whose
@@ -103,6 +109,9 @@ class Training:
             raise ValueError(f"data_parallel must be an int >= 1, not {self.data_parallel!r}")
         if self.zero_stage not in (0, 1, 2, 3) or isinstance(self.zero_stage, bool):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {self.zero_stage!r}")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) \
+                or self.prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0, not {self.prefetch!r}")
         if not (isinstance(self.fragmentation, (int, float)) and 0 <= self.fragmentation < 1):
             raise ValueError(f"fragmentation must be a fraction in [0, 1), "
                              f"not {self.fragmentation!r}")
@@ -136,6 +145,7 @@ class Training:
     def to_dict(self) -> dict:
         return {"precision": self.precision.value, "optimizer": self.optimizer.value,
                 "data_parallel": self.data_parallel, "zero_stage": self.zero_stage,
+                "prefetch": self.prefetch,
                 "frozen": "<predicate>" if callable(self.frozen) else sorted(self.frozen),
                 "reserve": self.reserve, "fragmentation": self.fragmentation}
 
@@ -233,9 +243,14 @@ def state_memory(params: Any, training: Training = Training()) -> StateMemory:
         if training.zero_stage >= stage else nbytes  # noqa: E731
     # ZeRO-1 partitions the optimizer's state, which includes the fp32 master copy (ZeRO paper,
     # Rajbhandari et al. 2020, "K = 12" for mixed-precision Adam).
+    weights = shard(layout.weight * total, 3)
+    if training.zero_stage == 3 and training.precision is Precision.BF16_MIXED:
+        # FSDP2's MixedPrecisionPolicy keeps the fp32 shards (the master weights) and casts them
+        # to bf16 as it all-gathers: no bf16 shard of its own. Frozen parameters keep theirs.
+        weights = shard(layout.weight * (total - trainable), 3)
     return StateMemory(
         parameters=total, trainable=trainable,
-        weights=shard(layout.weight * total, 3),
+        weights=weights,
         cast_copies=shard(layout.cast_copy * total, 3),
         master=shard(layout.master * trainable, 1),
         gradients=shard(layout.grad * trainable, 2),

@@ -1,0 +1,33 @@
+"""The CPU allocator's view of a step: torch.profiler memory events, summed in time order
+(TORCH-NOTES.md). It sees every allocation, kernel scratch included."""
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def allocator_peak(fn) -> tuple[int, int]:
+    """(peak, end): the most bytes allocated at once while `fn()` runs, and the bytes still
+    allocated when it returns, both counted from what was allocated before it."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak, live
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of `tensors`."""
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+__all__ = ["allocator_peak", "storage_bytes", "torch"]
