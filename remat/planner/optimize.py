@@ -134,7 +134,9 @@ class Plan:
                              "meta or fake tensors: load or initialize the weights first")
         plan = self
         where = _device_of(model)
-        if where != self.prepared.captured.device:
+        # A replicated capture's graph stands for the whole model but was traced on three
+        # blocks: what runs is planned again on the full graph.
+        if where != self.prepared.captured.device or hasattr(self.prepared.captured, "blocks"):
             plan = self._replan(model, where)
         return planned_module(model, plan.problem, plan.schedule, loss_fn=self.prepared.loss_fn)
 
@@ -230,15 +232,20 @@ def _one_budget(budget, activation_budget) -> tuple[int | None, int | None]:
 
 
 def prepare(model: Any, example_inputs: Sequence[Any], *, training: Training = Training(),
-            target: str = "h100", loss_fn: Callable | None = None) -> Prepared:
-    """Capture, profile and lower the step once; compute the state it holds."""
+            target: str = "h100", loss_fn: Callable | None = None,
+            replicate: bool = False) -> Prepared:
+    """Capture, profile and lower the step once; compute the state it holds. `replicate`
+    traces three blocks of a stack of equal ones and replicates the middle one
+    (remat.fx_passes.replicate): the same problem in a fraction of the time, for planning."""
     from remat.fx_passes.capture import capture
+    from remat.fx_passes.replicate import capture_replicated
     from remat.fx_passes.lower import lower
     from remat.fx_passes.profile import profile
 
     start = time.perf_counter()
     log.info("capturing the training step of %s", type(model).__name__)
-    captured = capture(model, example_inputs, loss_fn=loss_fn)
+    captured = (capture_replicated if replicate else capture)(model, example_inputs,
+                                                               loss_fn=loss_fn)
     log.info("profiling %d nodes for %s", len(captured.graph.nodes), target)
     profiled = profile(captured, target=target)
     problem = lower(captured)
