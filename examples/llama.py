@@ -22,6 +22,7 @@ class LlamaConfig:
     hidden: int = 4096
     layers: int = 32
     heads: int = 32
+    kv_heads: int = 0  # grouped-query attention: key/value heads (0: as many as heads)
     mlp: int = 11008
     seq: int = 4096
     rope_theta: float = 10000.0
@@ -29,6 +30,8 @@ class LlamaConfig:
 
 
 LLAMA_7B = LlamaConfig()
+# Llama-2-70B's shape: grouped-query attention, 8 key/value heads for 64 query heads.
+LLAMA_70B = LlamaConfig(hidden=8192, layers=80, heads=64, kv_heads=8, mlp=28672)
 LLAMA_TINY = LlamaConfig(vocab_size=256, hidden=64, layers=2, heads=4, mlp=172, seq=32)
 
 
@@ -62,15 +65,21 @@ class Attention(nn.Module):
     def __init__(self, c: LlamaConfig):
         super().__init__()
         self.heads, self.head_dim = c.heads, c.hidden // c.heads
+        self.kv_heads = c.kv_heads or c.heads
         self.wq = nn.Linear(c.hidden, c.hidden, bias=False)
-        self.wk = nn.Linear(c.hidden, c.hidden, bias=False)
-        self.wv = nn.Linear(c.hidden, c.hidden, bias=False)
+        self.wk = nn.Linear(c.hidden, self.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(c.hidden, self.kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(c.hidden, c.hidden, bias=False)
 
     def forward(self, x, cos, sin):
         b, s, h = x.shape
-        q, k, v = (w(x).view(b, s, self.heads, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        q = self.wq(x).view(b, s, self.heads, self.head_dim)
+        k, v = (w(x).view(b, s, self.kv_heads, self.head_dim) for w in (self.wk, self.wv))
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.kv_heads != self.heads:  # each key/value head serves a group of query heads
+            group = self.heads // self.kv_heads
+            k, v = (t[:, :, :, None].expand(b, s, self.kv_heads, group, self.head_dim)
+                    .reshape(b, s, self.heads, self.head_dim) for t in (k, v))
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                            v.transpose(1, 2), is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(b, s, h))
@@ -138,6 +147,11 @@ def tiny():
 def seven_b():
     """A factory for `remat plan examples/llama.py:seven_b`: 7B on meta tensors, bf16."""
     return llama(LLAMA_7B, batch=1, device="meta", dtype=torch.bfloat16)
+
+
+def seventy_b():
+    """A factory for `remat plan examples/llama.py:seventy_b`: the 70B shape on meta, bf16."""
+    return llama(LLAMA_70B, batch=1, device="meta", dtype=torch.bfloat16)
 
 
 def main(argv=None) -> None:

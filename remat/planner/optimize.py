@@ -233,10 +233,12 @@ def _one_budget(budget, activation_budget) -> tuple[int | None, int | None]:
 
 def prepare(model: Any, example_inputs: Sequence[Any], *, training: Training = Training(),
             target: str = "h100", loss_fn: Callable | None = None,
-            replicate: bool = False) -> Prepared:
+            replicate: bool = False,
+            progress: Callable[[str, float], None] | None = None) -> Prepared:
     """Capture, profile and lower the step once; compute the state it holds. `replicate`
     traces three blocks of a stack of equal ones and replicates the middle one
-    (remat.fx_passes.replicate): the same problem in a fraction of the time, for planning."""
+    (remat.fx_passes.replicate): the same problem in a fraction of the time, for planning.
+    `progress(phase, seconds)` hears of each phase as it ends."""
     from remat.fx_passes.capture import capture
     from remat.fx_passes.replicate import capture_replicated
     from remat.fx_passes.lower import lower
@@ -246,9 +248,14 @@ def prepare(model: Any, example_inputs: Sequence[Any], *, training: Training = T
     log.info("capturing the training step of %s", type(model).__name__)
     captured = (capture_replicated if replicate else capture)(model, example_inputs,
                                                                loss_fn=loss_fn)
+    done = progress or (lambda phase, seconds: None)
+    done("capture", captured.capture_time)
     log.info("profiling %d nodes for %s", len(captured.graph.nodes), target)
     profiled = profile(captured, target=target)
+    done("profile", profiled.profile_time)
+    lowering = time.perf_counter()
     problem = lower(captured)
+    done("lower", time.perf_counter() - lowering)
     log.info("lowered to %d ops (%d forward), %d candidates", len(problem),
              problem.num_forward, len(problem.candidates))
     state = state_memory(model, training)
