@@ -207,7 +207,29 @@ def _value_key(value: Any) -> Any:
 
 
 def _flat_args(node: fx.Node) -> tuple[list[Any], Any]:
-    return torch.utils._pytree.tree_flatten((node.args, node.kwargs))
+    """(the leaves of the node's arguments, their nesting); pytree's own is far slower."""
+    leaves: list[Any] = []
+    return leaves, _flatten((node.args, node.kwargs), leaves)
+
+
+def _flatten(value: Any, leaves: list[Any]) -> Any:
+    if isinstance(value, (tuple, list)):
+        return (type(value) is tuple, tuple(_flatten(v, leaves) for v in value))
+    if isinstance(value, dict):
+        return ({k: None for k in value}, tuple(_flatten(v, leaves) for v in value.values()))
+    leaves.append(value)
+    return None
+
+
+def _unflatten(spec: Any, leaves) -> Any:
+    """The arguments of `spec` (from `_flatten`) with the leaves of iterator `leaves`."""
+    if spec is None:
+        return next(leaves)
+    kind, children = spec
+    values = [_unflatten(child, leaves) for child in children]
+    if isinstance(kind, dict):
+        return dict(zip(kind, values))
+    return tuple(values) if kind else values
 
 
 def _base(name: str) -> str:
@@ -349,13 +371,18 @@ def _replicate(traced: Captured, model: nn.Module, path: str, count: int) -> Rep
                                         or traced.buffers[source.name],
                                         source.name in traced.buffers)
 
+    relabelled: dict[tuple, dict] = {}
+
     def rewritten(source: fx.Node, j: int | None) -> dict:
         meta = {k: v for k, v in source.meta.items() if k != "remat"}
         traced_block = where.get(source, (None,))[0]
         if j is not None and traced_block is not None and j != traced_block:
             for key in ("nn_module_stack", "fwd_nn_module_stack"):
                 if key in meta:
-                    meta[key] = _relabel(meta[key], prefix, traced_block, j)
+                    relabel_key = (tuple(meta[key].items()), traced_block, j)
+                    if relabel_key not in relabelled:
+                        relabelled[relabel_key] = _relabel(meta[key], prefix, traced_block, j)
+                    meta[key] = relabelled[relabel_key]
         return meta
 
     def emit(source: fx.Node, j: int | None) -> None:
@@ -366,7 +393,7 @@ def _replicate(traced: Captured, model: nn.Module, path: str, count: int) -> Rep
                       for i in range(len(leaves))]
         else:
             leaves = [original(a, block) if isinstance(a, fx.Node) else a for a in leaves]
-        args, kwargs = torch.utils._pytree.tree_unflatten(leaves, spec)
+        args, kwargs = _unflatten(spec, iter(leaves))
         candidate = "remat_rng_pending" if source.target is rng_state else _base(source.name)
         node = graph.create_node(source.op, source.target, tuple(args), dict(kwargs),
                                  name=candidate, type_expr=source.type)
@@ -410,8 +437,7 @@ def _replicate(traced: Captured, model: nn.Module, path: str, count: int) -> Rep
     for node in graph.find_nodes(op="call_function", target=rng_state):
         user = next(iter(node.users))
         node._rename(user.name + SUFFIX)
-    graph.lint()
-    gm = fx.GraphModule(traced.graph_module, graph)
+    gm = _graph_module(traced.graph_module, graph)
 
     fields_ = {f.name: getattr(traced, f.name) for f in fields(Captured)}
     fields_.update(
@@ -423,6 +449,16 @@ def _replicate(traced: Captured, model: nn.Module, path: str, count: int) -> Rep
         mutated_inputs=[renamed[n] for n in traced.mutated_inputs],
         **_sizes(model))
     return ReplicatedCapture(**fields_, block_path=path, blocks=count, traced_blocks=TRACED)
+
+
+def _graph_module(root: fx.GraphModule, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule that writes its Python code only when first called: planning never calls
+    it, and the code of 20,000 nodes takes a good part of a second to generate."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # a torch without it: the code is generated now
+        return fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)
 
 
 def _apply(rule: tuple, j: int, at, param_node, original) -> Any:
