@@ -136,3 +136,15 @@ def test_plan_of_a_replicated_capture_runs_on_the_full_graph(caplog):
     torch.testing.assert_close(loss, expected)
     for n, p in model.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, msg=n)
+
+
+def test_prepare_replicates_a_model_on_meta_by_default():
+    from remat.planner.optimize import prepare
+
+    model, inputs = llama(replace(LLAMA_TINY, layers=4, seq=16), batch=2, device="meta")
+    replicated = prepare(model, inputs)
+    assert isinstance(replicated.captured, ReplicatedCapture)
+    full = prepare(model, inputs, replicate=False)
+    assert not isinstance(full.captured, ReplicatedCapture)
+    assert replicated.problem.ops == full.problem.ops
+    assert replicated.state == full.state

@@ -86,8 +86,9 @@ def find_stack(model: nn.Module) -> tuple[str, nn.Module] | None:
     """(path, container) of the stack of equal blocks with the most parameters, or None."""
     best, best_params = None, -1
     for path, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) <= TRACED:
-            continue
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) <= TRACED \
+                or list(module._modules) != [str(i) for i in range(len(module))]:
+            continue  # too short, or children named otherwise than by their index
         children = list(module)
         first = _signature(children[0])
         if any(_signature(c) != first for c in children[1:]):

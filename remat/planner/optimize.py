@@ -127,6 +127,7 @@ class Plan:
         """The planned training step of `model`, which must have the parameters (names,
         shapes, dtypes) of the model the plan was made for, with real weights."""
         from remat.fx_passes.planned import planned_module
+        from remat.fx_passes.replicate import ReplicatedCapture
 
         _check_same_parameters(model, self.prepared.param_shapes)
         if _has_meta_weights(model):
@@ -136,7 +137,8 @@ class Plan:
         where = _device_of(model)
         # A replicated capture's graph stands for the whole model but was traced on three
         # blocks: what runs is planned again on the full graph.
-        if where != self.prepared.captured.device or hasattr(self.prepared.captured, "blocks"):
+        if where != self.prepared.captured.device \
+                or isinstance(self.prepared.captured, ReplicatedCapture):
             plan = self._replan(model, where)
         return planned_module(model, plan.problem, plan.schedule, loss_fn=self.prepared.loss_fn)
 
@@ -233,11 +235,12 @@ def _one_budget(budget, activation_budget) -> tuple[int | None, int | None]:
 
 def prepare(model: Any, example_inputs: Sequence[Any], *, training: Training = Training(),
             target: str = "h100", loss_fn: Callable | None = None,
-            replicate: bool = False,
+            replicate: bool | None = None,
             progress: Callable[[str, float], None] | None = None) -> Prepared:
     """Capture, profile and lower the step once; compute the state it holds. `replicate`
     traces three blocks of a stack of equal ones and replicates the middle one
-    (remat.fx_passes.replicate): the same problem in a fraction of the time, for planning.
+    (remat.fx_passes.replicate): the same problem in a fraction of the time, for planning;
+    None: when the weights are meta or fake (a plan that cannot run as it is).
     `progress(phase, seconds)` hears of each phase as it ends."""
     from remat.fx_passes.capture import capture
     from remat.fx_passes.replicate import capture_replicated
@@ -246,6 +249,8 @@ def prepare(model: Any, example_inputs: Sequence[Any], *, training: Training = T
 
     start = time.perf_counter()
     log.info("capturing the training step of %s", type(model).__name__)
+    if replicate is None:
+        replicate = _has_meta_weights(model)
     captured = (capture_replicated if replicate else capture)(model, example_inputs,
                                                                loss_fn=loss_fn)
     done = progress or (lambda phase, seconds: None)
