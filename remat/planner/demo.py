@@ -125,9 +125,10 @@ def _plan_on_meta(model, inputs, training: Training, budget: str, options: Solve
                              target="h100", solver=Strategy.OPTIMAL, solver_options=options)
     except BudgetError as e:
         say("solve", time.perf_counter() - mark)
-        state = prepared.state.total
-        print(f"{label}: does not fit {budget} per rank (state {format_size(state)} per rank): "
-              f"BudgetError: {' '.join(str(e).split())[:300]}")
+        smallest = "" if e.smallest is None else f"; the smallest that fits: " \
+            f"{format_size(e.smallest)} per rank"
+        print(f"{label}: BudgetError: {str(e).splitlines()[0]} (state "
+              f"{format_size(prepared.state.total)} per rank{smallest})")
         return None
     say("solve", time.perf_counter() - mark)
     mark = time.perf_counter()
