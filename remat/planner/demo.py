@@ -2,7 +2,11 @@
 
 1. Plans the 7B Llama-style configuration (examples/llama.py, sequence 4096, micro-batch 2) on
    meta tensors, no weight allocated, for one 80 GB H100 of eight data-parallel ranks (bf16
-   mixed precision, AdamW, ZeRO-2), and prints the report.
+   mixed precision, AdamW, ZeRO-2), and prints the report. Three of its 32 blocks are traced
+   and the middle one replicated (remat.fx_passes.replicate); a line per phase gives its time.
+   Then one line for the 70B shape (Llama-2-70B: 80 layers, hidden 8192, grouped-query
+   attention) on 64 ZeRO-3 ranks of 80 GB: the per-rank memory, the plan's status and gap, or
+   the BudgetError that says why it does not fit.
 2. Plans a small Llama-style GPT on the CPU between checkpointing every block and saving all,
    runs one real training step with the plan, and prints the predicted and the measured
    activation peak.
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 from remat.errors import BudgetError
@@ -21,6 +26,9 @@ from remat.solvers import SolverOptions, Strategy
 
 BUDGET_7B = "80GB"
 TRAINING_7B = Training(precision="bf16-mixed", optimizer="adamw", data_parallel=8, zero_stage=2)
+BUDGET_70B = "80GB"
+TRAINING_70B = Training(precision="bf16-mixed", optimizer="adamw", data_parallel=64,
+                        zero_stage=3)
 TRAINING_SMALL = Training(optimizer="adamw", reserve=0, fragmentation=0.0)
 
 
@@ -46,17 +54,30 @@ def run_demo(*, time_limit: float = 30.0) -> int:
     options = SolverOptions(time_limit=time_limit)
 
     print(f"== 1. Llama 7B on meta tensors, budget {BUDGET_7B} per device ==", flush=True)
+    started = time.perf_counter()
     model, inputs = example.llama(example.LLAMA_7B, batch=2, device="meta",
                                   dtype=torch.bfloat16)
-    prepared = prepare(model, inputs, training=TRAINING_7B, target="h100")
-    budget = parse_size(BUDGET_7B)
-    try:
-        plan = plan_prepared(model, prepared, budget=budget, activation_budget=None,
-                             target="h100", solver=Strategy.OPTIMAL, solver_options=options)
-    except BudgetError as e:
-        print(f"BudgetError: {e}")
-    else:
-        print(plan.report().render())
+    plan = _plan_on_meta(model, inputs, TRAINING_7B, BUDGET_7B, options, "7B")
+    if plan is not None:
+        mark = time.perf_counter()
+        text = plan.report().render()
+        _progress("7B")("report", time.perf_counter() - mark)
+        print(text)
+    print(f"7B planned in {time.perf_counter() - started:.1f} s", flush=True)
+
+    print(f"\n== 70B shape (80 layers, hidden 8192, GQA) on {TRAINING_70B.data_parallel} "
+          f"ZeRO-3 ranks, budget {BUDGET_70B} per rank ==", flush=True)
+    started = time.perf_counter()
+    model, inputs = example.llama(example.LLAMA_70B, batch=1, device="meta",
+                                  dtype=torch.bfloat16)
+    plan = _plan_on_meta(model, inputs, TRAINING_70B, BUDGET_70B, options, "70B")
+    if plan is not None:
+        m = plan.memory
+        gap = "-" if plan.gap is None else f"{plan.gap:.1%}"
+        print(f"70B: per-rank peak {format_size(plan.peak)} of {BUDGET_70B} (state "
+              f"{format_size(m.static)}, activations {format_size(m.activation_peak)}), "
+              f"{plan.status.value}, gap {gap}")
+    print(f"70B planned in {time.perf_counter() - started:.1f} s", flush=True)
 
     print("\n== 2. A small GPT (Llama-style) on the CPU: plan, run one step, measure ==",
           flush=True)
@@ -82,3 +103,40 @@ def run_demo(*, time_limit: float = 30.0) -> int:
           f"({format_size(predicted)}); measured: {tracker.peak} bytes "
           f"({format_size(tracker.peak)}); error {100 * error:+.2f} %")
     return 0
+
+
+def _progress(label: str):
+    def done(phase: str, seconds: float) -> None:
+        print(f"  {label} {phase:<9}{seconds:6.1f} s", flush=True)
+    return done
+
+
+def _plan_on_meta(model, inputs, training: Training, budget: str, options: SolverOptions,
+                  label: str):
+    """Prepare (replicated), solve and simulate with a progress line per phase; the plan, or
+    None after printing the BudgetError as a line."""
+    from remat.planner.optimize import plan_prepared, prepare
+    from remat.solvers import simulate
+
+    say = _progress(label)
+    prepared = prepare(model, inputs, training=training, target="h100", replicate=True,
+                       progress=say)
+    mark = time.perf_counter()
+    try:
+        plan = plan_prepared(model, prepared, budget=parse_size(budget), activation_budget=None,
+                             target="h100", solver=Strategy.OPTIMAL, solver_options=options)
+    except BudgetError as e:
+        say("solve", time.perf_counter() - mark)
+        smallest = "" if e.smallest is None else f"; the smallest that fits: " \
+            f"{format_size(e.smallest)} per rank"
+        print(f"{label}: BudgetError: {str(e).splitlines()[0]} (state "
+              f"{format_size(prepared.state.total)} per rank{smallest})")
+        return None
+    say("solve", time.perf_counter() - mark)
+    mark = time.perf_counter()
+    simulated = simulate(prepared.problem, plan.schedule).peak
+    say("simulate", time.perf_counter() - mark)
+    if simulated != plan.schedule.peak:
+        print(f"{label}: the simulator gives {simulated} bytes for a plan that claims "
+              f"{plan.schedule.peak}")
+    return plan

@@ -145,6 +145,7 @@ class Plan:
         """The planned training step of `model`, which must have the parameters (names,
         shapes, dtypes) of the model the plan was made for, with real weights."""
         from remat.fx_passes.planned import planned_module
+        from remat.fx_passes.replicate import ReplicatedCapture
 
         _check_same_parameters(model, self.prepared.param_shapes)
         if _has_meta_weights(model):
@@ -152,7 +153,10 @@ class Plan:
                              "meta or fake tensors: load or initialize the weights first")
         plan = self
         where = _device_of(model)
-        if where != self.prepared.captured.device:
+        # A replicated capture's graph stands for the whole model but was traced on three
+        # blocks: what runs is planned again on the full graph.
+        if where != self.prepared.captured.device \
+                or isinstance(self.prepared.captured, ReplicatedCapture):
             plan = self._replan(model, where)
         from remat.fx_passes.sharding import project
 
@@ -252,22 +256,37 @@ def _one_budget(budget, activation_budget) -> tuple[int | None, int | None]:
 
 
 def prepare(model: Any, example_inputs: Sequence[Any], *, training: Training = Training(),
-            target: str = "h100", loss_fn: Callable | None = None) -> Prepared:
-    """Capture, profile and lower the step once; compute the state it holds."""
+            target: str = "h100", loss_fn: Callable | None = None,
+            replicate: bool | None = None,
+            progress: Callable[[str, float], None] | None = None) -> Prepared:
+    """Capture, profile and lower the step once; compute the state it holds. `replicate`
+    traces three blocks of a stack of equal ones and replicates the middle one
+    (remat.fx_passes.replicate): the same problem in a fraction of the time, for planning;
+    None: when the weights are meta or fake (a plan that cannot run as it is).
+    `progress(phase, seconds)` hears of each phase as it ends."""
     from remat.fx_passes.capture import capture
+    from remat.fx_passes.replicate import capture_replicated
     from remat.fx_passes.lower import lower
     from remat.fx_passes.profile import profile
     from remat.fx_passes.sharding import shard
 
     start = time.perf_counter()
     log.info("capturing the training step of %s", type(model).__name__)
-    captured = capture(model, example_inputs, loss_fn=loss_fn)
+    if replicate is None:
+        replicate = _has_meta_weights(model)
+    captured = (capture_replicated if replicate else capture)(model, example_inputs,
+                                                               loss_fn=loss_fn)
+    done = progress or (lambda phase, seconds: None)
+    done("capture", captured.capture_time)
     log.info("profiling %d nodes for %s", len(captured.graph.nodes), target)
     profiled = profile(captured, target=target)
+    done("profile", profiled.profile_time)
+    lowering = time.perf_counter()
     sharded = shard(lower(captured), captured, data_parallel=training.data_parallel,
                     zero_stage=training.zero_stage, prefetch=training.prefetch,
                     grad_bytes=training.grad_bytes)
     problem = sharded.problem
+    done("lower", time.perf_counter() - lowering)
     log.info("lowered to %d ops (%d forward), %d candidates", len(problem),
              problem.num_forward, len(problem.candidates))
     state = state_memory(model, training)
