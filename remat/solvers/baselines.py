@@ -7,17 +7,16 @@ BudgetError with its own smallest peak when its schedule does not fit.
 from __future__ import annotations
 
 import math
-import re
 
 from remat.errors import BudgetError
+from remat.solvers.blocks import block_of
 from remat.solvers.options import SolverOptions
 from remat.solvers.peak_meter import PeakMeter
 from remat.solvers.problem import Problem, tuple_of
 from remat.solvers.registry import Strategy, register
 from remat.solvers.schedule import Schedule, Status, drop_unneeded, make_schedule, recomputable
 
-# A block is a module whose path ends in a list index: "h.3", "model.layers.12", "blocks.0".
-_BLOCK = re.compile(r"^(.*?\.?\d+)(?:\.|$)")
+__all__ = ["block_of", "checkpoint_blocks", "chen_sqrt", "greedy", "save_all", "selective"]
 
 
 def _fitting(problem: Problem, recomputed, budget: int, strategy: Strategy) -> Schedule:
@@ -35,12 +34,6 @@ def _fitting(problem: Problem, recomputed, budget: int, strategy: Strategy) -> S
 def save_all(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
     """Save every forward value the backward needs; recompute nothing (plain PyTorch)."""
     return _fitting(problem, (), budget, Strategy.SAVE_ALL)
-
-
-def block_of(module_path: str) -> str | None:
-    """The repeated block a module belongs to ("h.3.attn.c_attn" -> "h.3"), if any."""
-    match = _BLOCK.match(module_path)
-    return match.group(1) if match else None
 
 
 @register(Strategy.CHECKPOINT_BLOCKS)
