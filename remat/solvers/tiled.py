@@ -38,6 +38,8 @@ ALLOWANCES = 12
 # Seconds each exact block solve may take at most, and the share of the time limit it may.
 SUB_SOLVE_CAP = 2.0
 SUB_SOLVE_SHARE = 1 / 40
+# Whole-step evaluations the block-by-block pass may spend per family: each is O(ops).
+LOCAL_EVALUATIONS = 64
 
 
 @dataclass(frozen=True)
@@ -50,43 +52,52 @@ class Plan:
     cost: float
 
 
-def frontier(problem: Problem, family: Family, options: SolverOptions,
-             deadline: float) -> list[Plan]:
-    """The representative block's plans that no other found plan beats in both S and cost,
-    by S ascending (cost descending); the last saves everything."""
+def block_plans(problem: Problem, family: Family, options: SolverOptions,
+                deadline: float) -> list[Plan]:
+    """Exact plans of the family's representative block, by S ascending: for allowances of
+    what it saves (its sub-problem with `hold` scratch), and for allowances of its own peak (its
+    plain sub-problem), which decides in short stacks where one block's W is most of the peak."""
     ops = family.members[family.representative]
-    working = make_schedule(subproblem(problem, ops).problem, []).peak
+    plain = subproblem(problem, ops)
     # Scratch as large as the block's own peak: at a sub-budget of hold + x, a plan holds at
     # most about x at the end of the forward and may peak in the backward as saving all does.
-    sub = subproblem(problem, ops, hold=working)
+    held = subproblem(problem, ops, hold=make_schedule(plain.problem, []).peak)
+    found = {_plan(family, held, ())}
+    for sub, count in ((held, ALLOWANCES), (plain, ALLOWANCES // 2)):
+        found |= _ladder(family, sub, count, options, deadline)
+    return sorted(found, key=lambda p: (p.saved, p.cost))
+
+
+def _ladder(family: Family, sub: Sub, count: int, options: SolverOptions,
+            deadline: float) -> set[Plan]:
+    """The cheapest plans of `sub` at `count` budgets from its least peak to saving all."""
+    found = set()
     high = make_schedule(sub.problem, []).peak
-    found = {_plan(family, sub, ())}
     try:
-        # Free positions: the least-peak search finds the least S in a fraction of the time.
+        # Free positions: the least-peak search finds the least peak in a fraction of the time.
         solve(sub.problem, 0, Strategy.OPTIMAL, SolverOptions(
             time_limit=options.time_limit, workers=options.workers, seed=options.seed))
-        low = high
+        return found
     except BudgetError as e:
         low = e.smallest if e.smallest is not None else high
         if e.schedule is not None:
             found.add(_plan(family, sub, e.schedule.recomputed))
     except SolverError:
-        low = high
-    for step in range(ALLOWANCES):
+        return found
+    for step in range(count):
         if time.perf_counter() > deadline or low >= high:
             break
-        budget = low + (high - low) * step // (ALLOWANCES - 1)
+        budget = low + (high - low) * step // (count - 1)
         try:
             found.add(_plan(family, sub, solve(sub.problem, budget, Strategy.OPTIMAL,
                                                options).recomputed))
         except (BudgetError, SolverError):
             continue
-    plans = sorted(found, key=lambda p: (p.saved, p.cost))
-    return [p for i, p in enumerate(plans) if all(q.cost > p.cost for q in plans[:i])]
+    return found
 
 
 def lower_hull(plans: list[Plan]) -> list[int]:
-    """Indices of the plans on the lower convex hull of (saved, cost), by S ascending. Mixing
+    """Indices of the plans (sorted by S) on the lower convex hull of (saved, cost). Mixing
     two neighbours on it, some blocks on each, beats any plan between them at the same total
     S: on the 38-block transformer at 70 % of the save-all peak, 280 MB and 392 MB plans mixed
     cost 5.0 ms where a 304 MB plan everywhere cost 5.3."""
@@ -128,7 +139,7 @@ def tiled(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
     sub_options = SolverOptions(time_limit=per_solve, workers=options.workers, seed=options.seed,
                                 free_positions=False, cost_resolution=options.cost_resolution)
     search = _Search(problem, budget, found,
-                     [frontier(problem, f, sub_options, deadline) for f in found])
+                     [block_plans(problem, f, sub_options, deadline) for f in found])
     best = search.fit(deadline)
     logger.debug("tiled: %d families, %d tilings evaluated, cost %.3g, peak %d",
                  len(found), len(search.seen), best[0], best[1])
@@ -161,35 +172,48 @@ class _Search:
         return (*self.seen[decision], decision)
 
     def fit(self, deadline: float):
-        tiling = [[0] * len(f.members) for f in self.families]  # the least S everywhere
-        cost, peak, decision = self.evaluate(tiling)
-        if peak > self.budget:
-            raise BudgetError(
-                f"tiled: its tiling of least saved bytes peaks at {peak:,} bytes, above the "
-                f"budget of {self.budget:,}; try the optimal strategy or a larger budget",
-                budget=self.budget, smallest=peak)
-        best = (cost, peak, decision, tiling)
+        # 1. Uniform: the cheapest plan that fits in every block of every family, one family
+        # at a time, the others on their plan of least S.
+        tiling = [[0] * len(f.members) for f in self.families]
+        best = None
         for f, plans in enumerate(self.frontiers):
             count = len(self.families[f].members)
-            hull = lower_hull(plans)
-            # 1. Uniform: the hull's plan of most S that fits.
-            fits, fails = 0, len(hull)
-            while fails - fits > 1 and time.perf_counter() < deadline:
-                middle = (fits + fails) // 2
-                best, ok = self._try(best, f, {k: hull[middle] for k in range(count)})
-                fits, fails = (middle, fails) if ok else (fits, middle)
-            # 2. The blocks nearest the loss on the next plan of the hull, as many as fit.
-            if fails < len(hull):
-                few, many = 0, count + 1
+            for index in sorted(range(len(plans)), key=lambda i: plans[i].cost):
+                tiling[f] = [index] * count
+                cost, peak, decision = self.evaluate(tiling)
+                if peak <= self.budget:
+                    best = (cost, peak, decision, [list(choice) for choice in tiling])
+                    break
+            else:
+                least = min(p for _, p in self.seen.values())
+                raise BudgetError(
+                    f"tiled: no plan of its block fits when tiled; the least peak it saw is "
+                    f"{least:,} bytes, above the budget of {self.budget:,}; try the optimal "
+                    "strategy or a larger budget", budget=self.budget, smallest=least)
+        for f, plans in enumerate(self.frontiers):
+            count = len(self.families[f].members)
+            # 2. The blocks nearest the loss on a cheaper plan, as many as fit: the next plan
+            # of the lower hull, and the next plan by cost.
+            chosen = plans[best[3][f][0]]
+            cheaper = sorted((i for i in range(len(plans)) if plans[i].cost < chosen.cost),
+                             key=lambda i: -plans[i].cost)
+            hull = set(lower_hull(plans))
+            on_hull = [i for i in cheaper if i in hull]
+            for partner in dict.fromkeys(on_hull[:1] + cheaper[:1]):
+                few, many = 0, count + 1  # `few` blocks on the partner fit, `many` do not
                 while many - few > 1 and time.perf_counter() < deadline:
                     middle = (few + many) // 2
                     top = range(count - middle, count)
-                    best, ok = self._try(best, f, {k: hull[fails] for k in top})
+                    best, ok = self._try(best, f, {k: partner for k in top})
                     few, many = (middle, many) if ok else (few, middle)
-            # 3. The ends: the cheapest plan that still fits, the last block first.
-            for k in dict.fromkeys((count - 1, 0)):
-                for index in range(len(plans) - 1, best[3][f][k], -1):
-                    if time.perf_counter() > deadline:
+            # 3. Block by block, the ends first, then down from the loss: the cheapest plan
+            # that still fits, while the evaluations last (all blocks of a short stack).
+            budget = len(self.seen) + LOCAL_EVALUATIONS
+            for k in dict.fromkeys((count - 1, 0, *range(count - 2, 0, -1))):
+                current = plans[best[3][f][k]].cost
+                for index in sorted(range(len(plans)), key=lambda i: plans[i].cost):
+                    if (plans[index].cost >= current or len(self.seen) >= budget
+                            or time.perf_counter() > deadline):
                         break
                     best, ok = self._try(best, f, {k: index})
                     if ok:
