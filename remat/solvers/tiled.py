@@ -124,46 +124,51 @@ def _plan(family: Family, sub: Sub, recomputed) -> Plan:
 @register(Strategy.TILED)
 def tiled(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
     deadline = time.perf_counter() + options.time_limit
-    found = families(problem)
-    if not found:
-        schedule = make_schedule(problem, [], strategy=Strategy.TILED.value,
-                                 status=Status.HEURISTIC, budget=budget)
-        if schedule.peak > budget:
-            raise BudgetError(
-                f"tiled: the step has no repeated blocks (modules whose paths end in a list "
-                f"index, with identical ops), so it saves everything, which peaks at "
-                f"{schedule.peak:,} bytes, above the budget of {budget:,}; try the optimal "
-                "strategy or a larger budget", budget=budget, smallest=schedule.peak)
-        return schedule
-    per_solve = min(SUB_SOLVE_CAP, max(0.2, options.time_limit * SUB_SOLVE_SHARE))
-    sub_options = SolverOptions(time_limit=per_solve, workers=options.workers, seed=options.seed,
-                                free_positions=False, cost_resolution=options.cost_resolution)
-    search = _Search(problem, budget, found,
-                     [block_plans(problem, f, sub_options, deadline) for f in found])
-    best = search.fit(deadline)
-    logger.debug("tiled: %d families, %d tilings evaluated, cost %.3g, peak %d",
-                 len(found), len(search.seen), best[0], best[1])
-    return make_schedule(problem, best[2], strategy=Strategy.TILED.value,
-                         status=Status.HEURISTIC, budget=budget,
-                         info={"blocks": [len(f.members) for f in found],
-                               "block_plans": [len(p) for p in search.frontiers],
-                               "tilings_evaluated": len(search.seen)})
+    return Tiler(problem, options, deadline).fit(budget, deadline)
 
 
-class _Search:
-    """Tilings (a plan index per block of each family) judged on the whole step."""
+class Tiler:
+    """The block plans of a problem, solved once, and tilings of them judged on the whole step
+    at any budget (`fit`): a sweep over budgets solves the blocks once."""
 
-    def __init__(self, problem: Problem, budget: int, found: list[Family],
-                 frontiers: list[list[Plan]]):
+    def __init__(self, problem: Problem, options: SolverOptions, deadline: float | None = None):
+        deadline = time.perf_counter() + options.time_limit if deadline is None else deadline
+        self.problem = problem
+        self.families = families(problem)
+        per_solve = min(SUB_SOLVE_CAP, max(0.2, options.time_limit * SUB_SOLVE_SHARE))
+        sub_options = SolverOptions(time_limit=per_solve, workers=options.workers,
+                                    seed=options.seed, free_positions=False,
+                                    cost_resolution=options.cost_resolution)
+        self.plans = [block_plans(problem, f, sub_options, deadline) for f in self.families]
         self.meter = PeakMeter(problem)
-        self.budget = budget
-        self.families = found
-        self.frontiers = frontiers
-        self.seen: dict[frozenset[int], tuple[float, int]] = {}
+        self.seen: dict[frozenset[int], tuple[float, int]] = {}  # decision: (cost, peak)
+
+    def fit(self, budget: int, deadline: float = float("inf")) -> Schedule:
+        """The cheapest tiling found that fits `budget`; BudgetError when none does."""
+        if not self.families:
+            schedule = make_schedule(self.problem, [], strategy=Strategy.TILED.value,
+                                     status=Status.HEURISTIC, budget=budget)
+            if schedule.peak > budget:
+                raise BudgetError(
+                    f"tiled: the step has no repeated blocks (modules whose paths end in a list "
+                    f"index, with identical ops), so it saves everything, which peaks at "
+                    f"{schedule.peak:,} bytes, above the budget of {budget:,}; try the optimal "
+                    "strategy or a larger budget", budget=budget, smallest=schedule.peak)
+            return schedule
+        evaluated = len(self.seen)
+        cost, peak, decision, _ = self._search(budget, deadline)
+        logger.debug("tiled: %d families, cost %.3g, peak %d", len(self.families), cost, peak)
+        return make_schedule(self.problem, decision, strategy=Strategy.TILED.value,
+                             status=Status.HEURISTIC, budget=budget,
+                             info={"blocks": [len(f.members) for f in self.families],
+                                   "block_plans": [len(p) for p in self.plans],
+                                   "tilings_evaluated": len(self.seen) - evaluated})
 
     def evaluate(self, tiling: list[list[int]]) -> tuple[float, int, frozenset[int]]:
+        """Cost, simulated peak and decision of a tiling: for each family, the index of each
+        block's plan."""
         chosen: set[int] = set()
-        for family, plans, choice in zip(self.families, self.frontiers, tiling):
+        for family, plans, choice in zip(self.families, self.plans, tiling):
             for k, index in enumerate(choice):
                 chosen |= family.tile(k, plans[index].positions)
         decision = frozenset(self.meter.drop_unneeded(chosen))
@@ -171,26 +176,28 @@ class _Search:
             self.seen[decision] = (self.meter.cost(decision), self.meter.peak(decision))
         return (*self.seen[decision], decision)
 
-    def fit(self, deadline: float):
+    def _search(self, budget: int, deadline: float):
         # 1. Uniform: the cheapest plan that fits in every block of every family, one family
         # at a time, the others on their plan of least S.
         tiling = [[0] * len(f.members) for f in self.families]
         best = None
-        for f, plans in enumerate(self.frontiers):
+        for f, plans in enumerate(self.plans):
             count = len(self.families[f].members)
+            peaks = []
             for index in sorted(range(len(plans)), key=lambda i: plans[i].cost):
                 tiling[f] = [index] * count
                 cost, peak, decision = self.evaluate(tiling)
-                if peak <= self.budget:
+                peaks.append(peak)
+                if peak <= budget:
                     best = (cost, peak, decision, [list(choice) for choice in tiling])
                     break
             else:
-                least = min(p for _, p in self.seen.values())
+                least = min(peaks)
                 raise BudgetError(
                     f"tiled: no plan of its block fits when tiled; the least peak it saw is "
-                    f"{least:,} bytes, above the budget of {self.budget:,}; try the optimal "
-                    "strategy or a larger budget", budget=self.budget, smallest=least)
-        for f, plans in enumerate(self.frontiers):
+                    f"{least:,} bytes, above the budget of {budget:,}; try the optimal "
+                    "strategy or a larger budget", budget=budget, smallest=least)
+        for f, plans in enumerate(self.plans):
             count = len(self.families[f].members)
             # 2. The blocks nearest the loss on a cheaper plan, as many as fit: the next plan
             # of the lower hull, and the next plan by cost.
@@ -204,29 +211,29 @@ class _Search:
                 while many - few > 1 and time.perf_counter() < deadline:
                     middle = (few + many) // 2
                     top = range(count - middle, count)
-                    best, ok = self._try(best, f, {k: partner for k in top})
+                    best, ok = self._try(best, budget, f, {k: partner for k in top})
                     few, many = (middle, many) if ok else (few, middle)
             # 3. Block by block, the ends first, then down from the loss: the cheapest plan
             # that still fits, while the evaluations last (all blocks of a short stack).
-            budget = len(self.seen) + LOCAL_EVALUATIONS
+            allowed = len(self.seen) + LOCAL_EVALUATIONS
             for k in dict.fromkeys((count - 1, 0, *range(count - 2, 0, -1))):
                 current = plans[best[3][f][k]].cost
                 for index in sorted(range(len(plans)), key=lambda i: plans[i].cost):
-                    if (plans[index].cost >= current or len(self.seen) >= budget
+                    if (plans[index].cost >= current or len(self.seen) >= allowed
                             or time.perf_counter() > deadline):
                         break
-                    best, ok = self._try(best, f, {k: index})
+                    best, ok = self._try(best, budget, f, {k: index})
                     if ok:
                         break
         return best
 
-    def _try(self, best, f: int, changes: dict[int, int]):
+    def _try(self, best, budget: int, f: int, changes: dict[int, int]):
         """`best` with the blocks of family f in `changes` on other plans, if that fits and is
         cheaper; and whether it fits."""
         tiling = [list(choice) for choice in best[3]]
         tiling[f] = [changes.get(k, index) for k, index in enumerate(tiling[f])]
         cost, peak, decision = self.evaluate(tiling)
-        if peak > self.budget:
+        if peak > budget:
             return best, False
         if (cost, peak) < best[:2]:
             best = (cost, peak, decision, tiling)
