@@ -75,7 +75,7 @@ def test_blocks_that_differ_are_no_family():
     problem = small_transformer(layers=4)
     odd = problem.index("layers.2.mlp.fc1")
     ops = list(problem.ops)
-    ops[odd] = replace(ops[odd], cost=ops[odd].cost * 2)  # one op of one block differs
+    ops[odd] = replace(ops[odd], flops=ops[odd].flops * 2)  # one op of one block differs
     [family] = families(Problem(tuple(ops), name="odd"))
     assert family.names == ("layers.0", "layers.1", "layers.3")
 

@@ -2,8 +2,9 @@
 
 A block is a module whose path ends in a list index ("layers.7", `block_of`); its ops are the
 forward and backward ops of that module and its children. Blocks are identical when their ops
-match one for one: kind, phase, bytes, temp, cost, FLOPs, target, flags, and inputs (inside the
-block by position; outside it by phase, kind and bytes). A plan for one block then reads as a
+match one for one: kind, phase, bytes, temp, FLOPs, target, flags, and inputs (inside the block
+by position; outside it by phase, kind and bytes). Not costs: measured times differ from block
+to block by noise; plans are costed on the whole step anyway. A plan for one block then reads as a
 plan for every identical block, position by position (`Family.tile`).
 
 `subproblem` cuts one block out of the step, with what the rest of the step imposes on it:
@@ -83,7 +84,7 @@ def _signature(problem: Problem, ops: list[int]) -> tuple:
         return ("out", other.phase, other.kind, other.size)
 
     return tuple(
-        (op.phase, op.kind, op.size, op.temp, op.cost, op.flops, op.target, op.not_recomputable,
+        (op.phase, op.kind, op.size, op.temp, op.flops, op.target, op.not_recomputable,
          op.is_output, op.forward_output, tuple(source(j) for j in op.inputs))
         for op in (problem.ops[i] for i in ops))
 

@@ -6,14 +6,17 @@ the backward at about (L - 1) * S + W, where S is what one block saves and W the
 one block's backward. So what a block plan is worth is its cost against its S. The block's
 sub-problem (`remat.solvers.blocks.subproblem`) bounds S with its `hold` scratch; exact solves
 at a few allowances give the block's frontier of (S, cost) plans, each from a ~50-op solve
-whatever L is. Then, with every plan judged on the whole step by `PeakMeter`:
-1. every block takes the plan of most S that fits among those on the lower convex hull of the
-   frontier (a bisection along it);
-2. the blocks nearest the loss take the hull's next, cheaper plan, as many as fit (a
-   bisection on their number): the peak at the start of the backward holds every block's saved bytes but
-   the last's whatever the mix, and earlier in the backward fewer heavy blocks are held;
-3. the first and last block of each family take the cheapest plan of the frontier that still
-   fits: the last block's saved bytes stack under no other block's backward.
+whatever L is. Then, with every tiling judged on the whole step by `PeakMeter`:
+1. every block takes the cheapest plan that fits when all take it;
+2. the blocks nearest the loss take a cheaper plan, as many as fit (a bisection on their
+   number): the next plan on the lower convex hull of (S, cost), which mixes best (see
+   `lower_hull`), and the next plan by cost. The peak at the start of the backward holds every
+   block's saved bytes but the last's whatever the mix; earlier in the backward, fewer of the
+   heavier blocks are held;
+3. block by block, the two ends first (the last block's saved bytes stack under no other
+   block's backward), the cheapest plan that still fits, for as many evaluations as allowed.
+Plans for allowances of a block's own peak join those for allowances of S: in short stacks, one
+block's W is most of the peak.
 Values outside the families (embeddings, the head) are saved. Without repeated blocks the
 strategy saves everything, and says so when that does not fit.
 """
@@ -38,7 +41,8 @@ ALLOWANCES = 12
 # Seconds each exact block solve may take at most, and the share of the time limit it may.
 SUB_SOLVE_CAP = 2.0
 SUB_SOLVE_SHARE = 1 / 40
-# Whole-step evaluations the block-by-block pass may spend per family: each is O(ops).
+# Whole-step evaluations the block-by-block pass may spend per family, each O(ops): every block
+# of a short stack, the ends and a few more of a tall one.
 LOCAL_EVALUATIONS = 64
 
 
@@ -71,8 +75,10 @@ def block_plans(problem: Problem, family: Family, options: SolverOptions,
 def _ladder(family: Family, sub: Sub, count: int, options: SolverOptions,
             deadline: float) -> set[Plan]:
     """The cheapest plans of `sub` at `count` budgets from its least peak to saving all."""
-    found = set()
+    found: set[Plan] = set()
     high = make_schedule(sub.problem, []).peak
+    if time.perf_counter() > deadline:
+        return found
     try:
         # Free positions: the least-peak search finds the least peak in a fraction of the time.
         solve(sub.problem, 0, Strategy.OPTIMAL, SolverOptions(
@@ -215,13 +221,13 @@ class Tiler:
                     few, many = (middle, many) if ok else (few, middle)
             # 3. Block by block, the ends first, then down from the loss: the cheapest plan
             # that still fits, while the evaluations last (all blocks of a short stack).
-            allowed = len(self.seen) + LOCAL_EVALUATIONS
+            left = LOCAL_EVALUATIONS
             for k in dict.fromkeys((count - 1, 0, *range(count - 2, 0, -1))):
                 current = plans[best[3][f][k]].cost
                 for index in sorted(range(len(plans)), key=lambda i: plans[i].cost):
-                    if (plans[index].cost >= current or len(self.seen) >= allowed
-                            or time.perf_counter() > deadline):
+                    if plans[index].cost >= current or left <= 0 or time.perf_counter() > deadline:
                         break
+                    left -= 1
                     best, ok = self._try(best, budget, f, {k: index})
                     if ok:
                         break
