@@ -25,7 +25,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Iterable
 
-from remat.solvers.problem import Op, Phase, Problem
+from remat.solvers.problem import Op, Phase, Problem, tuple_of
 
 # A block is a module whose path ends in a list index: "h.3", "model.layers.12", "blocks.0".
 _BLOCK = re.compile(r"^(.*?\.?\d+)(?:\.|$)")
@@ -62,10 +62,13 @@ class Family:
 def families(problem: Problem) -> list[Family]:
     """The groups of two or more identical blocks, largest first."""
     members: dict[str, list[int]] = {}
+    where: list[str | None] = []
     for i, op in enumerate(problem.ops):
-        block = block_of(op.module)
-        if block is not None:
-            members.setdefault(block, []).append(i)
+        # A tensor taken out of a tuple op goes with it, whatever module the graph names.
+        t = tuple_of(problem, i)
+        where.append(where[t] if t is not None else block_of(op.module))
+        if where[i] is not None:
+            members.setdefault(where[i], []).append(i)
     groups: dict[tuple, list[str]] = {}
     for name, ops in members.items():
         groups.setdefault(_signature(problem, ops), []).append(name)

@@ -76,8 +76,10 @@ class PeakMeter:
             if i in candidates:
                 self._varying.append((i, op.size, tup, last_forward,
                                       max([r for r in readers[i] if r >= nf], default=-1)))
-        self._forward = list(accumulate(forward[:nf]))
-        self._at = list(accumulate(at[:n]))
+        temp = self._temp
+        self._forward_fixed = [live + temp[t] for t, live in enumerate(accumulate(forward[:nf]))]
+        self._backward_fixed = [live + temp[b]
+                                for b, live in enumerate(accumulate(at[:n])) if b >= nf]
         self._before = list(accumulate(before[:n]))
 
     def needed(self, recomputed: Iterable[int]) -> set[int]:
@@ -117,22 +119,21 @@ class PeakMeter:
         saved = self.needed(recomputed) - recomputed
 
         # Steps: forward op i is step i; before backward op b run the recomputations placed
-        # there, in forward order, so b's step is b plus the recomputations at or before it.
-        at: dict[int, list[int]] = {}
+        # there, in forward order, so b's step is b plus the recomputations at or before it
+        # (`shift[b - nf]`).
+        placed: dict[int, list[int]] = {}
         for v in sorted(recomputed):
-            at.setdefault(positions[v], []).append(v)
-        step = list(range(n))
+            placed.setdefault(positions[v], []).append(v)
+        count = [0] * (n - nf)
+        for b, values in placed.items():
+            count[b - nf] = len(values)
+        shift = list(accumulate(count))
         again: dict[int, int] = {}
-        order = list(range(nf))
-        shift = 0
-        for b in range(nf, n):
-            for v in at.get(b, ()):
-                again[v] = b + shift
-                order.append(v)
-                shift += 1
-            step[b] = b + shift
-            order.append(b)
-        total = len(order)
+        for b, values in placed.items():
+            first = b + shift[b - nf] - len(values)
+            for rank, v in enumerate(values):
+                again[v] = first + rank
+        total = n + len(recomputed)
 
         # The last step at which a recomputation reads each storage.
         read_again: dict[int, int] = {}
@@ -149,7 +150,7 @@ class PeakMeter:
                 start = again[i] if tup is None else again[tup] + 1
             else:
                 continue
-            end = step[last_backward] if last_backward >= 0 else start - 1
+            end = last_backward + shift[last_backward - nf] if last_backward >= 0 else start - 1
             end_again = read_again.get(i, -1)
             if end_again > end:
                 end = end_again
@@ -160,11 +161,17 @@ class PeakMeter:
                 delta[start] += size
                 delta[start + 1] -= size
         for tup, size in self._unread:
-            delta[step[tup] + 1] += size
-            delta[step[tup] + 2] -= size
-        # What every schedule holds alike, and each step's temp bytes, in step order.
-        temp, at, before = self._temp, self._at, self._before
-        fixed = [self._forward[t] + temp[t] for t in range(nf)]
-        for v in order[nf:]:
-            fixed.append(at[v] + temp[v] if v >= nf else before[positions[v]] + temp[v])
+            made = tup + shift[tup - nf] + 1
+            delta[made] += size
+            delta[made + 1] -= size
+        # What every schedule holds alike, and each step's temp bytes, in step order: the
+        # backward ops' in runs between the positions of recomputations.
+        temp, before, ops_fixed = self._temp, self._before, self._backward_fixed
+        fixed = self._forward_fixed.copy()
+        previous = nf
+        for b in sorted(placed):
+            fixed.extend(ops_fixed[previous - nf:b - nf])
+            fixed.extend(before[b] + temp[v] for v in placed[b])
+            previous = b
+        fixed.extend(ops_fixed[previous - nf:])
         return max(map(add, accumulate(delta[:total]), fixed), default=0)

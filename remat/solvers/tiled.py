@@ -43,7 +43,7 @@ SUB_SOLVE_CAP = 2.0
 SUB_SOLVE_SHARE = 1 / 40
 # Whole-step evaluations the block-by-block pass may spend per family, each O(ops): every block
 # of a short stack, the ends and a few more of a tall one.
-LOCAL_EVALUATIONS = 64
+LOCAL_EVALUATIONS = 32
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,7 @@ class Tiler:
         self.plans = [block_plans(problem, f, sub_options, deadline) for f in self.families]
         self.meter = PeakMeter(problem)
         self.seen: dict[frozenset[int], tuple[float, int]] = {}  # decision: (cost, peak)
+        self._tilings: dict[tuple, frozenset[int]] = {}  # tiling: decision
 
     def fit(self, budget: int, deadline: float = float("inf")) -> Schedule:
         """The cheapest tiling found that fits `budget`; BudgetError when none does."""
@@ -173,64 +174,77 @@ class Tiler:
     def evaluate(self, tiling: list[list[int]]) -> tuple[float, int, frozenset[int]]:
         """Cost, simulated peak and decision of a tiling: for each family, the index of each
         block's plan."""
-        chosen: set[int] = set()
-        for family, plans, choice in zip(self.families, self.plans, tiling):
-            for k, index in enumerate(choice):
-                chosen |= family.tile(k, plans[index].positions)
-        decision = frozenset(self.meter.drop_unneeded(chosen))
-        if decision not in self.seen:
-            self.seen[decision] = (self.meter.cost(decision), self.meter.peak(decision))
+        key = tuple(map(tuple, tiling))
+        if key not in self._tilings:
+            chosen: set[int] = set()
+            for family, plans, choice in zip(self.families, self.plans, tiling):
+                for k, index in enumerate(choice):
+                    chosen |= family.tile(k, plans[index].positions)
+            decision = frozenset(self.meter.drop_unneeded(chosen))
+            if decision not in self.seen:
+                self.seen[decision] = (self.meter.cost(decision), self.meter.peak(decision))
+            self._tilings[key] = decision
+        decision = self._tilings[key]
         return (*self.seen[decision], decision)
 
     def _search(self, budget: int, deadline: float):
-        # 1. Uniform: the cheapest plan that fits in every block of every family, one family
-        # at a time, the others on their plan of least S.
-        tiling = [[0] * len(f.members) for f in self.families]
-        best = None
-        for f, plans in enumerate(self.plans):
-            count = len(self.families[f].members)
-            peaks = []
-            for index in sorted(range(len(plans)), key=lambda i: plans[i].cost):
-                tiling[f] = [index] * count
-                cost, peak, decision = self.evaluate(tiling)
+        """One family at a time, the later ones on their plan of least S meanwhile."""
+        best = (0.0, 0, frozenset(), [[0] * len(f.members) for f in self.families])
+        for f in range(len(self.families)):
+            best = self._family(best[3], f, budget, deadline)
+        return best
+
+    def _family(self, tiling: list[list[int]], f: int, budget: int, deadline: float):
+        plans = self.plans[f]
+        count = len(self.families[f].members)
+        hull = lower_hull(plans)
+        by_cost = sorted(range(len(plans)), key=lambda i: plans[i].cost)
+        # 1. Uniform: the cheapest plan that fits in every block, among the hull's plans (to
+        # mix with the next on the hull) and among all.
+        starts, peaks = [], []
+        for pool in ([i for i in by_cost if i in hull], by_cost):
+            for index in pool:
+                uniform = [list(choice) for choice in tiling]
+                uniform[f] = [index] * count
+                cost, peak, decision = self.evaluate(uniform)
                 peaks.append(peak)
                 if peak <= budget:
-                    best = (cost, peak, decision, [list(choice) for choice in tiling])
+                    starts.append((cost, peak, decision, uniform))
                     break
-            else:
-                least = min(peaks)
-                raise BudgetError(
-                    f"tiled: no plan of its block fits when tiled; the least peak it saw is "
-                    f"{least:,} bytes, above the budget of {budget:,}; try the optimal "
-                    "strategy or a larger budget", budget=budget, smallest=least)
-        for f, plans in enumerate(self.plans):
-            count = len(self.families[f].members)
-            # 2. The blocks nearest the loss on a cheaper plan, as many as fit: the next plan
-            # of the lower hull, and the next plan by cost.
-            chosen = plans[best[3][f][0]]
-            cheaper = sorted((i for i in range(len(plans)) if plans[i].cost < chosen.cost),
-                             key=lambda i: -plans[i].cost)
-            hull = set(lower_hull(plans))
-            on_hull = [i for i in cheaper if i in hull]
-            for partner in dict.fromkeys(on_hull[:1] + cheaper[:1]):
+        if not starts:
+            least = min(peaks)
+            raise BudgetError(
+                f"tiled: no plan of its block fits when tiled; the least peak it saw is "
+                f"{least:,} bytes, above the budget of {budget:,}; try the optimal strategy or "
+                "a larger budget", budget=budget, smallest=least)
+        # 2. The blocks nearest the loss on a cheaper plan, as many as fit (a bisection on
+        # their number): the next on the hull, and the next by cost.
+        results = []
+        for best in {start[2]: start for start in starts}.values():
+            chosen = plans[best[3][f][0]].cost
+            cheaper = [i for i in reversed(by_cost) if plans[i].cost < chosen]
+            partners = [i for i in cheaper if i in hull][:1] + cheaper[:1]
+            for partner in dict.fromkeys(partners):
                 few, many = 0, count + 1  # `few` blocks on the partner fit, `many` do not
                 while many - few > 1 and time.perf_counter() < deadline:
                     middle = (few + many) // 2
                     top = range(count - middle, count)
                     best, ok = self._try(best, budget, f, {k: partner for k in top})
                     few, many = (middle, many) if ok else (few, middle)
-            # 3. Block by block, the ends first, then down from the loss: the cheapest plan
-            # that still fits, while the evaluations last (all blocks of a short stack).
-            left = LOCAL_EVALUATIONS
-            for k in dict.fromkeys((count - 1, 0, *range(count - 2, 0, -1))):
-                current = plans[best[3][f][k]].cost
-                for index in sorted(range(len(plans)), key=lambda i: plans[i].cost):
-                    if plans[index].cost >= current or left <= 0 or time.perf_counter() > deadline:
-                        break
-                    left -= 1
-                    best, ok = self._try(best, budget, f, {k: index})
-                    if ok:
-                        break
+            results.append(best)
+        best = min(results, key=lambda r: r[:2])
+        # 3. Block by block, the ends first, then down from the loss: the cheapest plan that
+        # still fits, while the evaluations last (all blocks of a short stack).
+        left = LOCAL_EVALUATIONS
+        for k in dict.fromkeys((count - 1, 0, *range(count - 2, 0, -1))):
+            current = plans[best[3][f][k]].cost
+            for index in by_cost:
+                if plans[index].cost >= current or left <= 0 or time.perf_counter() > deadline:
+                    break
+                left -= 1
+                best, ok = self._try(best, budget, f, {k: index})
+                if ok:
+                    break
         return best
 
     def _try(self, best, budget: int, f: int, changes: dict[int, int]):
