@@ -2,7 +2,11 @@
 tiling maps a block's plan onto the same ops of every block, what it returns fits by
 `simulate`, it meets brute force on tiny stacks of identical blocks and is never worse than
 checkpointing every block where that fits."""
+import os
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +17,7 @@ from remat.solvers.synthetic import Builder, transformer, unet
 from remat.solvers.tiled import Tiler
 
 OPTIONS = SolverOptions(time_limit=20, workers=2, free_positions=False)
+ROOT = str(Path(__file__).resolve().parents[1])
 
 
 def small_transformer(layers: int = 4, dropout: bool = True) -> Problem:
@@ -169,3 +174,14 @@ def test_as_a_hint_the_exact_solver_starts_from_it():
                  SolverOptions(time_limit=2, workers=2, free_positions=False, hint=hint))
     assert best.peak <= budget
     assert best.cost <= hint.cost + 1e-12
+
+
+def test_the_new_solver_modules_never_import_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import remat.solvers.blocks, remat.solvers.peak_meter, remat.solvers.tiled\n"
+            "from remat.solvers import Strategy, solve\n"
+            "from remat.solvers.synthetic import transformer\n"
+            "problem = transformer(layers=2, seq=32, d_model=32, heads=2, batch=1)\n"
+            "assert solve(problem, 10 ** 12, Strategy.TILED).cost == 0\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT,
+                   env={**os.environ, "PYTHONPATH": ROOT})

@@ -130,6 +130,10 @@ def _plan(family: Family, sub: Sub, recomputed) -> Plan:
 @register(Strategy.TILED)
 def tiled(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
     deadline = time.perf_counter() + options.time_limit
+    save_all = make_schedule(problem, [], strategy=Strategy.TILED.value,
+                             status=Status.HEURISTIC, budget=budget)
+    if save_all.peak <= budget:  # nothing to recompute: no block needs solving
+        return save_all
     return Tiler(problem, options, deadline).fit(budget, deadline)
 
 
