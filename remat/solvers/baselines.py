@@ -7,16 +7,16 @@ BudgetError with its own smallest peak when its schedule does not fit.
 from __future__ import annotations
 
 import math
-import re
 
 from remat.errors import BudgetError
+from remat.solvers.blocks import block_of
 from remat.solvers.options import SolverOptions
+from remat.solvers.peak_meter import PeakMeter
 from remat.solvers.problem import Problem, tuple_of
 from remat.solvers.registry import Strategy, register
 from remat.solvers.schedule import Schedule, Status, drop_unneeded, make_schedule, recomputable
 
-# A block is a module whose path ends in a list index: "h.3", "model.layers.12", "blocks.0".
-_BLOCK = re.compile(r"^(.*?\.?\d+)(?:\.|$)")
+__all__ = ["block_of", "checkpoint_blocks", "chen_sqrt", "greedy", "save_all", "selective"]
 
 
 def _fitting(problem: Problem, recomputed, budget: int, strategy: Strategy) -> Schedule:
@@ -34,12 +34,6 @@ def _fitting(problem: Problem, recomputed, budget: int, strategy: Strategy) -> S
 def save_all(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
     """Save every forward value the backward needs; recompute nothing (plain PyTorch)."""
     return _fitting(problem, (), budget, Strategy.SAVE_ALL)
-
-
-def block_of(module_path: str) -> str | None:
-    """The repeated block a module belongs to ("h.3.attn.c_attn" -> "h.3"), if any."""
-    match = _BLOCK.match(module_path)
-    return match.group(1) if match else None
 
 
 @register(Strategy.CHECKPOINT_BLOCKS)
@@ -107,36 +101,40 @@ def _cheapest_prefix(problem: Problem, order: list[int], budget: int,
     every recomputation at the start of the backward, where it peaks as high as saving
     everything. So the search scans prefix lengths on a grid, then bisects below the first that
     fits, and returns the cheapest fitting prefix it evaluated; BudgetError with the least peak
-    it saw when none fits."""
-    evaluated: dict[int, Schedule] = {}
+    it saw when none fits. That is O(log n) evaluations of O(n) each (`PeakMeter`); only the
+    chosen prefix is built and simulated as a Schedule."""
+    meter = PeakMeter(problem)
+    evaluated: dict[int, tuple[float, int, set[int]]] = {}  # length: (cost, peak, decision)
 
-    def attempt(k: int) -> Schedule:
+    def peak(k: int) -> int:
         if k not in evaluated:
-            evaluated[k] = make_schedule(problem, drop_unneeded(problem, order[:k]),
-                                         strategy=strategy.value, status=Status.HEURISTIC,
-                                         budget=budget)
-        return evaluated[k]
+            recomputed = meter.drop_unneeded(order[:k])
+            evaluated[k] = (meter.cost(recomputed), meter.peak(recomputed), recomputed)
+        return evaluated[k][1]
 
     grid = sorted({len(order) * i // GREEDY_GRID for i in range(GREEDY_GRID + 1)})
     low, high = 0, None
     for k in grid:
-        if attempt(k).peak <= budget:
+        if peak(k) <= budget:
             high = k
             break
         low = k
     if high is None:
-        smallest = min(s.peak for s in evaluated.values())
+        smallest = min(p for _, p, _ in evaluated.values())
         raise BudgetError(
             f"{strategy.value}: no prefix of its order fits; the least peak it saw is "
             f"{smallest:,} bytes, above the budget of {budget:,}; try the optimal strategy or a "
             "larger budget", budget=budget, smallest=smallest)
     while high - low > 1:
         middle = (low + high) // 2
-        if attempt(middle).peak <= budget:
+        if peak(middle) <= budget:
             high = middle
         else:
             low = middle
-    return min((s for s in evaluated.values() if s.peak <= budget), key=lambda s: (s.cost, s.peak))
+    _, _, recomputed = min((e for e in evaluated.values() if e[1] <= budget),
+                           key=lambda e: e[:2])
+    return make_schedule(problem, recomputed, strategy=strategy.value, status=Status.HEURISTIC,
+                         budget=budget)
 
 
 @register(Strategy.GREEDY)

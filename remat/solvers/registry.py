@@ -23,6 +23,7 @@ class Strategy(str, enum.Enum):
     SELECTIVE = "selective"
     OPTIMAL = "optimal"
     BRUTE_FORCE = "brute_force"
+    TILED = "tiled"
 
 
 STRATEGIES: dict[Strategy, StrategyFn] = {}
@@ -41,7 +42,7 @@ def solve(problem: Problem, budget: int, strategy: Strategy | str = Strategy.OPT
     most `budget` bytes. Raises BudgetError when the strategy cannot fit the budget and
     SolverError when it stops with no schedule."""
     # Importing the strategies registers them; done here so that the registry has no cycle.
-    from remat.solvers import baselines, brute_force, cpsat  # noqa: F401
+    from remat.solvers import baselines, brute_force, cpsat, tiled  # noqa: F401
 
     try:
         fn = STRATEGIES[Strategy(strategy)]
