@@ -199,9 +199,9 @@ def quiet_torch_logs() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def progress(name: str, every: float = PROGRESS_EVERY) -> Iterator[None]:
-    """Log "capturing NAME: N graph nodes traced, T s" every `every` seconds until the block
-    ends. The count is of fx nodes created (dynamo's graph, then AOTAutograd's joint graph),
+def progress(name: str, every: float | None = None) -> Iterator[None]:
+    """Log "capturing NAME: N graph nodes traced, T s" every `every` seconds (PROGRESS_EVERY)
+    until the block ends. The count is of fx nodes created (dynamo's graph, then AOTAutograd's joint graph),
     counted by wrapping `fx.Graph.create_node` for the duration of the block only."""
     from torch import fx
 
@@ -212,6 +212,7 @@ def progress(name: str, every: float = PROGRESS_EVERY) -> Iterator[None]:
         created[0] += 1
         return original(self, *args, **kwargs)
 
+    every = PROGRESS_EVERY if every is None else every
     done = threading.Event()
     start = time.perf_counter()
 

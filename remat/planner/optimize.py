@@ -200,7 +200,9 @@ class Plan:
         title = (f"remat plan for {captured.model_name} in {self.training_mode} mode: "
                  f"{prepared.state.parameters:,} parameters, inputs {captured.input_shapes}, "
                  f"{self.training.precision.value} {self.training.optimizer.value}, "
-                 f"target {chip.name}")
+                 f"target {chip.name}"
+                 + ("" if prepared.profile.measured else " (times predicted for it by a "
+                    "roofline, not measured on this machine)"))
         return Report(
             title=title, memory=tuple(columns),
             modules=module_rows(self.problem, self.schedule),
