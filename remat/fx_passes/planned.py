@@ -156,7 +156,7 @@ class PlannedModule(nn.Module):
         planned, now = ("train", "eval") if self.training_mode else ("eval", "train")
         call = "model.train()" if self.training_mode else "model.eval()"
         raise RematError(
-            f"the plan was made in {planned} mode but the model is in {now} mode now; call "
+            f"planned in {planned} mode, but the model is in {now} mode now; call "
             f"{call} before running the plan, or plan the model again in {now} mode (for "
             f"validation, run the original model under torch.no_grad())")
 

@@ -45,7 +45,7 @@ _TORCH_LOGGERS = ("torch._dynamo", "torch._subclasses", "torch._functorch", "tor
 
 
 def default_loss(output: Any) -> torch.Tensor:
-    loss, where = output, "the output"
+    loss, where = output, "the tensor the model returned"
     if not isinstance(output, torch.Tensor):
         loss, where = getattr(output, "loss", None), "its .loss"
         if loss is None and isinstance(output, dict):
@@ -57,7 +57,9 @@ def default_loss(output: Any) -> torch.Tensor:
             f"the model returned {type(output).__name__} without a loss tensor; return a scalar "
             "loss (a Hugging Face model returns .loss when given labels=), or pass loss_fn= to "
             "compute it from the output")
-    check_loss(loss, f"{where} of the {type(output).__name__} the model returned")
+    if not isinstance(output, torch.Tensor):
+        where = f"{where} of the {type(output).__name__} the model returned"
+    check_loss(loss, where)
     return loss
 
 
