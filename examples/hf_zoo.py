@@ -36,9 +36,9 @@ from remat.planner.budget import format_size  # noqa: E402
 from remat.planner.optimize import plan_prepared, prepare  # noqa: E402
 from remat.solvers import SolverOptions  # noqa: E402
 
-VOCAB, SEQ, BATCH = 128, 32, 4
+VOCAB, SEQ, BATCH = 128, 128, 8
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, max_position_embeddings=64)
+             num_attention_heads=4, max_position_embeddings=256)
 
 
 def _decoder(config_cls: str, model_cls: str, **fields) -> Callable:
@@ -60,7 +60,7 @@ def _lm_batch(labels: bool = True) -> dict:
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+    config = GPT2Config(vocab_size=VOCAB, n_positions=256, n_embd=64, n_layer=2, n_head=4,
                         use_cache=False)  # dropout 0.1 by default
     return GPT2LMHeadModel(config), _lm_batch()
 
@@ -82,12 +82,12 @@ def _t5():
 def _vit():
     from transformers import ViTConfig, ViTForImageClassification
 
-    config = ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
+    config = ViTConfig(image_size=64, patch_size=8, hidden_size=64, num_hidden_layers=2,
                        num_attention_heads=4, intermediate_size=128, num_labels=10,
                        hidden_dropout_prob=0.1)
     g = torch.Generator().manual_seed(1)
     return ViTForImageClassification(config), {
-        "pixel_values": torch.randn(BATCH, 3, 32, 32, generator=g),
+        "pixel_values": torch.randn(BATCH, 3, 64, 64, generator=g),
         "labels": torch.randint(0, 10, (BATCH,), generator=g)}
 
 
@@ -223,6 +223,7 @@ def run_model(name: str, fractions: list[float], options: SolverOptions) -> list
                                  target="h100", solver_options=options)
         except Exception as e:
             row.error = _first_line(e)
+            print(f"{name} at {100 * fraction:.0f} %: {row.error}", flush=True)
             continue
         row.status, row.solve_time, row.gap = plan.status.value, plan.schedule.solve_time, \
             plan.gap

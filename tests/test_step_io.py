@@ -166,3 +166,15 @@ def test_a_long_capture_logs_its_progress(monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if "graph nodes traced" in r.getMessage()]
     assert lines and lines[0].startswith("capturing Classifier: ")
     assert torch.fx.Graph.create_node.__name__ == "create_node"  # the counter is removed
+
+
+def test_a_returned_key_value_cache_is_warned_about(caplog):
+    from types import SimpleNamespace
+
+    model = Classifier("dict", dropout=0.0)
+    model.config = SimpleNamespace(use_cache=True)  # as a Hugging Face model's config
+    x, y = batch()
+    with caplog.at_level(logging.WARNING, logger="remat.planner.optimize"):
+        optimize(model, activation_budget="1MB", example_inputs=(x, y), solver="save_all")
+    assert any("returns its key/value cache (config.use_cache=True)" in r.getMessage()
+               and "set model.config.use_cache=False" in r.getMessage() for r in caplog.records)

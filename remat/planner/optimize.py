@@ -357,6 +357,12 @@ def _warn_on_mismatch(model: Any, training: Training) -> None:
                     "weights in %d: the activations are planned in the model's dtype; cast the "
                     "model to plan what will run", sorted(sizes), training.precision.value,
                     training.weight_bytes)
+    config = getattr(model, "config", None)
+    if model.training and getattr(config, "use_cache", False):
+        log.warning("%s returns its key/value cache (config.use_cache=True): the plan holds it "
+                    "to the end of the step, as eager would; set model.config.use_cache=False "
+                    "for training (Hugging Face does under gradient checkpointing)",
+                    type(model).__name__)
     frozen_but_trained = [n for n, p in params
                           if p.requires_grad and training.is_frozen(n, None)]
     if frozen_but_trained:
