@@ -178,3 +178,13 @@ def test_a_returned_key_value_cache_is_warned_about(caplog):
         optimize(model, activation_budget="1MB", example_inputs=(x, y), solver="save_all")
     assert any("returns its key/value cache (config.use_cache=True)" in r.getMessage()
                and "set model.config.use_cache=False" in r.getMessage() for r in caplog.records)
+
+
+def test_keyword_inputs_on_the_meta_device_capture_the_same_graph():
+    x, y = batch()
+    real = capture(Classifier(dropout=0.0), (), example_kwargs={"x": x, "labels": y})
+    with torch.device("meta"):
+        model = Classifier(dropout=0.0)
+    meta = capture(model, (), example_kwargs={"x": x.to("meta"), "labels": y.to("meta")})
+    assert [n.name for n in meta.graph.nodes] == [n.name for n in real.graph.nodes]
+    assert meta.input_shapes == real.input_shapes == [(16, 8), (16,)]
