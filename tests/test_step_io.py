@@ -171,13 +171,20 @@ def test_a_long_capture_logs_its_progress(monkeypatch, caplog):
 def test_a_returned_key_value_cache_is_warned_about(caplog):
     from types import SimpleNamespace
 
-    model = Classifier("dict", dropout=0.0)
-    model.config = SimpleNamespace(use_cache=True)  # as a Hugging Face model's config
+    class WithCache(Classifier):  # a forward that takes use_cache, as a decoder's does
+        def forward(self, x, labels=None, use_cache=None):
+            return super().forward(x, labels)
+
     x, y = batch()
-    with caplog.at_level(logging.WARNING, logger="remat.planner.optimize"):
-        optimize(model, activation_budget="1MB", example_inputs=(x, y), solver="save_all")
-    assert any("returns its key/value cache (config.use_cache=True)" in r.getMessage()
-               and "set model.config.use_cache=False" in r.getMessage() for r in caplog.records)
+    for model, warned in ((Classifier("dict", dropout=0.0), False),
+                          (WithCache("dict", dropout=0.0), True)):
+        model.config = SimpleNamespace(use_cache=True)  # as a Hugging Face model's config
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="remat.planner.optimize"):
+            optimize(model, activation_budget="1MB", example_inputs=(x, y), solver="save_all")
+        assert warned == any("returns its key/value cache (config.use_cache=True)" in r.getMessage()
+                             and "set model.config.use_cache=False" in r.getMessage()
+                             for r in caplog.records)
 
 
 def test_keyword_inputs_on_the_meta_device_capture_the_same_graph():

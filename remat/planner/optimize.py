@@ -6,6 +6,7 @@ per model and batch) and `plan_prepared` (solve, simulate, report; once per budg
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -358,7 +359,8 @@ def _warn_on_mismatch(model: Any, training: Training) -> None:
                     "model to plan what will run", sorted(sizes), training.precision.value,
                     training.weight_bytes)
     config = getattr(model, "config", None)
-    if model.training and getattr(config, "use_cache", False):
+    if model.training and getattr(config, "use_cache", False) \
+            and "use_cache" in inspect.signature(model.forward).parameters:
         log.warning("%s returns its key/value cache (config.use_cache=True): the plan holds it "
                     "to the end of the step, as eager would; set model.config.use_cache=False "
                     "for training (Hugging Face does under gradient checkpointing)",
