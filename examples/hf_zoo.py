@@ -75,7 +75,8 @@ def _t5():
     from transformers import T5Config, T5ForConditionalGeneration
 
     config = T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2,
-                      num_heads=4, use_cache=False)  # dropout 0.1
+                      num_heads=4, use_cache=False, decoder_start_token_id=0,
+                      pad_token_id=0)  # dropout 0.1; labels shift right from token 0
     return T5ForConditionalGeneration(config), _lm_batch()
 
 
@@ -197,12 +198,16 @@ HEADERS = ["model", "family", "budget", "bytes", "capture", "status", "solve", "
 
 def run_model(name: str, fractions: list[float], options: SolverOptions) -> list[Row]:
     family = MODELS[name][0]
-    base, kwargs = build(name)
-    eager = copy.deepcopy(base)
-    eager_step = training_step(eager, kwargs, seed=7)
-    eager_step()  # first call: lazy initialization outside the measured step
-    zero(eager)
-    eager_peak = allocator_peak(eager_step)
+    try:
+        base, kwargs = build(name)
+        eager = copy.deepcopy(base)
+        eager_step = training_step(eager, kwargs, seed=7)
+        eager_step()  # first call: lazy initialization outside the measured step
+        zero(eager)
+        eager_peak = allocator_peak(eager_step)
+    except Exception as e:
+        return [Row(name, family, f, capture="no eager step", error=_first_line(e))
+                for f in fractions]
     print(f"{name}: eager step {format_size(eager_peak)} (allocator)", flush=True)
     start = time.perf_counter()
     try:
