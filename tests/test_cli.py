@@ -86,3 +86,61 @@ def test_demo_prints_predicted_and_measured_within_5_percent():
     assert match, out[-2000:]
     predicted, measured = map(int, match.groups())
     assert abs(measured - predicted) <= 0.05 * predicted
+
+
+def only_a_model():
+    return MLPForCli()
+
+
+def model_and_one_tensor():
+    import torch
+    return MLPForCli(), torch.randn(4, 8)
+
+
+class MLPForCli:  # not an nn.Module: the factory's first item is checked too
+    pass
+
+
+@pytest.mark.parametrize("factory, got", [
+    (only_a_model, "returned only a MLPForCli"),
+    (lambda: (1, 2), "returned a tuple of 2 (int, int)"),
+    (lambda: (MLPForCli(), ()), "returned a tuple of 2 (MLPForCli, tuple)"),
+])
+def test_a_factory_that_returns_the_wrong_thing_is_named(factory, got):
+    from remat.planner.cli import call_factory
+
+    with pytest.raises(ValueError) as info:
+        call_factory("f.py:make", factory)
+    message = str(info.value)
+    assert got in message
+    assert "a factory must return (model, example_inputs) or (model, example_inputs, " \
+           "example_kwargs)" in message
+
+
+def test_a_factory_may_return_keyword_inputs_and_one_tensor():
+    import torch
+
+    from remat.planner.cli import call_factory
+
+    model, x = torch.nn.Linear(2, 2), torch.randn(3, 2)
+    assert call_factory("f", lambda: (model, x)) == (model, (x,), {})
+    got = call_factory("f", lambda: (model, (), {"input": x}))
+    assert got[0] is model and got[1] == () and got[2]["input"] is x
+
+
+def test_help_lists_the_solvers_and_targets(capsys):
+    from remat.fx_passes.devices import DEVICES
+    from remat.solvers import Strategy
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for strategy in Strategy:
+        assert strategy.value in text
+    for name in DEVICES:
+        assert name in text
+
+
+def test_the_cli_refuses_a_budget_beyond_int64(capsys):
+    assert main(["-q", "plan", "tests.models:gpt", "--budget", "1e30"]) == 2
+    assert "not below 2**63" in capsys.readouterr().err

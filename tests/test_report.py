@@ -69,6 +69,18 @@ def test_report_numbers_are_the_plans(plan):
         assert heading in text
 
 
+def test_report_words_say_what_the_numbers_are(plan):
+    text = plan.report().render()
+    # "saved" means kept for the backward (PyTorch's word): the recomputed bytes are avoided.
+    assert "memory avoided" in text and "kept for backward" in text
+    assert "bytes saved" not in text
+    # A roofline's MFU is a prediction for the target, and the title says so on a CPU run.
+    assert not plan.prepared.profile.measured
+    assert "MFU, predicted" in text and "HFU, predicted" in text
+    assert "target H100 SXM (times predicted for it by a roofline" in text
+    assert plan.training_mode == "train" and " in train mode:" in text
+
+
 def test_gradients_shown_and_counted_once(plan):
     memory = plan.report().plan_memory
     rows = {name: (size, counted) for name, size, counted, _ in memory.rows()}

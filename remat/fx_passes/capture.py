@@ -2,25 +2,31 @@
 
 API
 ---
-``capture(model, example_inputs, *, loss_fn=None, name=None) -> Captured``
-    Traces ``loss = loss_fn(model(*example_inputs))`` with dynamo (``fullgraph=True``) and
-    AOTAutograd, and returns the joint graph that AOTAutograd hands to its ``partition_fn``:
+``capture(model, example_inputs=(), *, example_kwargs=None, loss_fn=None, name=None,
+returns="loss") -> Captured``
+    Traces ``loss = loss_fn(model(*example_inputs, **example_kwargs))`` with dynamo
+    (``fullgraph=True``) and AOTAutograd (the step of `remat.fx_passes.step_io`: with
+    ``returns="output"`` the step also returns the model's output), and returns the joint graph that AOTAutograd hands to its ``partition_fn``:
     functional ATen, ``node.meta["val"]`` a fake tensor (or tuple of them) on every node.
     Nothing runs: the capture stops before the forward is compiled, so real parameters are
     not touched (BatchNorm statistics stay as they were). A model (or inputs) on the meta
     device is traced with fake tensors on ``fake_device`` ("cpu") standing in for its meta
     tensors: a 7B model is planned without allocating a weight.
-    A graph break raises `CaptureError` naming the reason and the user's line.
+    A graph break raises `CaptureError` naming the reason and the user's line; an error remat
+    raises inside the trace (no loss, a loss that is not a scalar) reaches the caller as
+    itself, and inputs the model rejects are named with their shapes (`step_io.diagnose`).
+    Floating inputs of another dtype than the parameters are refused before tracing. Torch's
+    logging is held back while tracing; a long capture logs its progress at INFO.
 
 ``compile_step(model, partition_fn, *, fw_compiler=None, bw_compiler=None, loss_fn=None)``
     The very same path with a caller's ``partition_fn`` (the rewrite, or PyTorch's
-    ``default_partition``): returns a callable ``step(*inputs) -> loss`` whose backward is
+    ``default_partition``): returns a callable ``step(*args, **kwargs) -> loss`` whose backward is
     ``loss.backward()``. Because dynamo and AOTAutograd trace the same code the same way, the
     joint graph it partitions has the same node names as `Captured.graph_module`.
 
-``default_loss(output)``
-    What the step returns from the model's output: the output itself when it is a tensor, or
-    its ``.loss`` (Hugging Face ``ModelOutput``) / ``["loss"]`` / first element.
+``default_loss(output)`` (from `remat.fx_passes.step_io`)
+    The loss in the model's output: the output itself when it is a tensor, or its ``.loss``
+    (Hugging Face ``ModelOutput``) / ``["loss"]`` / first element; a floating scalar.
 
 Dynamo caches compiled frames per code object; `capture` and `compile_step` reset dynamo
 (``torch._dynamo.reset()``) so that captures never see each other's caches or recompile limits.
@@ -30,7 +36,6 @@ lookup is a graph break otherwise; `capture` does it for models that have the at
 from __future__ import annotations
 
 import contextlib
-import types
 import logging
 import time
 from dataclasses import dataclass, field
@@ -39,8 +44,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
-from remat.errors import CaptureError
+from remat.errors import CaptureError, RematError
 from remat.fx_passes.rng import snapshot_random_ops
+from remat.fx_passes.step_io import (capture_failure, check_inputs, default_loss, progress,
+                                     quiet_torch_logs, step_function)
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +79,8 @@ class Captured:
     input_shapes: shapes of the example inputs; dtype: the dtype of most parameter bytes.
     device: the device the parameters live on ("meta" for weight-free planning).
     capture_time: seconds the capture took.
+    training: the model's mode (``model.training``) when captured: dropout and BatchNorm
+        trace other graphs in eval mode, so a plan runs only in the mode it was made in.
     """
 
     graph_module: fx.GraphModule
@@ -91,6 +100,7 @@ class Captured:
     dtype: str = ""
     device: str = ""
     capture_time: float = 0.0
+    training: bool = True
 
     @property
     def graph(self) -> fx.Graph:
@@ -117,34 +127,6 @@ class Captured:
                 "params": self.param_count, "param_bytes": self.param_bytes,
                 "inputs": self.input_shapes, "dtype": self.dtype, "device": self.device,
                 "capture_time": self.capture_time}
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if loss is None and isinstance(output, (tuple, list)) and output:
-        loss = output[0]
-    if not isinstance(loss, torch.Tensor):
-        raise CaptureError(f"the model returned {type(output).__name__} without a loss tensor; "
-                           "return a scalar loss or pass loss_fn= to pick it from the output")
-    return loss
-
-
-def _step_fn(model: torch.nn.Module, loss_fn: Callable | None) -> Callable:
-    """The step dynamo traces, with a code object of its own. Dynamo keeps compiled entries per
-    code object, at most `recompile_limit` of them, and fullgraph=True fails past it: sharing
-    one code object, the ninth planned step alive at once would fail, and resetting dynamo
-    between them would make the others recompile."""
-    pick = loss_fn or default_loss
-
-    def step(*inputs):
-        return pick(model(*inputs))
-
-    return types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__,
-                              step.__defaults__, step.__closure__)
 
 
 def make_backend(partition_fn: Callable, *, fw_compiler: Callable | None = None,
@@ -193,26 +175,32 @@ def drop_unused_running_stats(joint: fx.GraphModule) -> None:
 
 def compile_step(model: torch.nn.Module, partition_fn: Callable, *,
                  fw_compiler: Callable | None = None, bw_compiler: Callable | None = None,
-                 loss_fn: Callable | None = None, reset: bool = True) -> Callable:
-    """``step(*inputs) -> loss`` compiled through `capture`'s path with ``partition_fn``."""
+                 loss_fn: Callable | None = None, reset: bool = True,
+                 returns: str = "loss") -> Callable:
+    """``step(*args, **kwargs) -> loss`` (or the model's output, `returns`) compiled through
+    `capture`'s path with ``partition_fn``."""
     _prepare(model)
     if reset:
         torch._dynamo.reset()
     backend = make_backend(partition_fn, fw_compiler=fw_compiler, bw_compiler=bw_compiler)
-    return torch.compile(_step_fn(model, loss_fn), backend=backend, fullgraph=True, dynamic=False)
+    return torch.compile(step_function(model, loss_fn, returns), backend=backend,
+                         fullgraph=True, dynamic=False)
 
 
 class _Stop(Exception):
     """Raised by the capturing compiler once everything is recorded: nothing needs to run."""
 
 
-def capture(model: torch.nn.Module, example_inputs: Sequence[Any], *,
-            loss_fn: Callable | None = None, name: str | None = None,
-            fake_device: str = "cpu") -> Captured:
+def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
+            example_kwargs: dict[str, Any] | None = None, loss_fn: Callable | None = None,
+            name: str | None = None, fake_device: str = "cpu",
+            returns: str = "loss") -> Captured:
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
+    example_kwargs = dict(example_kwargs or {})
     _prepare(model)
+    check_inputs(model, example_inputs, example_kwargs)
     start = time.perf_counter()
     seen: dict[str, Any] = {"device": next((str(p.device) for p in model.parameters()), "")}
 
@@ -235,39 +223,51 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any], *,
 
     torch._dynamo.reset()
     backend = make_backend(partition_fn, fw_compiler=fw_compiler, on_graph=on_graph)
-    compiled = torch.compile(_step_fn(model, loss_fn), backend=backend, fullgraph=True,
-                             dynamic=False)
-    with _fake_meta_tensors(model, example_inputs, fake_device) as example_inputs:
+    step = step_function(model, loss_fn, returns)
+    compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
+    label = name or type(model).__name__
+    failure: Exception | None = None
+    with _fake_meta_tensors(model, (example_inputs, example_kwargs), fake_device) as faked, \
+            quiet_torch_logs(), progress(label):
+        args, kwargs = faked
         try:
             with torch.enable_grad():
-                compiled(*example_inputs)
-        except CaptureError:
+                compiled(*args, **kwargs)
+        except RematError:
             raise
         except Exception as e:  # dynamo wraps the backend's exceptions
             if not _is_stop(e):
-                raise _capture_error(e) from e
+                failure = e
         finally:
             torch._dynamo.reset()
-        if "joint" not in seen:
-            raise CaptureError("no backward graph was traced: the loss does not require grad "
-                               "(are all parameters frozen, or is the model under no_grad?)")
-        prepare_joint(seen["joint"])
-        captured = _describe(model, example_inputs, seen, name)
+        if failure is None:
+            if "joint" not in seen:
+                raise CaptureError("no backward graph was traced: the loss does not require "
+                                   "grad (are all parameters frozen, or is the model under "
+                                   "no_grad?)")
+            prepare_joint(seen["joint"])
+            captured = _describe(model, args, kwargs, seen, name)
+    if failure is not None:
+        # Outside the fake-tensor context: the diagnosis makes fake tensors of its own.
+        raise capture_failure(failure, step, example_inputs, example_kwargs) from failure
     captured.capture_time = time.perf_counter() - start
+    captured.training = model.training
     log.info("captured %s: %d nodes in %.1f s", captured.model_name,
              len(captured.graph.nodes), captured.capture_time)
     return captured
 
 
 @contextlib.contextmanager
-def _fake_meta_tensors(model: torch.nn.Module, inputs: tuple, device: str):
-    """Stand fake tensors on `device` in for meta parameters, buffers and inputs while tracing.
+def _fake_meta_tensors(model: torch.nn.Module, inputs: tuple[tuple, dict], device: str):
+    """Stand fake tensors on `device` in for meta parameters, buffers and inputs (`inputs` is
+    ``(args, kwargs)``) while tracing.
 
     Tracing meta tensors directly loses backward formulas (under fake mode on the meta device
     nll_loss has no autograd kernel: cross-entropy then gets no gradient at all), so a model
     built on meta is traced as if on `device`, without allocating anything. Shared (tied)
     tensors stay shared; the model gets its meta tensors back afterwards."""
-    tensors = [*model.parameters(), *model.buffers(), *inputs]
+    args, kwargs = inputs
+    tensors = [*model.parameters(), *model.buffers(), *args, *kwargs.values()]
     if not any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors):
         yield inputs
         return
@@ -295,7 +295,7 @@ def _fake_meta_tensors(model: torch.nn.Module, inputs: tuple, device: str):
                     swapped.append((table, key, value))
                     table[key] = fake(value)
     try:
-        yield tuple(fake(x) for x in inputs)
+        yield tuple(fake(x) for x in args), {k: fake(v) for k, v in kwargs.items()}
     finally:
         for table, key, value in swapped:
             table[key] = value
@@ -318,32 +318,7 @@ def _is_stop(e: BaseException | None) -> bool:
     return False
 
 
-def _capture_error(e: Exception) -> CaptureError:
-    text = str(e)
-    reason = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
-    where = ""
-    if "from user code:" in text:
-        frames = text.split("from user code:", 1)[1].strip().split("\n\n", 1)[0].splitlines()
-        # The innermost frame is the line that broke; dynamo lists outermost first.
-        files = [i for i, line in enumerate(frames) if line.strip().startswith("File ")]
-        if files:
-            where = "\n  ".join(line.rstrip() for line in frames[files[-1]:files[-1] + 2])
-    from torch._dynamo import exc
-
-    breaks = (exc.Unsupported, exc.UserError)
-    if isinstance(e, breaks) and not isinstance(e, exc.TorchRuntimeError):
-        message = f"the model cannot be captured as one graph (graph break): {reason}"
-        hint = ("remat plans the whole training step as one graph; remove the break (no "
-                ".item(), print or data-dependent Python branches in forward) and retry.")
-    else:
-        message = f"tracing the training step failed: {reason}"
-        hint = "check that the model runs eagerly on these inputs."
-    if where:
-        message += f"\nat:\n  {where}"
-    return CaptureError(f"{message}\n{hint}")
-
-
-def _describe(model, example_inputs, seen, name) -> Captured:
+def _describe(model, args, kwargs, seen, name) -> Captured:
     joint: fx.GraphModule = seen["joint"]
     num_fwd_outputs: int = seen["num_fwd_outputs"]
     placeholders = list(joint.graph.find_nodes(op="placeholder"))
@@ -381,7 +356,7 @@ def _describe(model, example_inputs, seen, name) -> Captured:
     dtypes: dict[torch.dtype, int] = {}
     for p in unique.values():
         dtypes[p.dtype] = dtypes.get(p.dtype, 0) + p.numel() * p.element_size()
-    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
     return Captured(
         graph_module=joint, num_fwd_outputs=num_fwd_outputs,
         num_mutation_outputs=num_mutation_outputs, params=params, buffers=buffers,

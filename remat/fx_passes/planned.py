@@ -30,6 +30,7 @@ from torch import nn
 from remat.errors import RematError
 from remat.fx_passes.inductor import inductor_compilers
 from remat.fx_passes.rewrite import Partition, partition_fn
+from remat.fx_passes.step_io import remat_error
 from remat.solvers.problem import Problem
 from remat.solvers.schedule import Schedule
 
@@ -86,12 +87,14 @@ def _instrumented(compiler: Callable, phase: str, hooks: _Hooks) -> Callable:
 
 
 class PlannedModule(nn.Module):
-    """The training step of `model` under a schedule. `forward(*inputs)` returns the loss (what
-    the captured step returns); `loss.backward()` runs the planned backward. The wrapped model is
+    """The training step of `model` under a schedule. `forward(*args, **kwargs)` returns what
+    the captured step returns (the loss, or the model's output carrying it: `returns`);
+    `loss.backward()` runs the planned backward. The wrapped model is
     a submodule: its parameters are this module's parameters."""
 
     def __init__(self, model: nn.Module, problem: Problem, schedule: Schedule, *,
-                 compile: bool = False, loss_fn: Callable | None = None):
+                 compile: bool = False, loss_fn: Callable | None = None,
+                 returns: str = "loss", training: bool | None = None):
         super().__init__()
         from torch._dynamo.backends.debugging import boxed_nop
 
@@ -111,17 +114,33 @@ class PlannedModule(nn.Module):
             bw_compiler = _instrumented(bw, "backward", self._hooks)
         self._step = _opaque_to_dynamo(compile_step(
             model, partition_fn(problem, schedule, self.partitions.append),
-            fw_compiler=fw_compiler, bw_compiler=bw_compiler, loss_fn=loss_fn, reset=False))
+            fw_compiler=fw_compiler, bw_compiler=bw_compiler, loss_fn=loss_fn, reset=False,
+            returns=returns))
         self.compiled = compile
+        self.training_mode = training
+        """The mode (``model.training``) the plan was made in, None if unknown."""
 
-    def forward(self, *inputs: Any) -> torch.Tensor:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_mode()
         try:
-            return self._step(*inputs)
+            return self._step(*args, **kwargs)
         except Exception as e:
-            inner = _remat_error(e)
+            inner = remat_error(e)
             if inner is not None and inner is not e:
                 raise inner from e
             raise
+
+    def _check_mode(self) -> None:
+        # Dropout and BatchNorm trace other graphs in the other mode: the plan names ops of
+        # the mode it was made in, and would fail in the other with a graph mismatch.
+        if self.training_mode is None or self.model.training == self.training_mode:
+            return
+        planned, now = ("train", "eval") if self.training_mode else ("eval", "train")
+        call = "model.train()" if self.training_mode else "model.eval()"
+        raise RematError(
+            f"planned in {planned} mode, but the model is in {now} mode now; call "
+            f"{call} before running the plan, or plan the model again in {now} mode (for "
+            f"validation, run the original model under torch.no_grad())")
 
     @property
     def partition(self) -> Partition:
@@ -149,12 +168,18 @@ class PlannedModule(nn.Module):
 
 
 def planned_module(model: nn.Module, problem: Problem, schedule: Schedule, *,
-                   compile: bool = False, loss_fn: Callable | None = None) -> PlannedModule:
+                   compile: bool = False, loss_fn: Callable | None = None,
+                   returns: str = "loss", training: bool | None = None) -> PlannedModule:
     """`model`'s training step running `schedule`: op by op (`compile=False`, the graphs that
     can be measured against the simulator), or through Inductor (`compile=True`). `problem`
-    must be the one lowered from `capture(model, inputs, loss_fn=loss_fn)` for inputs of the
-    shapes the module is called with; anything else raises RematError at the first call."""
-    return PlannedModule(model, problem, schedule, compile=compile, loss_fn=loss_fn)
+    must be the one lowered from `capture(model, args, example_kwargs=kwargs, loss_fn=loss_fn,
+    returns=returns)` for inputs of the shapes the module is called with; anything else raises
+    RematError at the first call. `returns`: "loss" (the forward returns the loss tensor) or
+    "output" (the model's output with the loss attached to the plan, other tensors detached;
+    see `remat.fx_passes.step_io`). `training`: the mode the plan was made in; calling the
+    module in the other mode raises RematError saying so."""
+    return PlannedModule(model, problem, schedule, compile=compile, loss_fn=loss_fn,
+                         returns=returns, training=training)
 
 
 _OPAQUE_REASON = ("remat's planned step is compiled with its own partitioner, and an outer "
@@ -179,16 +204,3 @@ def _opaque_to_dynamo(step: Callable) -> Callable:
     except TypeError:  # a torch whose disable takes no reason
         return torch._dynamo.disable(run_planned_step)
 
-
-def _remat_error(e: BaseException) -> RematError | None:
-    """The RematError that dynamo wrapped (it re-raises backend failures as its own)."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, RematError):
-            return e
-        inner = getattr(e, "inner_exception", None)
-        if isinstance(inner, RematError):
-            return inner
-        e = e.__cause__ or e.__context__
-    return None

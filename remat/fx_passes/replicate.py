@@ -90,17 +90,17 @@ def find_stack(model: nn.Module) -> tuple[str, nn.Module] | None:
     return best
 
 
-def capture_replicated(model: nn.Module, example_inputs: Sequence[Any], *,
-                       loss_fn: Callable | None = None, name: str | None = None,
-                       fake_device: str = "cpu") -> Captured:
-    """See the module's docstring. Returns a plain `Captured` when nothing is replicated."""
+def capture_replicated(model: nn.Module, example_inputs: Sequence[Any] = (), *,
+                       name: str | None = None, **options: Any) -> Captured:
+    """See the module's docstring. Returns a plain `Captured` when nothing is replicated.
+    `options` are `capture`'s (example_kwargs, loss_fn, fake_device, returns)."""
     start = time.perf_counter()
     name = name or type(model).__name__
     found = find_stack(model)
     if found is None:
         log.info("replication: %s has no ModuleList/Sequential of more than %d equal blocks; "
                  "capturing the whole model", name, TRACED)
-        return capture(model, example_inputs, loss_fn=loss_fn, name=name, fake_device=fake_device)
+        return capture(model, example_inputs, name=name, **options)
     path, stack = found
     blocks = len(stack)
     children = list(stack)
@@ -108,15 +108,14 @@ def capture_replicated(model: nn.Module, example_inputs: Sequence[Any], *,
         if isinstance(stack, nn.Sequential) else nn.ModuleList(
             [children[0], children[blocks // 2], children[-1]])
     with _swapped(model, path, short) as root:
-        traced = capture(root, example_inputs, loss_fn=loss_fn, name=name,
-                         fake_device=fake_device)
+        traced = capture(root, example_inputs, name=name, **options)
     try:
         result = ReplicatedCapture(**replicated_fields(traced, model, path, blocks),
                                    block_path=path, blocks=blocks, traced_blocks=TRACED)
     except NotUniform as why:
         log.warning("replication: the blocks of %s.%s are not interchangeable (%s); capturing "
                     "the whole model", name, path or "<root>", why)
-        return capture(model, example_inputs, loss_fn=loss_fn, name=name, fake_device=fake_device)
+        return capture(model, example_inputs, name=name, **options)
     result.capture_time = time.perf_counter() - start
     log.info("replication: traced %d of the %d blocks of %s.%s and replicated the middle one: "
              "%d nodes in %.1f s", TRACED, blocks, name, path or "<root>",

@@ -21,14 +21,22 @@ ACCEPTED = ('an int of bytes, or a string: a number (decimals allowed) and an op
             'any case, a space allowed: "60GB" (1e9 bytes), "60GiB" (2**30), "1.5 GB", "512MiB", '
             '"64KB", "1000B"; units: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB')
 
+# Sizes are int64 everywhere below (the CP-SAT model, JSON problem files): a budget that does not
+# fit one cannot be planned for, and no device holds 9.2 EB.
+LIMIT = 2**63
+
 _SIZE = re.compile(r"^\s*(?P<number>[+-]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:e[+-]?\d+)?|inf(?:inity)?|nan))"
                    r"\s*(?P<unit>[a-z]*)\s*$", re.IGNORECASE)
 
 
 def parse_size(value: int | str, *, allow_zero: bool = False) -> int:
     """The number of bytes that `value` names. Raises ValueError, quoting `value` and listing the
-    accepted forms, for anything malformed, zero (unless `allow_zero`), negative or non-finite,
-    and for bools and floats (write "1.5GB", or an int)."""
+    accepted forms, for anything malformed, zero (unless `allow_zero`), negative, non-finite or
+    2**63 bytes and more, and for bools and floats (write "1.5GB", or an int)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, (numbers.Integral, bool)):
+        raise ValueError(
+            f"memory size {value!r} is a float, which cannot hold every byte count exactly: "
+            f"give an int of bytes or a string like '60GB'")
     if isinstance(value, bool) or not isinstance(value, (numbers.Integral, str)):
         raise ValueError(f"cannot read {value!r} as a memory size; give {ACCEPTED}")
     if isinstance(value, numbers.Integral):
@@ -43,6 +51,10 @@ def parse_size(value: int | str, *, allow_zero: bool = False) -> int:
     size = int(number * unit)  # int() of a Decimal truncates: rounds a capacity down
     if size == 0 and not allow_zero:
         raise ValueError(f"memory size {value!r} is less than one byte; give {ACCEPTED}")
+    if size >= LIMIT:
+        raise ValueError(f"memory size {value!r} is {size:.3g} bytes, not below 2**63 "
+                         f"({LIMIT:.3g}): remat counts bytes in 64-bit integers, and no device "
+                         f"holds that much; give a real device's size, e.g. '80GB'")
     return size
 
 

@@ -1,7 +1,8 @@
 """The `remat` command: `remat plan PATH_OR_MODULE:FACTORY --budget 60GB ...` and `remat demo`.
 
 The CLI prints; the library logs (progress of the long phases goes to stderr through logging).
-A FACTORY is a callable of no arguments returning `(model, example_inputs)`.
+A FACTORY is a callable of no arguments returning `(model, example_inputs)` or
+`(model, example_inputs, example_kwargs)`.
 """
 from __future__ import annotations
 
@@ -42,6 +43,33 @@ def load_factory(spec: str) -> Callable[[], Any]:
     return factory
 
 
+FACTORY_RETURNS = ("(model, example_inputs) or (model, example_inputs, example_kwargs): an "
+                   "nn.Module, a tuple of its positional inputs (one tensor is taken as a "
+                   "1-tuple), and a dict of its keyword inputs")
+
+
+def call_factory(spec: str, factory: Callable[[], Any]) -> tuple[Any, tuple, dict]:
+    """What `factory()` returns, checked: (model, example_inputs, example_kwargs)."""
+    import torch
+
+    result = factory()
+    parts = result if isinstance(result, (tuple, list)) else (result,)
+    if not 2 <= len(parts) <= 3 or not isinstance(parts[0], torch.nn.Module):
+        got = (f"a {type(result).__name__} of {len(parts)} "
+               f"({', '.join(type(x).__name__ for x in parts[:4])})"
+               if isinstance(result, (tuple, list)) else f"only a {type(result).__name__}")
+        raise ValueError(f"{spec!r} returned {got}; a factory must return {FACTORY_RETURNS}")
+    model, inputs = parts[0], parts[1]
+    kwargs = parts[2] if len(parts) == 3 else {}
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if not isinstance(inputs, (tuple, list)) or not isinstance(kwargs, dict):
+        raise ValueError(f"{spec!r} returned example_inputs of type {type(inputs).__name__} "
+                         f"and example_kwargs of type {type(kwargs).__name__}; a factory must "
+                         f"return {FACTORY_RETURNS}")
+    return model, tuple(inputs), kwargs
+
+
 def parse_training(text: str | None) -> Training:
     """"precision=bf16-mixed,optimizer=adamw,zero_stage=1,data_parallel=8" -> Training."""
     if not text:
@@ -67,25 +95,31 @@ def parse_training(text: str | None) -> Training:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from remat.fx_passes.devices import DEVICES
+    from remat.solvers import Strategy
+
     parser = argparse.ArgumentParser(prog="remat", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug detail")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="plan a model's training step for a memory budget")
-    plan.add_argument("factory", help="PATH.py:FACTORY or MODULE:FACTORY returning "
-                                      "(model, example_inputs)")
+    plan.add_argument("factory", help=f"PATH.py:FACTORY or MODULE:FACTORY returning "
+                                      f"{FACTORY_RETURNS}".replace("%", "%%"))
     budgets = plan.add_mutually_exclusive_group(required=True)
     budgets.add_argument("--budget", help=f"whole-step memory per device: {ACCEPTED}")
     budgets.add_argument("--activation-budget", help="bound the activations alone")
-    plan.add_argument("--target", default="h100", help="device whose speed the cost model "
-                                                       "uses (default h100)")
+    plan.add_argument("--target", default="h100", metavar="TARGET",
+                      help="device whose speed the cost model uses: "
+                           f"{', '.join(sorted(DEVICES))} (default h100)")
     plan.add_argument("--training", help="KEY=VALUE,...: precision (fp32, bf16-mixed, bf16, "
                                          "fp16, autocast), optimizer (adam, adamw, sgd, "
                                          "sgd_momentum, lion, adafactor, adam8bit), "
                                          "data_parallel, zero_stage, reserve, fragmentation, "
                                          "frozen (patterns joined by +)")
-    plan.add_argument("--solver", default="optimal", help="strategy (default optimal)")
+    plan.add_argument("--solver", default="optimal", choices=[s.value for s in Strategy],
+                      metavar="SOLVER", help="strategy: "
+                      f"{', '.join(s.value for s in Strategy)} (default optimal)")
     plan.add_argument("--time-limit", type=float, default=60.0, help="seconds per solve")
     plan.add_argument("--objective", choices=("time", "flops"), default="time",
                       help="minimize recompute time on --target (default) or recompute FLOPs")
@@ -124,13 +158,13 @@ def _plan(args: argparse.Namespace) -> int:
 
     training = parse_training(args.training)
     options = SolverOptions(time_limit=args.time_limit, objective=args.objective)
-    model, example_inputs = load_factory(args.factory)()
-    if not isinstance(example_inputs, (tuple, list)):
-        example_inputs = (example_inputs,)
+    model, example_inputs, example_kwargs = call_factory(args.factory,
+                                                         load_factory(args.factory))
     budget = parse_size(args.budget) if args.budget else None
     activation_budget = (parse_size(args.activation_budget, allow_zero=True)
                          if args.activation_budget else None)
-    prepared = prepare(model, example_inputs, training=training, target=args.target)
+    prepared = prepare(model, example_inputs, example_kwargs=example_kwargs, training=training,
+                       target=args.target)
     plan = plan_prepared(model, prepared, budget=budget, activation_budget=activation_budget,
                          target=args.target, solver=args.solver, solver_options=options)
     print(plan.report().render())

@@ -6,9 +6,10 @@ per model and batch) and `plan_prepared` (solve, simulate, report; once per budg
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, Sequence
 
@@ -47,6 +48,10 @@ class Prepared:
     inputs: tuple = ()
     """The example inputs as (shape, dtype) for tensors, the value itself otherwise: enough to
     capture the same step again on another device."""
+    kwargs: dict = field(default_factory=dict)
+    """The example keyword inputs, in the same form as `inputs`."""
+    returns: str = "output"
+    """What the planned module returns: "output" (the model's) or "loss"."""
     prepare_time: float = 0.0
     sharded: Any = None
     """remat.fx_passes.sharding.Sharded: `problem` and the graph problem the rewrite runs."""
@@ -129,12 +134,22 @@ class Plan:
     def gap(self) -> float | None:
         return self.schedule.gap
 
+    @property
+    def training_mode(self) -> str:
+        """"train" or "eval": the mode the model was in when planned. Dropout and BatchNorm
+        make other graphs in the other mode; the planned module refuses to run in it."""
+        return "train" if self.prepared.captured.training else "eval"
+
     # -- running it
     @cached_property
     def module(self):
-        """The planned training step of the model handed to `optimize`: an nn.Module whose
-        forward returns the loss and whose backward runs the plan; it shares the model's
-        parameters."""
+        """The planned training step of the model handed to `optimize`: an nn.Module sharing
+        the model's parameters, called as the model is (``plan.module(*args, **kwargs)``). It
+        returns what the model returns: a loss tensor as is; a ``ModelOutput``, dict or tuple
+        with the loss in its place and its other tensors (logits...) detached, since the
+        plan's backward starts from the loss alone (``optimize(..., returns="loss")`` returns
+        the loss tensor instead; with ``loss_fn=`` the module returns loss_fn's loss).
+        ``out.loss.backward()`` runs the planned backward."""
         if self.prepared.meta_weights:
             raise RematError(
                 "the plan was made on a model without weights (meta or fake parameters), so it "
@@ -162,7 +177,8 @@ class Plan:
 
         sharded = plan.prepared.sharded
         return planned_module(model, sharded.graph, project(sharded, plan.schedule),
-                              loss_fn=self.prepared.loss_fn)
+                              loss_fn=self.prepared.loss_fn, returns=self.prepared.returns,
+                              training=self.prepared.captured.training)
 
     def _replan(self, model: Any, where: str) -> "Plan":
         """The same plan made on the graph `model`'s device produces: PyTorch picks kernels by
@@ -170,17 +186,22 @@ class Plan:
         cannot run on the other."""
         import torch
 
-        inputs = tuple(torch.zeros(spec[0], dtype=spec[1], device=where)
-                       if isinstance(spec, tuple) and len(spec) == 2
-                       and isinstance(spec[1], torch.dtype) else spec
-                       for spec in self.prepared.inputs)
-        prepared = prepare(model, inputs, training=self.training, target=self.target,
-                           loss_fn=self.prepared.loss_fn)
+        def make(spec):
+            if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], torch.dtype):
+                return torch.zeros(spec[0], dtype=spec[1], device=where)
+            return spec
+
+        prepared = prepare(model, tuple(make(s) for s in self.prepared.inputs),
+                           example_kwargs={k: make(s) for k, s in self.prepared.kwargs.items()},
+                           training=self.training, target=self.target,
+                           loss_fn=self.prepared.loss_fn, returns=self.prepared.returns)
         plan = plan_prepared(model, prepared, budget=self.memory.budget,
                              activation_budget=self.activation_budget, target=self.target,
                              solver=self.solver, solver_options=self.solver_options)
-        log.warning("the plan was made on %s tensors and is applied on %s, where the step's "
-                    "graph differs: planned again on it (activation peak %s, was %s)",
+        log.warning("the plan was made on %s (%s tensors) and is applied on %s tensors, where "
+                    "the step's graph differs: planned again on the full graph (activation "
+                    "peak %s, was %s)", "a replicated capture" if type(self.prepared.captured)
+                    .__name__ == "ReplicatedCapture" else "the traced graph",
                     self.prepared.captured.device, where, format_size(plan.activation_peak),
                     format_size(self.activation_peak))
         return plan
@@ -204,9 +225,12 @@ class Plan:
             notes.append("only the activations were bounded (activation_budget=); the totals "
                          "add the configured state")
         captured = prepared.captured
-        title = (f"remat plan for {captured.model_name}: {prepared.state.parameters:,} "
-                 f"parameters, inputs {captured.input_shapes}, {self.training.precision.value} "
-                 f"{self.training.optimizer.value}, target {chip.name}")
+        title = (f"remat plan for {captured.model_name} in {self.training_mode} mode: "
+                 f"{prepared.state.parameters:,} parameters, inputs {captured.input_shapes}, "
+                 f"{self.training.precision.value} {self.training.optimizer.value}, "
+                 f"target {chip.name}"
+                 + ("" if prepared.profile.measured else " (times predicted for it by a "
+                    "roofline, not measured on this machine)"))
         return Report(
             title=title, memory=tuple(columns),
             modules=module_rows(self.problem, self.schedule),
@@ -218,6 +242,7 @@ class Plan:
 
     def to_dict(self) -> dict:
         return {"training": self.training.to_dict(), "target": self.target, "peak": self.peak,
+                "mode": self.training_mode,
                 "memory": self.memory.to_dict(),
                 "schedule": self.schedule.to_dict(self.problem),
                 "report": self.report().to_dict()}
@@ -229,19 +254,28 @@ class Plan:
 
 
 def optimize(model: Any, budget: int | str | None = None, *,
-             activation_budget: int | str | None = None, example_inputs: Sequence[Any],
+             activation_budget: int | str | None = None, example_inputs: Sequence[Any] = (),
+             example_kwargs: dict[str, Any] | None = None,
              training: Training = Training(), target: str = "h100",
              solver: Strategy | str = Strategy.OPTIMAL,
              solver_options: SolverOptions | None = None,
-             loss_fn: Callable | None = None) -> Plan:
+             loss_fn: Callable | None = None, returns: str = "output") -> Plan:
     """The plan of least recompute time (least FLOPs with ``SolverOptions(objective="flops")``)
     whose whole training step fits `budget` ("60GB",
     "60GiB", an int of bytes), or whose activations alone fit `activation_budget`; exactly one
     of the two. `example_inputs` is one micro-batch; `target` the device whose speed the cost
     model uses; `solver` a `Strategy` (the exact CP-SAT solver by default). Raises BudgetError
-    (the smallest budget that fits, the dominant term and its remedy) when nothing fits."""
+    (the smallest budget that fits, the dominant term and its remedy) when nothing fits.
+
+    The step planned is ``model(*example_inputs, **example_kwargs)`` (one micro-batch; a
+    Hugging Face model takes ``example_kwargs={"input_ids": ..., "labels": ...}``), then its
+    loss: the output if it is a tensor, else its ``.loss`` / ``["loss"]`` / first element,
+    or ``loss_fn(output)``; it must be a floating scalar. Floating inputs must have the
+    parameters' dtype. The plan is made in the model's current mode (`Plan.training_mode`).
+    `returns`: what `Plan.module` returns ("output": what the model returns, see there)."""
     whole, activations = _one_budget(budget, activation_budget)
-    prepared = prepare(model, example_inputs, training=training, target=target, loss_fn=loss_fn)
+    prepared = prepare(model, example_inputs, example_kwargs=example_kwargs, training=training,
+                       target=target, loss_fn=loss_fn, returns=returns)
     return plan_prepared(model, prepared, budget=whole, activation_budget=activations,
                          target=target, solver=solver, solver_options=solver_options)
 
@@ -255,9 +289,10 @@ def _one_budget(budget, activation_budget) -> tuple[int | None, int | None]:
     return None, parse_size(activation_budget, allow_zero=True)
 
 
-def prepare(model: Any, example_inputs: Sequence[Any], *, training: Training = Training(),
+def prepare(model: Any, example_inputs: Sequence[Any] = (), *,
+            example_kwargs: dict[str, Any] | None = None, training: Training = Training(),
             target: str = "h100", loss_fn: Callable | None = None,
-            replicate: bool | None = None,
+            returns: str = "output", replicate: bool | None = None,
             progress: Callable[[str, float], None] | None = None) -> Prepared:
     """Capture, profile and lower the step once; compute the state it holds. `replicate`
     traces three blocks of a stack of equal ones and replicates the middle one
@@ -274,8 +309,8 @@ def prepare(model: Any, example_inputs: Sequence[Any], *, training: Training = T
     log.info("capturing the training step of %s", type(model).__name__)
     if replicate is None:
         replicate = _has_meta_weights(model)
-    captured = (capture_replicated if replicate else capture)(model, example_inputs,
-                                                               loss_fn=loss_fn)
+    captured = (capture_replicated if replicate else capture)(
+        model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn, returns=returns)
     done = progress or (lambda phase, seconds: None)
     done("capture", captured.capture_time)
     log.info("profiling %d nodes for %s", len(captured.graph.nodes), target)
@@ -297,7 +332,8 @@ def prepare(model: Any, example_inputs: Sequence[Any], *, training: Training = T
                     training=training, gradients_in_graph=in_graph, sharded=sharded,
                     param_shapes=_param_shapes(model), loss_fn=loss_fn,
                     meta_weights=_has_meta_weights(model), inputs=_input_specs(example_inputs),
-                    prepare_time=time.perf_counter() - start)
+                    kwargs={k: _input_specs((v,))[0] for k, v in (example_kwargs or {}).items()},
+                    returns=returns, prepare_time=time.perf_counter() - start)
 
 
 def plan_prepared(model: Any, prepared: Prepared, *, budget: int | None,
@@ -372,6 +408,13 @@ def _warn_on_mismatch(model: Any, training: Training) -> None:
                     "weights in %d: the activations are planned in the model's dtype; cast the "
                     "model to plan what will run", sorted(sizes), training.precision.value,
                     training.weight_bytes)
+    config = getattr(model, "config", None)
+    if model.training and getattr(config, "use_cache", False) \
+            and "use_cache" in inspect.signature(model.forward).parameters:
+        log.warning("%s returns its key/value cache (config.use_cache=True): the plan holds it "
+                    "to the end of the step, as eager would; set model.config.use_cache=False "
+                    "for training (Hugging Face does under gradient checkpointing)",
+                    type(model).__name__)
     frozen_but_trained = [n for n, p in params
                           if p.requires_grad and training.is_frozen(n, None)]
     if frozen_but_trained:

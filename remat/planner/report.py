@@ -41,7 +41,8 @@ class ModuleRow:
     ops_recomputed: int
     bytes_recomputed: int
     """Bytes of forward values that the plan frees after the forward instead of keeping for the
-    backward: the memory the recomputation saves."""
+    backward: the memory the recomputation avoids ("saved" would mean kept for the backward,
+    as PyTorch says it)."""
     bytes_kept: int
     """Bytes of forward values the plan keeps for the backward."""
     recompute_flops: int
@@ -280,8 +281,9 @@ def _memory_table(columns: tuple[MemoryColumn, ...]) -> str:
 def _module_table(rows: tuple[ModuleRow, ...]) -> str:
     table = [[r.module, r.count, r.ops_recomputed, format_size(r.bytes_recomputed),
               format_size(r.bytes_kept), _flops(r.recompute_flops)] for r in rows]
-    return tabulate(table, headers=["module", "blocks", "ops recomputed", "bytes saved",
-                                    "bytes kept", "recompute FLOPs"], disable_numparse=True)
+    return tabulate(table, headers=["module", "blocks", "ops recomputed", "memory avoided",
+                                    "kept for backward", "recompute FLOPs"],
+                    disable_numparse=True)
 
 
 def _kept_table(kept: tuple[KeptTensor, ...]) -> str:
@@ -299,8 +301,9 @@ def _price_table(p: Price) -> str:
          "counted"],
         ["step time", f"{p.step_time * 1e3:.3f} ms", f"{p.time_source} ({p.device})"],
         ["recompute time", f"{p.recompute_time * 1e3:.3f} ms", f"{p.time_source} ({p.device})"],
-        ["MFU", pct(p.mfu), f"from the {p.time_source} step time"],
-        ["HFU", pct(p.hfu), f"from the {p.time_source} step time"],
+        [f"MFU, {p.time_source}", pct(p.mfu),
+         f"counted model FLOPs over the {p.time_source} step time on {p.device}"],
+        [f"HFU, {p.time_source}", pct(p.hfu), "as MFU, with the recomputed FLOPs"],
     ]
     return tabulate(rows, headers=["", "value", "source"], disable_numparse=True)
 

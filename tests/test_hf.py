@@ -1,0 +1,45 @@
+"""Hugging Face models as they are: keyword inputs (labels included), the model's own output
+back from the planned module, `.loss.backward()` running the plan, gradients equal to eager's
+with dropout on. Tiny configurations from examples/hf_zoo.py, nothing downloaded."""
+import copy
+
+import pytest
+import torch
+
+import remat
+from examples.hf_zoo import build
+from remat.solvers import Strategy
+
+
+def plan_and_compare(name: str):
+    model, kwargs = build(name)
+    eager, planned = copy.deepcopy(model), copy.deepcopy(model)
+    plan = remat.optimize(planned, activation_budget=10**9, example_kwargs=kwargs,
+                          solver="checkpoint_blocks")
+    # checkpointing every block recomputes inside every block, dropout included
+    assert plan.schedule.strategy == Strategy.CHECKPOINT_BLOCKS.value
+    assert plan.recompute_flops > 0
+    torch.manual_seed(11)
+    out = plan.module(**kwargs)
+    out.loss.backward()
+    torch.manual_seed(11)
+    expected = eager(**kwargs)
+    expected.loss.backward()
+    assert type(out) is type(expected)  # the model's own ModelOutput, not a wrapper's
+    assert torch.equal(out.loss, expected.loss) and torch.equal(out.logits, expected.logits)
+    assert not out.logits.requires_grad  # detached: the plan's backward starts from the loss
+    for (n, a), (_, b) in zip(eager.named_parameters(), planned.named_parameters()):
+        assert (a.grad is None) == (b.grad is None), n
+        if a.grad is not None:
+            assert (a.grad - b.grad).abs().max() <= 1e-6 * max(a.grad.abs().max(), 1e-30), n
+    return plan
+
+
+def test_gpt2_with_labels_as_a_keyword():
+    plan = plan_and_compare("gpt2")
+    assert "input_ids" in plan.prepared.kwargs and "labels" in plan.prepared.kwargs
+
+
+@pytest.mark.slow
+def test_llama_with_labels_as_a_keyword():
+    plan_and_compare("llama")
