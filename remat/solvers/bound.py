@@ -108,9 +108,9 @@ def recompute_bound(problem: Problem, budget: int, *, time_limit: float = 10.0,
         if budget < fixed[b - nf]:
             return Bound(math.inf, (b,), True)
 
-    def least_cost(at: list[int], seconds: float) -> tuple[float, bool]:
-        rooms = {b: budget - fixed[b - nf] for b in at}
-        return _Relaxation(problem, at).least_cost(rooms, cost, seconds, workers)
+    def least_cost(relaxation: "_Relaxation", seconds: float) -> tuple[float, bool]:
+        rooms = {b: budget - fixed[b - nf] for b in relaxation.keep}
+        return relaxation.least_cost(rooms, cost, seconds, workers)
 
     return _best(problem, tried, least_cost, time_limit)
 
@@ -121,28 +121,35 @@ def peak_bound(problem: Problem, *, time_limit: float = 10.0, steps: Iterable[in
     nf = problem.num_forward
     fixed = fixed_bytes(problem)
 
-    def least_peak(at: list[int], seconds: float) -> tuple[float, bool]:
-        return _Relaxation(problem, at).least_peak({b: fixed[b - nf] for b in at}, seconds,
-                                                   workers)
+    def least_peak(relaxation: "_Relaxation", seconds: float) -> tuple[float, bool]:
+        return relaxation.least_peak({b: fixed[b - nf] for b in relaxation.keep}, seconds,
+                                     workers)
 
     return _best(problem, _steps(problem, fixed, steps), least_peak, time_limit)
 
 
 def _best(problem: Problem, tried: list[int], solve: Callable, time_limit: float) -> Bound:
-    """The best bound `solve(steps, seconds)` proves: each of `tried` alone, with half the time,
-    in two turns (first an equal share each; then the steps that did not prove their optimum
-    share what the quick ones left: on the 7B demo most steps prove in 0.01 s, and the one that
-    binds needs 0.6 s); then the joint model over them and steps spread over the backward."""
+    """The best bound `solve(relaxation, seconds)` proves: each of `tried` alone, with half the
+    time, in two turns (first an equal share each; then the steps that did not prove their
+    optimum share what the quick ones left: on the 7B demo most steps prove in 0.01 s, and the
+    one that binds needs 0.6 s); then the joint model over them and steps spread over the
+    backward. Building a relaxation takes time too (0.2 s a step at 10,000 ops): a step is
+    tried only when the time left exceeds what the last one took to build, and the joint model
+    only when it exceeds that many times its steps, so the whole stays within `time_limit`."""
     deadline = time.perf_counter() + time_limit
     best = Bound(0.0, (), True)
     pending = list(tried)
+    build = 0.0  # seconds the last single-step relaxation took to build
     for _ in range(2):
         unproven = []
         for i, b in enumerate(pending):
             left = deadline - time_limit / 2 - time.perf_counter()
-            if left <= 0:
+            if left <= build:
                 break
-            value, exact = solve([b], left / (len(pending) - i))
+            began = time.perf_counter()
+            relaxation = _Relaxation(problem, [b])
+            build = time.perf_counter() - began
+            value, exact = solve(relaxation, left / (len(pending) - i) - build)
             if value > best.value or not best.steps:
                 best = Bound(value, (b,), exact)
             if value == math.inf:
@@ -151,8 +158,9 @@ def _best(problem: Problem, tried: list[int], solve: Callable, time_limit: float
                 unproven.append(b)
         pending = unproven
     joint = _spread(problem, tried)
-    if len(joint) > 1 and deadline - time.perf_counter() > 0:
-        value, exact = solve(joint, deadline - time.perf_counter())
+    if len(joint) > 1 and deadline - time.perf_counter() > 2 * build * len(joint):
+        relaxation = _Relaxation(problem, joint)
+        value, exact = solve(relaxation, deadline - time.perf_counter())
         if value > best.value:
             best = Bound(value, tuple(joint), exact)
     return best
@@ -296,5 +304,9 @@ class _Relaxation:
             return 0.0, False  # nothing proven in the time given
         if costless:
             return 0.0, True
-        # The objective is an integer: its bound rounds up, less float noise (448.00000000000006).
-        return math.ceil(solver.BestObjectiveBound() - 1e-6) * unit, status == cp_model.OPTIMAL
+        # The objective is an integer: its bound rounds up, less float noise (448.00000000000006);
+        # back in seconds, the product rounds down by more than a float's error, so that it
+        # stays at most the true least cost (each weight was rounded down already).
+        units = math.ceil(solver.BestObjectiveBound() - 1e-6)
+        value = units if unit == 1 else units * unit * (1 - 1e-12)  # bytes: exact integers
+        return value, status == cp_model.OPTIMAL
