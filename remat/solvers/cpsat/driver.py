@@ -32,12 +32,12 @@ logger = logging.getLogger(__name__)
 # A schedule is OPTIMAL when its true cost is within this fraction above a proven bound.
 OPTIMAL_TOLERANCE = 1e-4
 # Shares of the time limit: the hint pool's baselines; the drop pass; the least-peak search
-# when no baseline fits (of what is left); the bound proven from backward steps (a second or
+# when no baseline fits (of what is left; it stops once the budget is met); the bound proven from backward steps (a second or
 # two on real graphs, where CP-SAT's own bound stays near zero); the stage that lowers the peak
 # at the found cost.
 BASELINE_SHARE = 0.15
 HINT_SHARE = 0.1
-LEAST_PEAK_SHARE = 0.3
+LEAST_PEAK_SHARE = 0.5
 BOUND_SHARE = 0.1
 PEAK_STAGE_SHARE = 0.1
 # Building the model, and finishing (make_schedule, hint, evaluate), in schedule evaluations:
@@ -97,7 +97,8 @@ class _Call:
                 return self.nothing_found("no time left to build the model")
             if model.fixed_peak > units.capacity(budget):
                 return self.fail(model)
-            self.search_least_peak(model, time.perf_counter() + LEAST_PEAK_SHARE * self.left())
+            self.search_least_peak(model, time.perf_counter() + LEAST_PEAK_SHARE * self.left(),
+                                   target=units.capacity(budget))
             if self.least is not None and self.least.peak <= budget:
                 hint = self.least
             elif self.least is not None and self.least_proven:
@@ -237,11 +238,11 @@ class _Call:
         self.info["bound_from"] = "CP-SAT search"
         return searched
 
-    def search_least_peak(self, model, deadline: float) -> None:
+    def search_least_peak(self, model, deadline: float, target: int = -1) -> None:
         if self.least is None:
             self.progress.update(stage="searching for the least peak")
             self.least, self.least_proven = least_peak(self.problem, self.units, self.options,
-                                                       self.pool, model, deadline)
+                                                       self.pool, model, deadline, target)
 
     def too_small(self) -> BudgetError:
         return too_small(self.problem, self.budget, self.least, self.least_proven, self.options,

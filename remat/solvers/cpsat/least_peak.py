@@ -23,12 +23,26 @@ from remat.solvers.schedule import Schedule, evaluate, make_schedule
 FLOOR_SHARE = 0.1
 
 
+class _Enough(cp_model.CpSolverSolutionCallback):
+    """Stops the search at the first schedule whose peak (in the model's units) is `target`
+    or less: a budget is met, and the least-cost stage takes over from there."""
+
+    def __init__(self, target: float):
+        super().__init__()
+        self.target = target
+
+    def on_solution_callback(self) -> None:
+        if self.ObjectiveValue() <= self.target:
+            self.StopSearch()
+
+
 def least_peak(problem: Problem, units: Units, options: SolverOptions, pool: Pool, model,
-               deadline: float) -> tuple[Schedule | None, bool]:
+               deadline: float, target: int = -1) -> tuple[Schedule | None, bool]:
     """The schedule of least simulated peak found before `deadline` (whatever its cost), and
     whether that peak is proven the least, by `model` (a FreeModel or JitModel with no capacity
     yet). Started from the pool's schedule of least peak, the search can only improve on it;
-    None when the time allowed nothing at all."""
+    None when the time allowed nothing at all. It stops early at a peak of `target` units (a
+    capacity): then the peak is not the least, but the budget is met."""
     baseline = pool.least_peak(deadline)
     if time.perf_counter() >= deadline:
         return baseline, False
@@ -36,7 +50,7 @@ def least_peak(problem: Problem, units: Units, options: SolverOptions, pool: Poo
     if baseline is not None:
         model.hint(baseline)
     solver = cp_solver(options, deadline - time.perf_counter())
-    status = solver.Solve(model.model)
+    status = solver.Solve(model.model, _Enough(target))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return baseline, False
     recomputed, positions = model.decision(solver.Value)
