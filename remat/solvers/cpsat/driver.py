@@ -16,7 +16,7 @@ from types import MappingProxyType
 from ortools.sat.python import cp_model
 
 from remat.errors import BudgetError, SolverError
-from remat.solvers.bound import Bound, recompute_bound
+from remat.solvers.bound import Bound, recompute_bound, relaxed_schedule
 from remat.solvers.cpsat.hints import Pool, drop_pass
 from remat.solvers.cpsat.least_peak import least_peak, too_small
 from remat.solvers.cpsat.search import Progress, Trace, build_model, cp_solver
@@ -31,14 +31,18 @@ logger = logging.getLogger(__name__)
 
 # A schedule is OPTIMAL when its true cost is within this fraction above a proven bound.
 OPTIMAL_TOLERANCE = 1e-4
-# Shares of the time limit: the hint pool's baselines; the drop pass; the least-peak search
+# The relaxations of remat.solvers.bound run with their own worker count (bound.WORKERS: the
+# portfolio that proves them), whatever `options.workers` gives the search.
+# Shares of the time limit: the hint pool's baselines; the plan read off the bound's
+# relaxation; the drop pass; the least-peak search
 # when no baseline fits (of what is left; it stops once the budget is met); the bound proven from backward steps (a second or
 # two on real graphs, where CP-SAT's own bound stays near zero); the stage that lowers the peak
 # at the found cost.
 BASELINE_SHARE = 0.15
-HINT_SHARE = 0.1
+RELAXED_SHARE = 0.25
+HINT_SHARE = 0.05
 LEAST_PEAK_SHARE = 0.5
-BOUND_SHARE = 0.1
+BOUND_SHARE = 0.2
 PEAK_STAGE_SHARE = 0.1
 # Building the model, and finishing (make_schedule, hint, evaluate), in schedule evaluations:
 # what they took at 10,000 ops on a loaded machine (build 13 to 41 evaluations, finish 3).
@@ -74,8 +78,10 @@ class _Call:
         return self.deadline - time.perf_counter()
 
     def share(self, fraction: float) -> float:
-        """A deadline `fraction` of the limit from now, never past the call's."""
-        return min(time.perf_counter() + fraction * self.options.time_limit, self.deadline)
+        """A deadline `fraction` of the limit from now, never past the call's less the time
+        kept for finishing."""
+        return min(time.perf_counter() + fraction * self.options.time_limit,
+                   self.deadline - self.finish())
 
     def run(self) -> Schedule:
         problem, budget, units, info = self.problem, self.budget, self.units, self.info
@@ -88,6 +94,13 @@ class _Call:
             self.pool.seconds_per_evaluation = time.perf_counter() - began
         if hint is None or hint.peak > budget:
             hint = self.pool.best(budget, self.share(BASELINE_SHARE))
+        # The plan the first backward step's relaxation suggests, repaired to fit: on stacks
+        # of blocks far cheaper than any baseline's, and sometimes the only one that fits.
+        self.progress.update(stage="reading a plan off the relaxation")
+        relaxed, relaxed_bound = relaxed_schedule(
+            problem, budget, time_limit=max(0.0, self.share(RELAXED_SHARE) - time.perf_counter()))
+        if relaxed is not None and (hint is None or relaxed.cost < hint.cost):
+            hint = relaxed
         model = None
         if hint is None:
             # Near the smallest peak no baseline fits, and CP-SAT rarely finds a first schedule
@@ -112,10 +125,11 @@ class _Call:
 
         # --- A bound proven at the step where the hint peaks, where the budget binds.
         self.progress.update(stage="proving a bound")
-        peak_step = simulate(problem, hint).peak_step if hint is not None else None
         step_bound = recompute_bound(
             problem, budget, time_limit=max(0.0, self.share(BOUND_SHARE) - time.perf_counter()),
-            workers=self.options.workers, steps=[peak_step.op] if peak_step is not None else [])
+            steps=self.binding_steps(hint))
+        if relaxed_bound.value > step_bound.value:
+            step_bound = relaxed_bound
         if step_bound.value == math.inf:  # no schedule fits: find the least peak for the error
             return self.fail(model)
         if model is None:
@@ -195,6 +209,14 @@ class _Call:
         if hint is not None and hint.peak <= budget and hint.cost < schedule.cost:
             schedule = hint  # CP-SAT started from it; its own answer can only be as good
         return self.result(schedule, bound)
+
+    def binding_steps(self, hint: Schedule | None) -> list[int]:
+        """The backward op where `hint` peaks (a recomputation's: the op it runs before), a
+        good step to prove a bound at: there the budget binds."""
+        step = simulate(self.problem, hint).peak_step if hint is not None else None
+        if step is None:
+            return []
+        return [hint.recompute_at.get(step.op, step.op)]
 
     def finish(self) -> float:
         """Seconds to keep for turning the search's answer into a schedule (a few

@@ -36,8 +36,7 @@ class FreeModel:
         readers = self.readers = problem.storage_readers
         pinned = problem.pinned
         m = self.model = cp_model.CpModel()
-        size = [units.bytes_up(op.size) for op in ops]
-        temp = [units.bytes_up(op.temp) for op in ops]
+        size, temp = units.sizes(problem)
         candidates = [v for v in problem.candidates if v not in pinned]
 
         # --- Presolve: which candidates may be recomputed, and where at the latest.

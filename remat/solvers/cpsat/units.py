@@ -59,6 +59,11 @@ class Units:
     def bytes_up(self, n: int) -> int:
         return -(-n // self.byte)
 
+    def sizes(self, problem: Problem) -> tuple[list[int], list[int]]:
+        """Every op's size and temp bytes, in units (rounded up)."""
+        return ([self.bytes_up(op.size) for op in problem.ops],
+                [self.bytes_up(op.temp) for op in problem.ops])
+
     def capacity(self, budget: int) -> int:
         return budget // self.byte
 
