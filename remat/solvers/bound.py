@@ -37,10 +37,10 @@ from typing import Callable, Iterable, Sequence
 from ortools.sat.python import cp_model
 
 from remat.solvers.problem import Kind, Problem, recompute_blocker
-from remat.solvers.schedule import Schedule, drop_unneeded, make_schedule
+from remat.solvers.schedule import Schedule
 from remat.solvers.simulate import holds
 
-__all__ = ["Bound", "fixed_bytes", "peak_bound", "recompute_bound", "relaxed_schedule"]
+__all__ = ["Bound", "Relaxation", "fixed_bytes", "peak_bound", "recompute_bound"]
 
 # Backward steps tried, besides the first backward op and any the caller names: those that hold
 # the most whatever the schedule, where the room left for forward values is least.
@@ -51,10 +51,6 @@ SPREAD = 16
 # subsolvers that prove these knapsacks at once (Llama stack, one step: 0.06 s); at 2 or 4
 # workers the same proof takes 15 s or does not end within 20.
 WORKERS = 8
-# The plan read off the relaxation: the step's room shrinks by this many times the plan's
-# excess until one fits, then bisects to this precision (a share of the budget).
-RELAXED_OVERSHOOT = 1.5
-RELAXED_PRECISION = 1e-3
 # Costs become integers in this fraction of their total, rounded down, so that the integer
 # bound stays a bound of the real costs (the rounding loses at most ops x this share).
 COST_RESOLUTION = 1e-9
@@ -113,63 +109,11 @@ def recompute_bound(problem: Problem, budget: int, *, time_limit: float = 10.0,
         if budget < fixed[b - nf]:
             return Bound(math.inf, (b,), True)
 
-    def least_cost(relaxation: "_Relaxation", seconds: float) -> tuple[float, bool]:
+    def least_cost(relaxation: "Relaxation", seconds: float) -> tuple[float, bool]:
         rooms = {b: budget - fixed[b - nf] for b in relaxation.keep}
         return relaxation.least_cost(rooms, cost, seconds, workers)
 
     return _best(problem, tried, least_cost, time_limit, pairs=list(steps))
-
-
-def relaxed_schedule(problem: Problem, budget: int, *, time_limit: float = 10.0,
-                     workers: int = 0) -> tuple[Schedule | None, Bound]:
-    """A schedule read off the first backward step's relaxation: recompute what it recomputes
-    after that step, save the rest. The relaxation leaves out the room those recomputations
-    take when their own backward runs, so the plan may peak above `budget`; then the step's
-    room shrinks by the excess and it is solved again, until the plan fits (None when none does
-    in `time_limit`), then bisects between the rooms that fit and not, keeping the cheapest
-    plan that fits. Also returns the bound the first solve proves (the step's, as
-    `recompute_bound` would). Near the bound by construction: at 2,000 ops and half the
-    save-all peak, 4.9 % above it in 2.3 s, where CP-SAT's search from the baselines was 7.9 %
-    above after 60 s."""
-    deadline = time.perf_counter() + time_limit
-    nf = problem.num_forward
-    proven = Bound(0.0, (), True)
-    if nf == len(problem.ops):
-        return None, proven
-    room = budget - fixed_bytes(problem)[0]
-    best, fits, fails = None, None, None  # the cheapest fitting plan; rooms that fit and not
-    overhead = 0.0  # what the last turn spent outside the solve: building, evaluating
-    while room >= 0 and deadline - time.perf_counter() > overhead:
-        began = time.perf_counter()
-        relaxation = _Relaxation(problem, [nf])
-        built = time.perf_counter()
-        value, exact = relaxation.least_cost({nf: room}, lambda op: op.cost,
-                                             deadline - built - overhead, workers)
-        solved = time.perf_counter()
-        if not proven.steps:
-            proven = Bound(value, (nf,), exact)
-        recomputed = relaxation.recomputed()
-        if value == math.inf or recomputed is None:
-            break
-        try:
-            schedule = make_schedule(problem, drop_unneeded(problem, recomputed),
-                                     strategy="relaxation", budget=budget)
-        except ValueError:  # a decision the execution model cannot run (a tuple's getitem)
-            break
-        overhead = built - began + time.perf_counter() - solved
-        if schedule.peak <= budget:
-            fits = room
-            if best is None or schedule.cost < best.cost:
-                best = schedule
-        else:
-            fails = room
-        if fits is None:  # past the excess, so that the next plan likely fits
-            room -= int(RELAXED_OVERSHOOT * (schedule.peak - budget))
-        elif fails is None or fails - fits <= RELAXED_PRECISION * budget:
-            break
-        else:  # bisect between a room that fits and one that does not: a larger room is cheaper
-            room = (fits + fails) // 2
-    return best, proven
 
 
 def peak_bound(problem: Problem, *, time_limit: float = 10.0, steps: Iterable[int] = (),
@@ -178,7 +122,7 @@ def peak_bound(problem: Problem, *, time_limit: float = 10.0, steps: Iterable[in
     nf = problem.num_forward
     fixed = fixed_bytes(problem)
 
-    def least_peak(relaxation: "_Relaxation", seconds: float) -> tuple[float, bool]:
+    def least_peak(relaxation: "Relaxation", seconds: float) -> tuple[float, bool]:
         return relaxation.least_peak({b: fixed[b - nf] for b in relaxation.keep}, seconds,
                                      workers)
 
@@ -209,7 +153,7 @@ def _best(problem: Problem, tried: list[int], solve: Callable, time_limit: float
         if left <= 2 * build:
             break
         began = time.perf_counter()
-        relaxation = _Relaxation(problem, [first, b])
+        relaxation = Relaxation(problem, [first, b])
         build = time.perf_counter() - began
         value, exact = solve(relaxation, left / (len(pairs) - i) - build)
         if value > best.value or not best.steps:
@@ -224,7 +168,7 @@ def _best(problem: Problem, tried: list[int], solve: Callable, time_limit: float
             if left <= build:
                 break
             began = time.perf_counter()
-            relaxation = _Relaxation(problem, [b])
+            relaxation = Relaxation(problem, [b])
             build = time.perf_counter() - began
             value, exact = solve(relaxation, left / (len(pending) - i) - build)
             if value > best.value or not best.steps:
@@ -236,7 +180,7 @@ def _best(problem: Problem, tried: list[int], solve: Callable, time_limit: float
         pending = unproven
     joint = _spread(problem, tried)
     if len(joint) > 1 and deadline - time.perf_counter() > 2 * build * len(joint):
-        relaxation = _Relaxation(problem, joint)
+        relaxation = Relaxation(problem, joint)
         value, exact = solve(relaxation, deadline - time.perf_counter())
         if value > best.value:
             best = Bound(value, tuple(joint), exact)
@@ -264,7 +208,7 @@ def _spread(problem: Problem, tried: list[int]) -> list[int]:
     return sorted(set(tried) | set(picked))
 
 
-class _Relaxation:
+class Relaxation:
     """The joint model over backward ops `steps`: per forward storage that the backward may
     need, save[v] or recompute[v] once; per step b, keep[b, v] (v live at b's step) and
     after[b, v] (v recomputed after it)."""

@@ -16,7 +16,7 @@ from types import MappingProxyType
 from ortools.sat.python import cp_model
 
 from remat.errors import BudgetError, SolverError
-from remat.solvers.bound import Bound, recompute_bound, relaxed_schedule
+from remat.solvers.bound import Bound, recompute_bound
 from remat.solvers.cpsat.hints import Pool, drop_pass
 from remat.solvers.cpsat.least_peak import least_peak, too_small
 from remat.solvers.cpsat.search import Progress, Trace, build_model, cp_solver
@@ -24,8 +24,8 @@ from remat.solvers.cpsat.units import Units
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Problem
 from remat.solvers.registry import Strategy, register
+from remat.solvers.relaxed import binding_step, relaxed_schedule
 from remat.solvers.schedule import Schedule, Status, evaluate, make_schedule
-from remat.solvers.simulate import simulate
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +38,11 @@ OPTIMAL_TOLERANCE = 1e-4
 # when no baseline fits (of what is left; it stops once the budget is met); the bound proven from backward steps (a second or
 # two on real graphs, where CP-SAT's own bound stays near zero); the stage that lowers the peak
 # at the found cost.
-BASELINE_SHARE = 0.15
-RELAXED_SHARE = 0.25
+BASELINE_SHARE = 0.1
+RELAXED_SHARE = 0.55
 HINT_SHARE = 0.05
 LEAST_PEAK_SHARE = 0.5
-BOUND_SHARE = 0.2
+BOUND_SHARE = 0.15
 PEAK_STAGE_SHARE = 0.1
 # Building the model, and finishing (make_schedule, hint, evaluate), in schedule evaluations:
 # what they took at 10,000 ops on a loaded machine (build 13 to 41 evaluations, finish 3).
@@ -93,7 +93,8 @@ class _Call:
             hint = evaluate(problem, hint)
             self.pool.seconds_per_evaluation = time.perf_counter() - began
         if hint is None or hint.peak > budget:
-            hint = self.pool.best(budget, self.share(BASELINE_SHARE))
+            hint = self.pool.best(budget, self.share(BASELINE_SHARE),
+                                  until_one_fits=self.deadline - self.finish())
         # The plan the first backward step's relaxation suggests, repaired to fit: on stacks
         # of blocks far cheaper than any baseline's, and sometimes the only one that fits.
         self.progress.update(stage="reading a plan off the relaxation")
@@ -119,17 +120,21 @@ class _Call:
         if self.pool.skipped:
             info["skipped"] = dict(self.pool.skipped)
         if hint is not None:
-            self.progress.update(stage="improving the hint", cost=hint.cost)
-            hint = drop_pass(problem, budget, hint, self.share(HINT_SHARE))
+            if hint is not relaxed:  # a knapsack's optimum: nothing to drop
+                self.progress.update(stage="improving the hint", cost=hint.cost)
+                hint = drop_pass(problem, budget, hint, self.share(HINT_SHARE))
             info["hint"] = hint.strategy
 
-        # --- A bound proven at the step where the hint peaks, where the budget binds.
-        self.progress.update(stage="proving a bound")
-        step_bound = recompute_bound(
-            problem, budget, time_limit=max(0.0, self.share(BOUND_SHARE) - time.perf_counter()),
-            steps=self.binding_steps(hint))
-        if relaxed_bound.value > step_bound.value:
-            step_bound = relaxed_bound
+        # --- A bound proven at the step where the hint peaks, where the budget binds, unless
+        # the relaxation's solves proved one there already (or one over several steps).
+        binding = binding_step(problem, hint) if hint is not None else None
+        step_bound = relaxed_bound
+        if len(relaxed_bound.steps) < 2 and binding not in relaxed_bound.steps:
+            self.progress.update(stage="proving a bound")
+            found = recompute_bound(
+                problem, budget, steps=[binding] if binding is not None else [],
+                time_limit=max(0.0, self.share(BOUND_SHARE) - time.perf_counter()))
+            step_bound = max(found, relaxed_bound, key=lambda bound: bound.value)
         if step_bound.value == math.inf:  # no schedule fits: find the least peak for the error
             return self.fail(model)
         if model is None:
@@ -210,14 +215,6 @@ class _Call:
             schedule = hint  # CP-SAT started from it; its own answer can only be as good
         return self.result(schedule, bound)
 
-    def binding_steps(self, hint: Schedule | None) -> list[int]:
-        """The backward op where `hint` peaks (a recomputation's: the op it runs before), a
-        good step to prove a bound at: there the budget binds."""
-        step = simulate(self.problem, hint).peak_step if hint is not None else None
-        if step is None:
-            return []
-        return [hint.recompute_at.get(step.op, step.op)]
-
     def finish(self) -> float:
         """Seconds to keep for turning the search's answer into a schedule (a few
         evaluations: make_schedule, the hint, evaluate)."""
@@ -291,6 +288,5 @@ class _Call:
                  else "no baseline fits to hint")
         skipped = f"; skipped: {', '.join(self.pool.skipped)}" if self.pool.skipped else ""
         raise SolverError(f"optimal: no schedule within the time limit of "
-                          f"{self.options.time_limit} s ({why}; {tried}{skipped}; "
-                          f"{self.info.get('variables', '?')} variables); raise time_limit or "
-                          "the budget")
+                          f"{self.options.time_limit} s ({why}; {tried}{skipped}); raise "
+                          "time_limit or the budget")

@@ -38,13 +38,17 @@ class Pool:
     skipped: dict[str, str] = field(default_factory=dict)
     seconds_per_evaluation: float | None = None
 
-    def run(self, budget: int, deadline: float) -> list[Schedule]:
+    def run(self, budget: int, deadline: float, until_one_fits: float | None = None
+            ) -> list[Schedule]:
         """Every pool strategy's schedule at `budget` (those that fit), each run only when it
-        is predicted to finish before `deadline`."""
+        is predicted to finish before `deadline`, or before `until_one_fits` while none fits
+        (a plan late is better than none)."""
         found = []
         for strategy in HINT_POOL:
             if strategy not in STRATEGIES:
                 continue
+            if not found and until_one_fits is not None:
+                deadline = max(deadline, until_one_fits)
             expected = EVALUATIONS.get(strategy, PREFIX_SEARCH_EVALUATIONS) * (
                 self.seconds_per_evaluation or 0.0)
             now = time.perf_counter()
@@ -54,6 +58,7 @@ class Pool:
                 continue
             try:
                 found.append(STRATEGIES[strategy](self.problem, budget, self.options))
+                self.skipped.pop(strategy.value, None)
             except BudgetError:
                 pass
             finally:
@@ -62,9 +67,11 @@ class Pool:
                     self.seconds_per_evaluation = spent / EVALUATIONS.get(strategy, 1)
         return found
 
-    def best(self, budget: int, deadline: float) -> Schedule | None:
+    def best(self, budget: int, deadline: float, until_one_fits: float | None = None
+             ) -> Schedule | None:
         """The cheapest fitting schedule of the pool, least peak among equals."""
-        return min(self.run(budget, deadline), key=lambda s: (s.cost, s.peak), default=None)
+        return min(self.run(budget, deadline, until_one_fits), key=lambda s: (s.cost, s.peak),
+                   default=None)
 
     def least_peak(self, deadline: float) -> Schedule | None:
         """The pool's schedule of least peak, each strategy at a budget it always meets."""
