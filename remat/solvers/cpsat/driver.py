@@ -102,6 +102,8 @@ class _Call:
             problem, budget, time_limit=max(0.0, self.share(RELAXED_SHARE) - time.perf_counter()))
         if relaxed is not None and (hint is None or relaxed.cost < hint.cost):
             hint = relaxed
+        self.progress.update(cost=hint.cost if hint is not None else None,
+                             bound=relaxed_bound.value)
         model = None
         if hint is None:
             # Near the smallest peak no baseline fits, and CP-SAT rarely finds a first schedule
