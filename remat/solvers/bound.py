@@ -289,7 +289,9 @@ class Relaxation:
         return sum(ops[v].size * k for v, k in self.keep[b].items() if ops[v].size)
 
     def least_cost(self, rooms: dict[int, int], cost: Callable, seconds: float,
-                   workers: int) -> tuple[float, bool]:
+                   workers: int, gap: float = 0.0) -> tuple[float, bool]:
+        """The least cost (a bound: CP-SAT's best bound of it), and whether it is proven; the
+        search may stop once its solution is within `gap` (relative) of that bound."""
         ops = self.problem.ops
         for b, room in rooms.items():
             if self.keep[b]:
@@ -301,7 +303,7 @@ class Relaxation:
         unit = total * COST_RESOLUTION
         self.model.Minimize(sum(math.floor(w / unit) * self.redo[v]
                                 for v, w in weights.items() if w >= unit))
-        return self._solve(unit, seconds, workers)
+        return self._solve(unit, seconds, workers, gap=gap)
 
     def least_peak(self, fixed: dict[int, int], seconds: float,
                    workers: int) -> tuple[float, bool]:
@@ -321,10 +323,11 @@ class Relaxation:
                 if not isinstance(x, int) and self._solver.Value(x)}
 
     def _solve(self, unit: float, seconds: float, workers: int,
-               costless: bool = False) -> tuple[float, bool]:
+               costless: bool = False, gap: float = 0.0) -> tuple[float, bool]:
         solver = self._solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = max(seconds, 0.05)
         solver.parameters.num_workers = workers or WORKERS
+        solver.parameters.relative_gap_limit = gap
         status = self._status = solver.Solve(self.model)
         if status == cp_model.INFEASIBLE:
             return math.inf, True
@@ -342,4 +345,4 @@ class Relaxation:
         # stays at most the true least cost (each weight was rounded down already).
         units = math.ceil(solver.BestObjectiveBound() - 1e-6)
         value = units if unit == 1 else units * unit * (1 - 1e-12)  # bytes: exact integers
-        return value, status == cp_model.OPTIMAL
+        return value, status == cp_model.OPTIMAL and not gap

@@ -11,7 +11,8 @@ class SolverOptions:
     """Seconds the whole call of the exact solver may take (baselines, hint, bounds, both
     stages, fallbacks) before it returns its best schedule with its gap."""
     workers: int = 0
-    """CP-SAT search workers; 0 lets OR-Tools pick one per core."""
+    """CP-SAT search workers; 0 lets OR-Tools pick one per core. (The bounds' relaxations
+    run the portfolio of `remat.solvers.bound.WORKERS` that proves them, whatever this says.)"""
     seed: int = 0
     """Random seed of the search, for repeatable runs."""
     relative_gap: float = 0.0

@@ -180,8 +180,7 @@ class _Call:
             if hint is not None and hint.peak <= budget:  # a caller's hint need not fit
                 # Out of time before CP-SAT accepted any schedule; the hint fits (simulated).
                 logger.warning("optimal: CP-SAT found no schedule within %.1f s; returning the "
-                               "hint (%s, improved by the drop pass), FEASIBLE",
-                               self.options.time_limit, hint.strategy)
+                               "hint (%s), FEASIBLE", self.options.time_limit, hint.strategy)
                 info["from_hint"] = True
                 return self.result(hint, bound)
             return self.nothing_found(solver.StatusName(status))
