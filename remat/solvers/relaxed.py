@@ -50,6 +50,8 @@ def relaxed_schedule(problem: Problem, budget: int, *, time_limit: float = 10.0,
     if nf == len(problem.ops):
         return None, proven
     fixed = fixed_bytes(problem)
+    if budget < fixed[0]:  # the first backward step holds more under every schedule
+        return None, Bound(math.inf, (nf,), True)
     steps, shrink = [nf], 0
     best, fits, fails = None, None, None  # the cheapest fitting plan; shrinks that fit and not
     overhead = 0.0  # what the last turn spent outside the solve: building, evaluating

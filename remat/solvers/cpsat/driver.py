@@ -39,6 +39,7 @@ OPTIMAL_TOLERANCE = 1e-4
 # two on real graphs, where CP-SAT's own bound stays near zero); the stage that lowers the peak
 # at the found cost.
 BASELINE_SHARE = 0.1
+UNTIL_ONE_FITS_SHARE = 0.4  # the pool's while none of it fits yet
 RELAXED_SHARE = 0.55
 HINT_SHARE = 0.05
 LEAST_PEAK_SHARE = 0.5
@@ -94,7 +95,7 @@ class _Call:
             self.pool.seconds_per_evaluation = time.perf_counter() - began
         if hint is None or hint.peak > budget:
             hint = self.pool.best(budget, self.share(BASELINE_SHARE),
-                                  until_one_fits=self.deadline - self.finish())
+                                  until_one_fits=self.share(UNTIL_ONE_FITS_SHARE))
         # The plan the first backward step's relaxation suggests, repaired to fit: on stacks
         # of blocks far cheaper than any baseline's, and sometimes the only one that fits.
         self.progress.update(stage="reading a plan off the relaxation")
@@ -104,6 +105,8 @@ class _Call:
             hint = relaxed
         self.progress.update(cost=hint.cost if hint is not None else None,
                              bound=relaxed_bound.value)
+        if relaxed_bound.value == math.inf:  # proven: no schedule fits
+            return self.fail(model=None)
         model = None
         if hint is None:
             # Near the smallest peak no baseline fits, and CP-SAT rarely finds a first schedule
@@ -272,9 +275,10 @@ class _Call:
         """Where the model (or a bound) finds nothing that fits: the least-peak schedule, which
         fits only where rounding made the model conservative; else BudgetError."""
         model = model or self.build()
-        if model is None:
-            return self.nothing_found("no time left to build the model")
-        self.search_least_peak(model, self.deadline - self.finish())
+        if model is not None:
+            self.search_least_peak(model, self.deadline - self.finish())
+        elif self.least is None:  # no time to search: the pool's least peak, unproven
+            self.least = self.pool.least_peak(self.deadline - self.finish())
         if self.least is None:
             return self.nothing_found("no time left for the least-peak search")
         if self.least.peak > self.budget:
