@@ -41,9 +41,11 @@ GAP = 2e-3
 
 
 def relaxed_schedule(problem: Problem, budget: int, *, time_limit: float = 10.0,
-                     workers: int = 0) -> tuple[Schedule | None, Bound]:
+                     workers: int = 0, lowest: list | None = None) -> tuple[Schedule | None, Bound]:
     """The cheapest plan that fits `budget` found this way in `time_limit` (None: none), and the
-    best bound its solves with the true rooms proved (math.inf: no schedule fits)."""
+    best bound its solves with the true rooms proved (math.inf: no schedule fits). `lowest`, a
+    list, receives the plan of least peak seen, fitting or not (near the floor, where none
+    fits, a start for the least-peak search)."""
     deadline = time.perf_counter() + time_limit
     nf = problem.num_forward
     proven = Bound(0.0, (), True)
@@ -79,6 +81,8 @@ def relaxed_schedule(problem: Problem, budget: int, *, time_limit: float = 10.0,
         logger.debug("relaxation over %d steps, rooms less %d: bound %.6g, plan %.6g s peaking "
                      "%d above the budget (%.2f s)", len(steps), shrink, value, schedule.cost,
                      schedule.peak - budget, solved - built)
+        if lowest is not None and (not lowest or schedule.peak < lowest[0].peak):
+            lowest[:] = [schedule]
         if schedule.peak <= budget:
             fits = shrink
             if best is None or schedule.cost < best.cost:

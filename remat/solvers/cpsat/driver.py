@@ -72,6 +72,7 @@ class _Call:
         self.pool = Pool(problem, options)
         self.least: Schedule | None = None
         self.least_proven = False
+        self.lowest: list[Schedule] = []  # the relaxation's plan of least peak, fitting or not
         self.info: dict = {"byte_unit": self.units.byte, "cost_unit": self.units.cost,
                            "exact": self.units.exact_bytes}
 
@@ -100,7 +101,8 @@ class _Call:
         # of blocks far cheaper than any baseline's, and sometimes the only one that fits.
         self.progress.update(stage="reading a plan off the relaxation")
         relaxed, relaxed_bound = relaxed_schedule(
-            problem, budget, time_limit=max(0.0, self.share(RELAXED_SHARE) - time.perf_counter()))
+            problem, budget, time_limit=max(0.0, self.share(RELAXED_SHARE) - time.perf_counter()),
+            lowest=self.lowest)
         if relaxed is not None and (hint is None or relaxed.cost < hint.cost):
             hint = relaxed
         self.progress.update(cost=hint.cost if hint is not None else None,
@@ -264,8 +266,9 @@ class _Call:
     def search_least_peak(self, model, deadline: float, target: int = -1) -> None:
         if self.least is None:
             self.progress.update(stage="searching for the least peak")
-            self.least, self.least_proven = least_peak(self.problem, self.units, self.options,
-                                                       self.pool, model, deadline, target)
+            self.least, self.least_proven = least_peak(
+                self.problem, self.units, self.options, self.pool, model, deadline, target,
+                start=self.lowest[0] if self.lowest else None)
 
     def too_small(self) -> BudgetError:
         return too_small(self.problem, self.budget, self.least, self.least_proven, self.options,

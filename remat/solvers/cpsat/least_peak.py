@@ -37,13 +37,16 @@ class _Enough(cp_model.CpSolverSolutionCallback):
 
 
 def least_peak(problem: Problem, units: Units, options: SolverOptions, pool: Pool, model,
-               deadline: float, target: int = -1) -> tuple[Schedule | None, bool]:
+               deadline: float, target: int = -1, start: Schedule | None = None
+               ) -> tuple[Schedule | None, bool]:
     """The schedule of least simulated peak found before `deadline` (whatever its cost), and
     whether that peak is proven the least, by `model` (a FreeModel or JitModel with no capacity
     yet). Started from the pool's schedule of least peak, the search can only improve on it;
-    None when the time allowed nothing at all. It stops early at a peak of `target` units (a
+    None when the time allowed nothing at all. `start` (a plan of low peak from elsewhere)
+    competes with the pool's to start it. It stops early at a peak of `target` units (a
     capacity): then the peak is not the least, but the budget is met."""
-    baseline = pool.least_peak(deadline)
+    baseline = min((s for s in (pool.least_peak(deadline), start) if s is not None),
+                   key=lambda s: (s.peak, s.cost), default=None)
     if time.perf_counter() >= deadline:
         return baseline, False
     model.model.Minimize(model.peak)
