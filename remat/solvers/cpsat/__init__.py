@@ -5,7 +5,8 @@
 - `free_model`: recomputations at any backward position (the default);
 - `jit_model`: recomputations just in time (`free_positions=False`);
 - `search`: CP-SAT's parameters, the anytime trace, the progress line;
-- `hints`: the baselines that start the search (the hint pool) and the drop pass;
+- `hints`: the baselines that start the search (the hint pool, `HINT_POOL`) and the drop pass
+  (the plan read off the bound's relaxation, `remat.solvers.relaxed`, competes with them);
 - `least_peak`: the least-peak search and the BudgetError it supports;
 - `driver`: `optimal` itself, its deadline and its stages.
 """

@@ -1,7 +1,10 @@
 """Strategy `optimal`: the search driver. One deadline, `options.time_limit` from the call's
-start, bounds everything it runs: the model's construction, the hint pool, the least-peak
-search, the drop pass, the bound, the least-cost stage, the least-peak-at-that-cost stage and
-every fallback. Each part gets a share of the limit and never more than what is left.
+start, bounds everything it runs, in this order: the hint pool's baselines, the plan read off
+the bound's relaxation (`remat.solvers.relaxed`, which proves a bound too), the least-peak search
+where nothing fits, the drop pass, the bound at the step where the hint binds, the model's
+construction, the least-cost stage, the least-peak-at-that-cost stage, and every fallback. Each
+part gets a share of the limit and never more than what is left; what could not run is named in
+`info` ("skipped", "model", "peak_stage").
 
 The status is the truth about the returned schedule's true (unrounded) cost: OPTIMAL only when
 it is within OPTIMAL_TOLERANCE of a proven bound; else FEASIBLE, with that bound and its gap.
