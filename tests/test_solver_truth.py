@@ -83,7 +83,7 @@ def test_time_limit_bounds_the_whole_call_at_10k_ops(monkeypatch, caplog):
     start = time.perf_counter()
     result = solve(problem, budget, Strategy.OPTIMAL, SolverOptions(workers=2, time_limit=limit))
     wall = time.perf_counter() - start
-    assert wall <= limit * 1.1 + 1, wall
+    assert wall <= limit * 1.1 + 1, (wall, result.info["stages"])
     assert result.peak <= budget and result.status in (Status.FEASIBLE, Status.OPTIMAL)
     assert result.info.get("skipped") or result.info.get("model") or "trace" in result.info
     lines = [r.getMessage() for r in caplog.records if "best recompute cost" in r.getMessage()]

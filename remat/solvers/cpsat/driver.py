@@ -52,6 +52,8 @@ PEAK_STAGE_SHARE = 0.1
 # what they took at 10,000 ops on a loaded machine (build 13 to 41 evaluations, finish 3).
 BUILD_EVALUATIONS = 40
 FINISH_EVALUATIONS = 4
+# What a relaxation's part (its build, its plans' evaluations) runs past its solve's time limit.
+PART_EVALUATIONS = 3
 
 
 @register(Strategy.OPTIMAL)
@@ -102,10 +104,14 @@ class _Call:
                                   until_one_fits=self.share(UNTIL_ONE_FITS_SHARE))
         # The plan the first backward step's relaxation suggests, repaired to fit: on stacks
         # of blocks far cheaper than any baseline's, and sometimes the only one that fits.
-        self.progress.update(stage="reading a plan off the relaxation")
-        relaxed, relaxed_bound = relaxed_schedule(
-            problem, budget, time_limit=max(0.0, self.share(RELAXED_SHARE) - time.perf_counter()),
-            lowest=self.lowest)
+        relaxed, relaxed_bound = None, Bound(0.0, (), True)
+        seconds = self.seconds(RELAXED_SHARE)
+        if seconds > 0:
+            self.progress.update(stage="reading a plan off the relaxation")
+            relaxed, relaxed_bound = relaxed_schedule(problem, budget, time_limit=seconds,
+                                                      lowest=self.lowest)
+        else:
+            info["relaxation"] = "skipped: no time left"
         if relaxed is not None and (hint is None or relaxed.cost < hint.cost):
             hint = relaxed
         self.progress.update(cost=hint.cost if hint is not None else None,
@@ -132,19 +138,20 @@ class _Call:
         if hint is not None:
             if hint is not relaxed:  # a knapsack's optimum: nothing to drop
                 self.progress.update(stage="improving the hint", cost=hint.cost)
-                hint = drop_pass(problem, budget, hint, self.share(HINT_SHARE))
+                hint = drop_pass(problem, budget, hint,
+                                 self.share(HINT_SHARE) - self.evaluation())
             info["hint"] = hint.strategy
 
         # --- A bound proven at the step where the hint peaks, where the budget binds, unless
         # the relaxation's solves proved one there already (or one over several steps).
-        binding = binding_step(problem, hint) if hint is not None else None
         step_bound = relaxed_bound
-        if len(relaxed_bound.steps) < 2 and binding not in relaxed_bound.steps:
-            self.progress.update(stage="proving a bound")
-            found = recompute_bound(
-                problem, budget, steps=[binding] if binding is not None else [],
-                time_limit=max(0.0, self.share(BOUND_SHARE) - time.perf_counter()))
-            step_bound = max(found, relaxed_bound, key=lambda bound: bound.value)
+        if len(relaxed_bound.steps) < 2 and self.seconds(BOUND_SHARE) > 0:
+            binding = binding_step(problem, hint) if hint is not None else None
+            if binding not in relaxed_bound.steps:
+                self.progress.update(stage="proving a bound")
+                found = recompute_bound(problem, budget, time_limit=self.seconds(BOUND_SHARE),
+                                        steps=[binding] if binding is not None else [])
+                step_bound = max(found, relaxed_bound, key=lambda bound: bound.value)
         if step_bound.value == math.inf:  # no schedule fits: find the least peak for the error
             return self.fail(model)
         if model is None:
@@ -224,15 +231,26 @@ class _Call:
             schedule = hint  # CP-SAT started from it; its own answer can only be as good
         return self.result(schedule, bound)
 
+    def evaluation(self) -> float:
+        """Seconds one schedule evaluation (make_schedule, simulate) takes on this problem."""
+        return self.pool.seconds_per_evaluation or 0.0
+
+    def seconds(self, fraction: float) -> float:
+        """Seconds for a part that builds a relaxation and evaluates plans, which it cannot
+        interrupt (about PART_EVALUATIONS evaluations): its share less those; 0 if that leaves
+        nothing."""
+        left = self.share(fraction) - time.perf_counter() - PART_EVALUATIONS * self.evaluation()
+        return max(0.0, left)
+
     def finish(self) -> float:
         """Seconds to keep for turning the search's answer into a schedule (a few
         evaluations: make_schedule, the hint, evaluate)."""
-        return FINISH_EVALUATIONS * (self.pool.seconds_per_evaluation or 0.0)
+        return FINISH_EVALUATIONS * self.evaluation()
 
     def build(self):
         """The model for the options, when its construction (predicted from the time one
         schedule evaluation takes) fits in the time left; else None."""
-        expected = BUILD_EVALUATIONS * (self.pool.seconds_per_evaluation or 0.0)
+        expected = BUILD_EVALUATIONS * self.evaluation()
         if expected + self.finish() > self.left():
             self.info["model"] = f"not built: would take about {expected:.1f} s"
             return None
