@@ -8,16 +8,19 @@ from typing import Any, Callable
 @dataclass(frozen=True, kw_only=True)
 class SolverOptions:
     time_limit: float = 60.0
-    """Seconds the exact solver may search before it returns its best schedule with a gap."""
+    """Seconds the whole call of the exact solver may take (baselines, hint, bounds, both
+    stages, fallbacks) before it returns its best schedule with its gap."""
     workers: int = 0
-    """CP-SAT search workers; 0 lets OR-Tools pick one per core."""
+    """CP-SAT search workers; 0 lets OR-Tools pick one per core. (The bounds' relaxations
+    run the portfolio of `remat.solvers.bound.WORKERS` that proves them, whatever this says.)"""
     seed: int = 0
     """Random seed of the search, for repeatable runs."""
     relative_gap: float = 0.0
     """Stop once the cost is proven within this fraction of the optimum (0: prove optimality)."""
     cost_resolution: float = 1e-6
-    """The exact solver counts recompute cost in integer units of this fraction of the step's
-    total cost; costs are rounded to the nearest unit, so its optimum is exact in those units."""
+    """The exact solver counts recompute cost in integer units of this fraction of the least
+    positive recompute cost, rounded down: every op's cost, and so every schedule's, is counted
+    within this fraction (relative) below the truth, and its bounds stay bounds."""
     free_positions: bool = True
     """Let the exact solver place each recomputation at any backward op before its first use
     (a superset of schedules, sometimes with a lower peak: an earlier recomputation can free a

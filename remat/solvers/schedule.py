@@ -16,7 +16,7 @@ from remat.solvers.problem import Kind, Problem, needed_storages, recompute_bloc
 
 
 class Status(str, enum.Enum):
-    OPTIMAL = "OPTIMAL"  # proven least cost at this budget
+    OPTIMAL = "OPTIMAL"  # proven least cost at this budget (within 0.01 % of `bound`)
     FEASIBLE = "FEASIBLE"  # fits; the optimum lies between `bound` and `cost`
     HEURISTIC = "HEURISTIC"  # a baseline's answer: fits, nothing is claimed about optimality
 
@@ -46,9 +46,8 @@ class Schedule:
 
     @property
     def gap(self) -> float | None:
-        """Relative distance between the cost and the best bound; 0 when proven optimal."""
-        if self.status is Status.OPTIMAL:
-            return 0.0
+        """(cost - bound) / cost, whatever the status: 0 only when the cost meets the bound (or
+        is 0); None without a bound (a baseline's). Float noise below 0 reads as 0."""
         if self.bound is None:
             return None
         if self.cost <= 0:

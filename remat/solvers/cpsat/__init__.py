@@ -1,0 +1,16 @@
+"""Strategy `optimal`: the exact CP-SAT model of the execution model in `simulate`.
+
+- `units`: how bytes and seconds become integers (rounded safely), the free model's time axis,
+  and the rule both models share (the backward gets what it needs, once);
+- `free_model`: recomputations at any backward position (the default);
+- `jit_model`: recomputations just in time (`free_positions=False`);
+- `search`: CP-SAT's parameters, the anytime trace, the progress line;
+- `hints`: the baselines that start the search (the hint pool, `HINT_POOL`) and the drop pass
+  (the plan read off the bound's relaxation, `remat.solvers.relaxed`, competes with them);
+- `least_peak`: the least-peak search and the BudgetError it supports;
+- `driver`: `optimal` itself, its deadline and its stages.
+"""
+from remat.solvers.cpsat.driver import optimal
+from remat.solvers.cpsat.hints import BASELINES, HINT_POOL, _best_baseline
+
+__all__ = ["BASELINES", "HINT_POOL", "optimal", "_best_baseline"]

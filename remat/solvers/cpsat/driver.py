@@ -1,0 +1,321 @@
+"""Strategy `optimal`: the search driver. One deadline, `options.time_limit` from the call's
+start, bounds everything it runs, in this order: the hint pool's baselines, the plan read off
+the bound's relaxation (`remat.solvers.relaxed`, which proves a bound too), the least-peak search
+where nothing fits, the drop pass, the bound at the step where the hint binds, the model's
+construction, the least-cost stage, the least-peak-at-that-cost stage, and every fallback. Each
+part gets a share of the limit and never more than what is left; what could not run is named in
+`info` ("skipped", "model", "peak_stage").
+
+The status is the truth about the returned schedule's true (unrounded) cost: OPTIMAL only when
+it is within OPTIMAL_TOLERANCE of a proven bound; else FEASIBLE, with that bound and its gap.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from types import MappingProxyType
+
+from ortools.sat.python import cp_model
+
+from remat.errors import BudgetError, SolverError
+from remat.solvers.bound import Bound, recompute_bound
+from remat.solvers.cpsat.hints import Pool, drop_pass
+from remat.solvers.cpsat.least_peak import least_peak, too_small
+from remat.solvers.cpsat.search import Progress, Trace, build_model, cp_solver
+from remat.solvers.cpsat.units import Units
+from remat.solvers.options import SolverOptions
+from remat.solvers.problem import Problem
+from remat.solvers.registry import Strategy, register
+from remat.solvers.relaxed import binding_step, relaxed_schedule
+from remat.solvers.schedule import Schedule, Status, evaluate, make_schedule
+
+logger = logging.getLogger(__name__)
+
+# A schedule is OPTIMAL when its true cost is within this fraction above a proven bound.
+OPTIMAL_TOLERANCE = 1e-4
+# The relaxations of remat.solvers.bound run with their own worker count (bound.WORKERS: the
+# portfolio that proves them), whatever `options.workers` gives the search.
+# Shares of the time limit: the hint pool's baselines; the plan read off the bound's
+# relaxation; the drop pass; the least-peak search
+# when no baseline fits (of what is left; it stops once the budget is met); the bound proven from backward steps (a second or
+# two on real graphs, where CP-SAT's own bound stays near zero); the stage that lowers the peak
+# at the found cost.
+BASELINE_SHARE = 0.1
+UNTIL_ONE_FITS_SHARE = 0.4  # the pool's while none of it fits yet
+RELAXED_SHARE = 0.55
+HINT_SHARE = 0.05
+LEAST_PEAK_SHARE = 0.5
+BOUND_SHARE = 0.15
+PEAK_STAGE_SHARE = 0.1
+# Building the model, and finishing (make_schedule, hint, evaluate), in schedule evaluations:
+# what they took at 10,000 ops on a loaded machine (build 13 to 41 evaluations, finish 3).
+BUILD_EVALUATIONS = 40
+FINISH_EVALUATIONS = 4
+# What a relaxation's part (its build, its plans' evaluations) runs past its solve's time limit.
+PART_EVALUATIONS = 3
+
+
+@register(Strategy.OPTIMAL)
+def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
+    """The least-recompute-cost schedule whose simulated peak fits `budget`, least peak among
+    equals; OPTIMAL when proven, else FEASIBLE with the best bound (time limit, relative gap).
+    Raises BudgetError when no schedule fits (or none was found and the least peak found is
+    above the budget: the message says which), SolverError when the time allowed nothing."""
+    with Progress(options.time_limit) as progress:
+        return _Call(problem, budget, options, progress).run()
+
+
+class _Call:
+    """One call of `optimal`: its deadline, its shared state, its stages."""
+
+    def __init__(self, problem: Problem, budget: int, options: SolverOptions, progress: Progress):
+        self.problem, self.budget, self.options, self.progress = problem, budget, options, progress
+        self.start = time.perf_counter()
+        self.deadline = self.start + options.time_limit
+        self.units = Units.of(problem, options)
+        self.pool = Pool(problem, options)
+        self.least: Schedule | None = None
+        self.least_proven = False
+        self.lowest: list[Schedule] = []  # the relaxation's plan of least peak, fitting or not
+        self.info: dict = {"byte_unit": self.units.byte, "cost_unit": self.units.cost,
+                           "exact": self.units.exact_bytes}
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def share(self, fraction: float) -> float:
+        """A deadline `fraction` of the limit from now, never past the call's less the time
+        kept for finishing."""
+        return min(time.perf_counter() + fraction * self.options.time_limit,
+                   self.deadline - self.finish())
+
+    def run(self) -> Schedule:
+        problem, budget, units, info = self.problem, self.budget, self.units, self.info
+        # --- The hint: the caller's, else the pool's best; near the floor, the least peak.
+        self.progress.update(stage="running the baselines")
+        hint = self.options.hint
+        if hint is not None:
+            began = time.perf_counter()
+            hint = evaluate(problem, hint)
+            self.pool.seconds_per_evaluation = time.perf_counter() - began
+        if hint is None or hint.peak > budget:
+            hint = self.pool.best(budget, self.share(BASELINE_SHARE),
+                                  until_one_fits=self.share(UNTIL_ONE_FITS_SHARE))
+        # The plan the first backward step's relaxation suggests, repaired to fit: on stacks
+        # of blocks far cheaper than any baseline's, and sometimes the only one that fits.
+        relaxed, relaxed_bound = None, Bound(0.0, (), True)
+        seconds = self.seconds(RELAXED_SHARE)
+        if seconds > 0:
+            self.progress.update(stage="reading a plan off the relaxation")
+            relaxed, relaxed_bound = relaxed_schedule(problem, budget, time_limit=seconds,
+                                                      lowest=self.lowest)
+        else:
+            info["relaxation"] = "skipped: no time left"
+        if relaxed is not None and (hint is None or relaxed.cost < hint.cost):
+            hint = relaxed
+        self.progress.update(cost=hint.cost if hint is not None else None,
+                             bound=relaxed_bound.value)
+        if relaxed_bound.value == math.inf:  # proven: no schedule fits
+            return self.fail(model=None)
+        model = None
+        if hint is None:
+            # Near the smallest peak no baseline fits, and CP-SAT rarely finds a first schedule
+            # on its own there; the least-peak search does (or proves that none fits).
+            model = self.build()
+            if model is None:
+                return self.nothing_found("no time left to build the model")
+            if model.fixed_peak > units.capacity(budget):
+                return self.fail(model)
+            self.search_least_peak(model, time.perf_counter() + LEAST_PEAK_SHARE * self.left(),
+                                   target=units.capacity(budget))
+            if self.least is not None and self.least.peak <= budget:
+                hint = self.least
+            elif self.least is not None and self.least_proven:
+                raise self.too_small()
+        if self.pool.skipped:
+            info["skipped"] = dict(self.pool.skipped)
+        if hint is not None:
+            if hint is not relaxed:  # a knapsack's optimum: nothing to drop
+                self.progress.update(stage="improving the hint", cost=hint.cost)
+                hint = drop_pass(problem, budget, hint,
+                                 self.share(HINT_SHARE) - self.evaluation())
+            info["hint"] = hint.strategy
+
+        # --- A bound proven at the step where the hint peaks, where the budget binds, unless
+        # the relaxation's solves proved one there already (or one over several steps).
+        step_bound = relaxed_bound
+        if len(relaxed_bound.steps) < 2 and self.seconds(BOUND_SHARE) > 0:
+            binding = binding_step(problem, hint) if hint is not None else None
+            if binding not in relaxed_bound.steps:
+                self.progress.update(stage="proving a bound")
+                found = recompute_bound(problem, budget, time_limit=self.seconds(BOUND_SHARE),
+                                        steps=[binding] if binding is not None else [])
+                step_bound = max(found, relaxed_bound, key=lambda bound: bound.value)
+        if step_bound.value == math.inf:  # no schedule fits: find the least peak for the error
+            return self.fail(model)
+        if model is None:
+            model = self.build()
+            if model is None:  # no time to search: the hint as it is, with what is proven
+                if hint is None:
+                    return self.nothing_found("no time left to build the model")
+                info["from_hint"] = True
+                return self.result(hint, self.best_bound(0.0, step_bound))
+        m = model.model
+        capacity = units.capacity(budget)
+        if model.fixed_peak > capacity:
+            return self.fail(model)
+        if step_bound.steps:
+            info.update(step_bound=step_bound.value, step_bound_at=step_bound.where(problem))
+            self.progress.update(bound=step_bound.value)
+            # Told the bound, CP-SAT's own bound starts there. Each op's cost rounds down by
+            # less than a unit, so the model's cost of any schedule is at least this.
+            m.Add(model.cost >= math.floor(step_bound.value / units.cost) - len(model.rec))
+
+        # --- Stage 1: least recompute cost under the capacity (budget rounded DOWN to units).
+        self.progress.update(stage="searching for the least cost")
+        m.Add(model.peak <= capacity)
+        m.Minimize(model.cost)
+        if hint is not None:
+            model.hint(hint)
+        trace = Trace(units, self.start, self.options.on_solution, self.progress,
+                      enough=step_bound.value / (1 - OPTIMAL_TOLERANCE), slack=len(model.rec))
+        reserve = self.finish() + (PEAK_STAGE_SHARE * self.options.time_limit if hint is None
+                                   or hint.recomputed else 0.0)
+        solver = cp_solver(self.options, self.left() - reserve, self.progress, units)
+        status = solver.Solve(m, trace)
+        info.update(stage1_time=solver.WallTime(), trace=trace.trace)
+        searched = solver.BestObjectiveBound() * units.cost
+        # CP-SAT's bound holds for the true problem only where the model's bytes are exact.
+        bound = self.best_bound(searched if units.exact_bytes and math.isfinite(searched) else 0.0,
+                                step_bound)
+        if status == cp_model.INFEASIBLE:
+            return self.fail(model)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            if hint is not None and hint.peak <= budget:  # a caller's hint need not fit
+                # Out of time before CP-SAT accepted any schedule; the hint fits (simulated).
+                logger.warning("optimal: CP-SAT found no schedule within %.1f s; returning the "
+                               "hint (%s), FEASIBLE", self.options.time_limit, hint.strategy)
+                info["from_hint"] = True
+                return self.result(hint, bound)
+            return self.nothing_found(solver.StatusName(status))
+        best_cost = round(solver.ObjectiveValue())
+        recomputed, positions = model.decision(solver.Value)
+        model_peak = solver.Value(model.peak)
+
+        # --- Stage 2: least peak at that cost (keeps the live-range ends tight, too). Bounded
+        # by its share; pointless when nothing is recomputed (the peak is then fixed).
+        seconds = min(self.left() - self.finish(), PEAK_STAGE_SHARE * self.options.time_limit)
+        if not recomputed:
+            info["peak_stage"] = "skipped: nothing is recomputed"
+        elif seconds <= 0.05:
+            info["peak_stage"] = "skipped: no time left"
+        else:
+            self.progress.update(stage="lowering the peak at that cost")
+            first = make_schedule(problem, recomputed, recompute_at=positions)
+            self.progress.update(stage="lowering the peak: solving")
+            m.Add(model.cost <= best_cost)
+            m.Minimize(model.peak)
+            model.hint(first)
+            solver = cp_solver(self.options, seconds)
+            status2 = solver.Solve(m)
+            if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+                recomputed, positions = model.decision(solver.Value)
+                model_peak = solver.Value(model.peak)
+                info["peak_proven"] = status2 == cp_model.OPTIMAL
+                info["peak_stage"] = "proven" if info["peak_proven"] else "stopped at its share"
+            info["model_peak"] = model_peak * units.byte
+        self.progress.update(stage="finishing")
+        schedule = make_schedule(problem, recomputed, recompute_at=positions)
+        if hint is not None and hint.peak <= budget and hint.cost < schedule.cost:
+            schedule = hint  # CP-SAT started from it; its own answer can only be as good
+        return self.result(schedule, bound)
+
+    def evaluation(self) -> float:
+        """Seconds one schedule evaluation (make_schedule, simulate) takes on this problem."""
+        return self.pool.seconds_per_evaluation or 0.0
+
+    def seconds(self, fraction: float) -> float:
+        """Seconds for a part that builds a relaxation and evaluates plans, which it cannot
+        interrupt (about PART_EVALUATIONS evaluations): its share less those; 0 if that leaves
+        nothing."""
+        left = self.share(fraction) - time.perf_counter() - PART_EVALUATIONS * self.evaluation()
+        return max(0.0, left)
+
+    def finish(self) -> float:
+        """Seconds to keep for turning the search's answer into a schedule (a few
+        evaluations: make_schedule, the hint, evaluate)."""
+        return FINISH_EVALUATIONS * self.evaluation()
+
+    def build(self):
+        """The model for the options, when its construction (predicted from the time one
+        schedule evaluation takes) fits in the time left; else None."""
+        expected = BUILD_EVALUATIONS * self.evaluation()
+        if expected + self.finish() > self.left():
+            self.info["model"] = f"not built: would take about {expected:.1f} s"
+            return None
+        self.progress.update(stage="building the model")
+        began = time.perf_counter()
+        model = build_model(self.problem, self.units, self.options)
+        self.info.update(variables=len(model.model.Proto().variables),
+                         build_time=time.perf_counter() - began)
+        return model
+
+    # --- Outcomes.
+
+    def result(self, schedule: Schedule, bound: float) -> Schedule:
+        """`schedule` with its true status: OPTIMAL within OPTIMAL_TOLERANCE of `bound`."""
+        self.progress.update(stage="done")
+        self.info["stages"] = tuple(self.progress.stages)
+        cost = sum(self.problem.ops[v].cost for v in schedule.recomputed)
+        optimum = cost - bound <= OPTIMAL_TOLERANCE * cost
+        return evaluate(self.problem, schedule, strategy=Strategy.OPTIMAL.value,
+                        status=Status.OPTIMAL if optimum else Status.FEASIBLE,
+                        budget=self.budget, bound=bound,
+                        solve_time=time.perf_counter() - self.start,
+                        info=MappingProxyType(self.info))
+
+    def best_bound(self, searched: float, steps: Bound) -> float:
+        """The higher of CP-SAT's bound and the one proven from backward steps;
+        `info["bound_from"]` says which, for the report."""
+        if steps.steps and steps.value > searched:
+            self.info["bound_from"] = f"backward steps ({steps.where(self.problem)})"
+            return steps.value
+        self.info["bound_from"] = "CP-SAT search"
+        return searched
+
+    def search_least_peak(self, model, deadline: float, target: int = -1) -> None:
+        if self.least is None:
+            self.progress.update(stage="searching for the least peak")
+            self.least, self.least_proven = least_peak(
+                self.problem, self.units, self.options, self.pool, model, deadline, target,
+                start=self.lowest[0] if self.lowest else None)
+
+    def too_small(self) -> BudgetError:
+        return too_small(self.problem, self.budget, self.least, self.least_proven, self.options,
+                         self.deadline)
+
+    def fail(self, model) -> Schedule:
+        """Where the model (or a bound) finds nothing that fits: the least-peak schedule, which
+        fits only where rounding made the model conservative; else BudgetError."""
+        model = model or self.build()
+        if model is not None:
+            self.search_least_peak(model, self.deadline - self.finish())
+        elif self.least is None:  # no time to search: the pool's least peak, unproven
+            self.least = self.pool.least_peak(self.deadline - self.finish())
+        if self.least is None:
+            return self.nothing_found("no time left for the least-peak search")
+        if self.least.peak > self.budget:
+            raise self.too_small()
+        return self.result(self.least, 0.0)
+
+    def nothing_found(self, why: str) -> Schedule:
+        if self.least is not None:  # a schedule is known, only above the budget: say so
+            raise self.too_small()
+        hint = self.options.hint
+        tried = (f"hinted with {hint.strategy}, which does not fit" if hint is not None
+                 else "no baseline fits to hint")
+        skipped = f"; skipped: {', '.join(self.pool.skipped)}" if self.pool.skipped else ""
+        raise SolverError(f"optimal: no schedule within the time limit of "
+                          f"{self.options.time_limit} s ({why}; {tried}{skipped}); raise "
+                          "time_limit or the budget")

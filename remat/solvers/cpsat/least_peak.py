@@ -1,0 +1,94 @@
+"""The least-peak search: the schedule of least simulated peak whatever its cost, which starts
+the search near the floor (where no baseline fits) and is the smallest budget BudgetError names.
+And that error's message, which says exactly what is proven and what was only found.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+from ortools.sat.python import cp_model
+
+from remat.errors import BudgetError
+from remat.solvers.bound import peak_bound
+from remat.solvers.cpsat.hints import Pool
+from remat.solvers.cpsat.search import cp_solver
+from remat.solvers.cpsat.units import Units
+from remat.solvers.options import SolverOptions
+from remat.solvers.problem import Problem
+from remat.solvers.registry import Strategy
+from remat.solvers.schedule import Schedule, evaluate, make_schedule
+
+# The share of the time limit the floor's proof (bound.peak_bound) may take for the message.
+FLOOR_SHARE = 0.1
+
+
+class _Enough(cp_model.CpSolverSolutionCallback):
+    """Stops the search at the first schedule whose peak (in the model's units) is `target`
+    or less: a budget is met, and the least-cost stage takes over from there."""
+
+    def __init__(self, target: float):
+        super().__init__()
+        self.target = target
+
+    def on_solution_callback(self) -> None:
+        if self.ObjectiveValue() <= self.target:
+            self.StopSearch()
+
+
+def least_peak(problem: Problem, units: Units, options: SolverOptions, pool: Pool, model,
+               deadline: float, target: int = -1, start: Schedule | None = None
+               ) -> tuple[Schedule | None, bool]:
+    """The schedule of least simulated peak found before `deadline` (whatever its cost), and
+    whether that peak is proven the least, by `model` (a FreeModel or JitModel with no capacity
+    yet). Started from the pool's schedule of least peak, the search can only improve on it;
+    None when the time allowed nothing at all. `start` (a plan of low peak from elsewhere)
+    competes with the pool's to start it. It stops early at a peak of `target` units (a
+    capacity): then the peak is not the least, but the budget is met."""
+    baseline = min((s for s in (pool.least_peak(deadline), start) if s is not None),
+                   key=lambda s: (s.peak, s.cost), default=None)
+    if time.perf_counter() >= deadline:
+        return baseline, False
+    model.model.Minimize(model.peak)
+    if baseline is not None:
+        model.hint(baseline)
+    solver = cp_solver(options, deadline - time.perf_counter())
+    status = solver.Solve(model.model, _Enough(target))
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return baseline, False
+    recomputed, positions = model.decision(solver.Value)
+    found = make_schedule(problem, recomputed, recompute_at=positions,
+                          strategy=Strategy.OPTIMAL.value)
+    if baseline is not None and baseline.peak < found.peak:
+        return baseline, False
+    # Proven in the model's units, which are the bytes themselves only when exact.
+    return found, status == cp_model.OPTIMAL and units.exact_bytes
+
+
+def too_small(problem: Problem, budget: int, smallest: Schedule, proven: bool,
+              options: SolverOptions, deadline: float) -> BudgetError:
+    """BudgetError for `budget`, naming `smallest.peak` (a budget that fits: the schedule is
+    there) and, where that peak is not proven least, the floor that is proven."""
+    remedy = ("Raise the budget or shrink what the backward must hold (smaller batch, "
+              "sequence)")
+    if proven:
+        words = (f"the smallest activation peak any schedule reaches is {smallest.peak:,} bytes "
+                 f"(proven); recomputation cannot go lower. {remedy}")
+    else:
+        seconds = min(FLOOR_SHARE * options.time_limit, max(0.0, deadline - time.perf_counter()))
+        floor = math.floor(peak_bound(problem, time_limit=seconds, workers=options.workers).value)
+        if floor >= smallest.peak:
+            words = (f"the smallest activation peak any schedule reaches is {smallest.peak:,} "
+                     f"bytes (proven); recomputation cannot go lower. {remedy}")
+        elif floor > budget:
+            words = (f"no schedule peaks below {floor:,} bytes (proven); the least peak found "
+                     f"within the time limit is {smallest.peak:,} bytes, a budget that fits. "
+                     f"{remedy}")
+        else:
+            words = (f"none was found within the time limit: the least peak found is "
+                     f"{smallest.peak:,} bytes, a budget that fits; no schedule peaks below "
+                     f"{floor:,} bytes (proven), so a budget between the two may fit with a "
+                     f"longer time_limit")
+    return BudgetError(f"no schedule fits a budget of {budget:,} bytes: {words}",
+                       budget=budget, smallest=smallest.peak,
+                       schedule=evaluate(problem, smallest, strategy=Strategy.OPTIMAL.value))

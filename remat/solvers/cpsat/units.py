@@ -1,0 +1,120 @@
+"""What both CP-SAT models share: how bytes and seconds become integers (`Units`), the time axis
+of the free model (`Axis`), and the rule that the backward gets every value it needs exactly
+once (`provide_what_is_needed`).
+
+Rounding is always in the safe direction. Sizes round UP and the capacity DOWN, so every
+schedule a model accepts truly fits. Costs round DOWN, so that the model's objective never
+exceeds a schedule's true cost and every bound CP-SAT proves on it is a bound on true costs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from remat.solvers.options import SolverOptions
+from remat.solvers.problem import Problem
+
+# Sizes are counted in integer units; beyond this many units in all, the unit grows.
+MAX_UNITS = 2 ** 40
+# The objective stays below this many cost units in all (exact in a double, which CP-SAT's LP
+# works in); beyond it the cost unit grows and the smallest costs may round to zero units.
+MAX_COST_UNITS = 2 ** 50
+
+
+@dataclass(frozen=True)
+class Units:
+    """How bytes and seconds become the integers CP-SAT needs.
+
+    Bytes: the unit is the gcd of every size and temp in the problem, so that the counts are
+    exact (real problems: sizes share a factor of 2**k; tests: unit 1 or the gcd). Only when the
+    total would exceed MAX_UNITS units does the unit grow to total / MAX_UNITS; then sizes are
+    rounded UP and the capacity DOWN, so every schedule the model accepts truly fits (the model
+    turns conservative by less than one unit per live storage, and says so in info["exact"]).
+
+    Cost: `options.cost_resolution` of the least positive recompute cost, costs rounded DOWN.
+    Each op then loses less than that fraction of its own cost, so the model's cost of every
+    schedule is within `cost_resolution` (relative) below its true cost, whatever share of the
+    step the recomputations are: the optimum in units is the true optimum to that precision,
+    and the model's bounds are true bounds."""
+
+    byte: int
+    exact_bytes: bool
+    cost: float
+
+    @staticmethod
+    def of(problem: Problem, options: SolverOptions) -> "Units":
+        amounts = [a for op in problem.ops for a in (op.size, op.temp) if a]
+        unit = math.gcd(*amounts) if amounts else 1
+        total = sum(amounts)
+        exact = total // unit <= MAX_UNITS
+        if not exact:
+            unit = -(-total // MAX_UNITS)
+        costs = [problem.ops[v].cost for v in problem.candidates if problem.ops[v].cost > 0]
+        cost = options.cost_resolution * min(costs, default=1.0)
+        cost = max(cost, sum(costs) / MAX_COST_UNITS)
+        return Units(byte=max(unit, 1), exact_bytes=exact, cost=cost if cost > 0 else 1.0)
+
+    def bytes_up(self, n: int) -> int:
+        return -(-n // self.byte)
+
+    def sizes(self, problem: Problem) -> tuple[list[int], list[int]]:
+        """Every op's size and temp bytes, in units (rounded up)."""
+        return ([self.bytes_up(op.size) for op in problem.ops],
+                [self.bytes_up(op.temp) for op in problem.ops])
+
+    def capacity(self, budget: int) -> int:
+        return budget // self.byte
+
+    def cost_of(self, seconds: float) -> int:
+        """Rounded down: the model never charges more than the true cost. (A positive cost is at
+        least one unit unless MAX_COST_UNITS made the unit coarser than it.)"""
+        return max(0, math.floor(seconds / self.cost))
+
+
+def provide_what_is_needed(m: cp_model.CpModel, problem: Problem, candidates, direct,
+                           save: dict, rec: dict, readers) -> None:
+    """What the backward needs is saved or recomputed, once; nothing else is. A candidate read
+    by a backward op directly is needed; another is needed exactly when a recomputed reader
+    needs it (make_schedule derives the saved set the same way: needed minus recomputed)."""
+    for v in candidates:
+        held = [x for x in (save.get(v), rec.get(v)) if x is not None]
+        users = [rec[r] for r in readers[v] if r in rec]
+        if v in direct:
+            if not held:
+                raise ValueError(f"{problem.ops[v].name!r} is a tuple op read by the backward "
+                                 "and may not be recomputed; no schedule can provide it")
+            m.AddExactlyOne(held)
+            continue
+        if held:
+            # Once at most: a value both saved and recomputed is not a schedule, and the
+            # just-in-time rule would read "saved" as leave to recompute it late.
+            m.AddAtMostOne(held)
+            m.Add(sum(held) <= sum(users))
+        for u in users:
+            if not held:
+                m.Add(u == 0)
+            else:
+                m.AddBoolOr(held).OnlyEnforceIf(u)
+
+
+class Axis:
+    """The free model's time axis (integers). Forward op i runs at time i. Backward op b owns a
+    block of nf + 1 slots starting at base(b) = nf + (b - nf) * (nf + 1): a recomputation of
+    forward op v placed before b runs at base(b) + v, and b itself at base(b) + nf. Several
+    recomputations placed before one op therefore run in forward order, exactly as
+    `simulate.step_order` runs them. The horizon is O(n * nf) numerically, but the slots nobody
+    uses cost nothing: live ranges start and end on steps, so the memory at an empty slot never
+    exceeds the memory at the next step."""
+
+    def __init__(self, problem: Problem):
+        self.nf = problem.num_forward
+        self.width = self.nf + 1
+        self.end = self.op(len(problem) - 1) if len(problem) else 0
+
+    def op(self, i: int) -> int:
+        return i if i < self.nf else self.base(i) + self.nf
+
+    def base(self, b: int) -> int:
+        return self.nf + (b - self.nf) * self.width

@@ -1,0 +1,145 @@
+"""What `optimal` says about its plans is true: its status and gap against the oracle, its bounds
+never above the optimum, its time limit kept, its least peak feasible when fed back, its
+messages consistent, and a progress line while it searches."""
+import logging
+import math
+import pathlib
+import random
+import time
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
+
+from remat.errors import BudgetError
+from remat.solvers import Problem, SolverOptions, Status, Strategy, make_schedule, simulate, solve
+from remat.solvers.cpsat import driver, search
+from remat.solvers.bound import peak_bound
+from remat.solvers.cpsat.least_peak import too_small
+from remat.solvers.problem_file import loads
+from remat.solvers.synthetic import random_problem, transformer, transformer_ops
+
+DEFAULT = SolverOptions(workers=2, time_limit=20)  # the default cost resolution
+
+
+def uneven_costs(problem: Problem, seed: int) -> Problem:
+    """`problem` with costs spread over six orders of magnitude and off any grid, where a cost
+    unit tied to the step's total (the old rule) rounded the small ones to nothing."""
+    rng = random.Random(seed)
+    ops = tuple(replace(op, cost=op.cost * math.pi * 10 ** -rng.uniform(0, 6)) for op in problem.ops)
+    return Problem(ops, name=problem.name)
+
+
+def outcome(problem, budget, strategy, options=DEFAULT):
+    try:
+        return solve(problem, budget, strategy, options)
+    except BudgetError as error:
+        return error
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2 ** 32 - 1), where=st.floats(0.0, 1.0))
+def test_bound_status_and_gap_are_true_against_brute_force(seed, where):
+    problem = uneven_costs(random_problem(seed, max_forward=10, max_backward=6), seed)
+    try:
+        least = outcome(problem, 0, Strategy.BRUTE_FORCE)
+    except ValueError:  # too many schedules to enumerate
+        assume(False)
+    low = least.smallest if isinstance(least, BudgetError) else least.peak
+    high = simulate(problem, make_schedule(problem, [])).peak
+    budget = low + int(where * (high - low))
+    oracle = solve(problem, budget, Strategy.BRUTE_FORCE, DEFAULT)
+    exact = solve(problem, budget, Strategy.OPTIMAL, DEFAULT)
+    assert exact.bound <= oracle.cost * (1 + 1e-12), "a bound above a feasible cost"
+    assert exact.cost >= oracle.cost * (1 - 1e-12)
+    if exact.cost > 0:
+        assert exact.gap == pytest.approx(max(0.0, (exact.cost - exact.bound) / exact.cost))
+    if exact.status is Status.OPTIMAL:
+        assert exact.cost - exact.bound <= driver.OPTIMAL_TOLERANCE * exact.cost
+        assert exact.cost <= oracle.cost * (1 + 2 * driver.OPTIMAL_TOLERANCE)
+
+
+def test_gap_is_cost_against_bound_for_every_status():
+    problem = transformer(layers=2)
+    budget = int(0.8 * simulate(problem, make_schedule(problem, [])).peak)
+    seen = set()
+    for limit in (0.3, 10):
+        result = solve(problem, budget, Strategy.OPTIMAL, SolverOptions(workers=2, time_limit=limit))
+        seen.add(result.status)
+        assert result.bound is not None and result.cost > 0
+        assert result.gap == pytest.approx(max(0.0, (result.cost - result.bound) / result.cost))
+        assert (result.status is Status.OPTIMAL) == (result.gap <= driver.OPTIMAL_TOLERANCE)
+    assert seen  # the statuses met; the assertions above hold for each
+
+
+def test_time_limit_bounds_the_whole_call_at_10k_ops(monkeypatch, caplog):
+    """Baselines, hint, bound, model and search together within limit * 1.1 + 1 s; what could
+    not run is named; a progress line with the incumbent and the bound comes regularly."""
+    monkeypatch.setattr(search, "PROGRESS_SECONDS", 0.5)
+    problem = transformer_ops(10_000)
+    budget = simulate(problem, make_schedule(problem, [])).peak // 2
+    limit = 3.0
+    caplog.set_level(logging.INFO, logger="remat.solvers.cpsat.search")
+    start = time.perf_counter()
+    result = solve(problem, budget, Strategy.OPTIMAL, SolverOptions(workers=2, time_limit=limit))
+    wall = time.perf_counter() - start
+    assert wall <= limit * 1.1 + 1, (wall, result.info["stages"])
+    assert result.peak <= budget and result.status in (Status.FEASIBLE, Status.OPTIMAL)
+    assert result.info.get("skipped") or result.info.get("model") or "trace" in result.info
+    lines = [r.getMessage() for r in caplog.records if "best recompute cost" in r.getMessage()]
+    assert len(lines) >= int(wall / 0.5) - 2, lines
+    assert all("bound" in line for line in lines)
+
+
+def test_skipped_baselines_are_named():
+    problem = transformer_ops(2000)
+    budget = simulate(problem, make_schedule(problem, [])).peak // 2
+    result = solve(problem, budget, Strategy.OPTIMAL, SolverOptions(workers=2, time_limit=0.5))
+    assert result.peak <= budget
+    skipped = result.info["skipped"]
+    assert skipped and all(s in {x.value for x in Strategy} for s in skipped)
+    assert all("s left" in why for why in skipped.values())
+
+
+REGRESSION = sorted((pathlib.Path(__file__).parent / "regression").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", REGRESSION, ids=lambda p: p.stem)
+def test_the_smallest_budget_named_is_feasible(path):
+    problem, extra = loads(path.read_text())
+    options = SolverOptions(workers=2, time_limit=20, **extra["options"])
+    with pytest.raises(BudgetError) as below:
+        solve(problem, 0, Strategy.OPTIMAL, options)
+    smallest = below.value.smallest
+    assert below.value.schedule.peak == smallest
+    at = solve(problem, smallest, Strategy.OPTIMAL, options)
+    assert at.peak <= smallest
+
+
+def test_checkpoint_blocks_budget_gets_a_plan_in_little_time():
+    """Where per-block checkpointing fits, a plan comes back, however short the limit."""
+    problem = transformer(layers=4, batch=2, seq=64, d_model=64, heads=4)
+    blocks = solve(problem, 10 ** 15, Strategy.CHECKPOINT_BLOCKS)
+    for limit in (0.2, 2.0):
+        result = solve(problem, blocks.peak, Strategy.OPTIMAL,
+                       SolverOptions(workers=2, time_limit=limit))
+        assert result.peak <= blocks.peak
+
+
+def test_budget_error_says_which_figure_is_proven():
+    """A request between the proven floor and the least peak found: the message names both,
+    the floor as proven, and does not claim that recomputation cannot go lower."""
+    problem = transformer(layers=2)
+    save_all = make_schedule(problem, [])  # "found": far above the floor
+    floor = math.floor(peak_bound(problem, workers=2).value)
+    assert floor < save_all.peak
+    deadline = time.perf_counter() + 10
+    between = too_small(problem, (floor + save_all.peak) // 2, save_all, False, DEFAULT, deadline)
+    text = str(between)
+    assert "cannot go lower" not in text
+    assert f"{floor:,} bytes (proven)" in text and f"least peak found is {save_all.peak:,}" in text
+    assert between.smallest == save_all.peak
+    below = too_small(problem, floor - 1, save_all, False, DEFAULT, deadline)
+    assert f"no schedule peaks below {floor:,} bytes (proven)" in str(below)
+    proven = too_small(problem, floor - 1, save_all, True, DEFAULT, deadline)
+    assert "(proven); recomputation cannot go lower" in str(proven)
