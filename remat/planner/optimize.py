@@ -202,20 +202,58 @@ class Plan:
                 f"{format_size(self.peak)}{budget}, recompute {self.recompute_flops:.3g} FLOPs>")
 
 
+class EagerPlan(Plan):
+    """A plan for eager training: `apply(model)` wraps the model's blocks in place with
+    checkpoint and a selective policy per block, and returns the model."""
+
+    def __init__(self, *, policies, structure, eager_problem, **fields):
+        super().__init__(**fields)
+        self.policies = policies
+        self.structure = structure
+        self.eager_problem = eager_problem
+
+    def apply(self, model: Any):
+        from remat.fx_passes.eager_policy import apply_eager, with_cache
+        from remat.planner.eager_plan import check_eager_device
+
+        _check_same_parameters(model, self.prepared.param_shapes)
+        if _has_meta_weights(model):
+            raise RematError("plan.apply(model) needs real weights; this model's parameters are "
+                             "meta or fake tensors: load or initialize the weights first")
+        check_eager_device(model, self.prepared.captured.device)
+        cached = frozenset(self.schedule.info["cached"])
+        return apply_eager(model, {p: with_cache(pol, cached) for p, pol in self.policies.items()})
+
+
 def optimize(model: Any, budget: int | str | None = None, *,
              activation_budget: int | str | None = None, example_inputs: Sequence[Any],
              training: Training = Training(), target: str = "h100",
              solver: Strategy | str = Strategy.OPTIMAL,
              solver_options: SolverOptions | None = None,
-             loss_fn: Callable | None = None) -> Plan:
+             loss_fn: Callable | None = None, execution: str = "compiled",
+             blocks: Sequence[str] | None = None) -> Plan:
     """The plan of least recompute time (least FLOPs with ``SolverOptions(objective="flops")``)
     whose whole training step fits `budget` ("60GB",
     "60GiB", an int of bytes), or whose activations alone fit `activation_budget`; exactly one
     of the two. `example_inputs` is one micro-batch; `target` the device whose speed the cost
     model uses; `solver` a `Strategy` (the exact CP-SAT solver by default). Raises BudgetError
-    (the smallest budget that fits, the dominant term and its remedy) when nothing fits."""
+    (the smallest budget that fits, the dominant term and its remedy) when nothing fits.
+
+    `execution="eager"` plans for per-block selective checkpointing in an eager loop
+    (FSDP2, DDP): `model = plan.apply(model)` wraps the blocks (the repeated children, or the
+    modules named in `blocks`) in place; see `remat.planner.eager_plan`."""
+    if execution not in ("compiled", "eager"):
+        raise ValueError(f"execution must be \"compiled\" or \"eager\", not {execution!r}")
+    if blocks is not None and execution != "eager":
+        raise ValueError("blocks= names the modules to checkpoint in execution=\"eager\"")
     whole, activations = _one_budget(budget, activation_budget)
     prepared = prepare(model, example_inputs, training=training, target=target, loss_fn=loss_fn)
+    if execution == "eager":
+        from remat.planner.eager_plan import plan_eager_mode
+
+        return plan_eager_mode(model, prepared, budget=whole, activation_budget=activations,
+                               target=target, solver=solver, solver_options=solver_options,
+                               blocks=blocks)
     return plan_prepared(model, prepared, budget=whole, activation_budget=activations,
                          target=target, solver=solver, solver_options=solver_options)
 

@@ -1,0 +1,85 @@
+"""`optimize(..., execution="eager")`: a plan that runs as per-block selective checkpointing in
+the user's own eager loop (FSDP2, DDP, Hugging Face), and `EagerPlan.apply`, which wraps the
+model's blocks in place.
+
+The plan is made for what the eager mode holds (`remat.solvers.eager`): the exact solver's
+plan for the compiled mode is one seed among others (checkpoint every block whole, cache
+everything cacheable), each repaired until its eager peak fits and improved while it does.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from remat.errors import BudgetError, RematError
+from remat.planner.accounting import StepMemory
+from remat.planner.budget import format_size
+from remat.solvers import Phase, Problem, SolverOptions, Strategy, solve
+from remat.solvers.baselines import block_of
+from remat.solvers.eager import EagerBlocks, block_runs, eager_timeline, plan_eager
+
+log = logging.getLogger(__name__)
+
+
+def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budget: int | None,
+                    target: str, solver: Strategy | str, solver_options: SolverOptions | None,
+                    blocks: Sequence[str] | None):
+    from remat.fx_passes.eager_policy import block_paths, eager_blocks, eager_problem
+    from remat.fx_passes.lower import op_nodes
+    from remat.planner.optimize import EagerPlan, _budget_error
+
+    captured, joint = prepared.captured, prepared.problem
+    paths = block_paths(model, joint, blocks, block_of)
+    structure, policies = eager_blocks(captured, joint, paths)
+    problem = eager_problem(joint, op_nodes(captured, joint), captured.device)
+    strategy = Strategy(solver)
+    allowance = activation_budget if budget is None else prepared.allowance(budget)
+    seeds: list[frozenset[int]] = [frozenset(), structure.cacheable]
+    try:
+        compiled = solve(problem, max(allowance, 0), strategy, solver_options)
+        seeds.insert(0, compiled.saved)
+    except BudgetError:
+        log.info("eager: the compiled-mode plan does not fit either; seeding from baselines")
+    try:
+        schedule = plan_eager(problem, structure, max(allowance, 0), seeds)
+        if allowance < 0:
+            raise BudgetError("the state alone exceeds the budget", budget=allowance,
+                              smallest=schedule.peak)
+    except BudgetError as e:
+        raise _budget_error(prepared, e, budget=budget, strategy=strategy) from None
+    memory = eager_step_memory(problem, structure, schedule.info["cached"], prepared, budget)
+    log.info("eager plan: %d blocks, activation peak %s, recompute %.3g FLOPs", len(paths),
+             format_size(schedule.peak), schedule.recompute_flops)
+    return EagerPlan(model=model, prepared=prepared, schedule=schedule, memory=memory,
+                     target=target, solver=strategy, solver_options=solver_options,
+                     activation_budget=activation_budget, policies=policies,
+                     structure=structure, eager_problem=problem)
+
+
+def eager_step_memory(problem: Problem, structure: EagerBlocks, cached, prepared,
+                      budget: int | None) -> StepMemory:
+    """The step's memory by term with the eager timeline's activation peak."""
+    timeline = eager_timeline(problem, structure, block_runs(problem, structure, cached))
+    peak = timeline.peak
+    at = next((t for t, s in enumerate(timeline.steps) if s.live == peak), -1)
+    made = {s.op for s in timeline.steps[:at + 1]}
+    grads = {problem.root[i] for i, op in enumerate(problem.ops)
+             if op.is_output and op.phase is Phase.BACKWARD and problem.root[i] in made}
+    training = prepared.training
+    return StepMemory(state=prepared.state, activation_peak=peak,
+                      gradients_at_peak=sum(problem.ops[g].size for g in grads),
+                      gradients_in_graph=prepared.gradients_in_graph, reserve=training.reserve,
+                      margin=training.margin(budget) if budget is not None else 0,
+                      budget=budget)
+
+
+def check_eager_device(model: Any, captured_device: str) -> None:
+    import torch
+
+    params = list(model.parameters())
+    where = params[0].device.type if params else "cpu"
+    if where != torch.device(captured_device).type:
+        raise RematError(
+            f"plan.apply(model): the eager plan was made on {captured_device} and the model is "
+            f"on {where}; eager PyTorch runs other ops on other devices (dropout, attention), "
+            "so plan on the device you train on")
