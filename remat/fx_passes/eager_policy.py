@@ -124,13 +124,24 @@ def eager_blocks(captured: Captured, problem: Problem,
         for b, name in owner.items():
             if name == block and nodes[b].meta.get("seq_nr") in by_seq:
                 packer[b] = by_seq[nodes[b].meta["seq_nr"]]
+    # A node's backward is a run of consecutive backward ops with its sequence number.
+    node_end: dict[int, int] = {}
+    run: list[int] = []
+    for b in list(problem.backward) + [None]:
+        seq = None if b is None else nodes[b].meta.get("seq_nr")
+        if run and (seq is None or seq != nodes[run[0]].meta.get("seq_nr")):
+            node_end.update((r, run[-1]) for r in run[:-1])
+            run = []
+        if seq is not None:
+            run.append(b)
     policies = {p: expected_ops(problem, nodes, p, members, captured.device)
                 for p, members in ops.items()}
     cacheable = frozenset(j for pol in policies.values()
                           for joint, ok in zip(pol.joint, pol.cacheable) if ok for j in joint)
     groups = tuple(joint for pol in policies.values() for joint in pol.joint if len(joint) > 1)
     blocks = EagerBlocks(ops={p: tuple(m) for p, m in ops.items()}, owner=owner,
-                         packer=packer, cacheable=cacheable, groups=groups)
+                         packer=packer, cacheable=cacheable, groups=groups,
+                         node_end=node_end)
     return blocks, policies
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
-from remat.errors import BudgetError, RematError
+from remat.errors import BudgetError, RematError, SolverError
 from remat.planner.accounting import StepMemory
 from remat.planner.budget import format_size
 from remat.solvers import Phase, Problem, SolverOptions, Strategy, solve
@@ -38,8 +38,8 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
     try:
         compiled = solve(problem, max(allowance, 0), strategy, solver_options)
         seeds.insert(0, compiled.saved)
-    except BudgetError:
-        log.info("eager: the compiled-mode plan does not fit either; seeding from baselines")
+    except (BudgetError, SolverError) as e:
+        log.info("eager: no compiled-mode plan to start from (%s); seeding from baselines", e)
     try:
         schedule = plan_eager(problem, structure, max(allowance, 0), seeds)
         if allowance < 0:

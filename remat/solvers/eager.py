@@ -52,6 +52,9 @@ class EagerBlocks:
     cacheable: frozenset[int] = frozenset()
     """forward ops whose output the policy may cache: not views, not in-place, not random,
     not overwritten later in the block (caching those breaks checkpoint or the draws)."""
+    node_end: Mapping[int, int] = field(default_factory=dict)
+    """backward op -> the last backward op of the same autograd node: eager autograd releases
+    a node's saved tensors when the node finishes, not after the kernel that last reads them."""
     groups: tuple[tuple[int, ...], ...] = ()
     """ops cached together: the tensors of one eager op with several outputs (layer norm's
     output, mean and rstd), which the policy caches all or none of."""
@@ -203,6 +206,11 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
 
     readers = problem.storage_readers
     pinned = problem.pinned
+    node_end = blocks.node_end
+
+    def read_at(r: int) -> int:  # when a backward op's read of a saved tensor ends
+        return step_of[node_end.get(r, r)]
+
     for i, op in enumerate(ops):
         if problem.root[i] != i or op.size == 0:
             continue
@@ -225,9 +233,9 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
                     same_block = block_of.get(r) == block
                     (copy if recomputed and same_block else original).append(again[r])
             elif recomputed and owner.get(r) == block:
-                copy.append(step_of[r])
+                copy.append(read_at(r))
             else:
-                original.append(step_of[r])
+                original.append(read_at(r))
         hold(op.size, made, max(original))
         if recomputed:
             start = again[i] if t is None else again[t] + 1
