@@ -60,6 +60,9 @@ class BlockPolicy:
     ops: tuple[str, ...]
     joint: tuple[tuple[int, ...], ...]
     cacheable: tuple[bool, ...]
+    made_after: tuple[tuple[int, int], ...] = ()
+    """(joint op, joint op): eager makes the first after the second (CPU dropout's output
+    after its noise)."""
     cache: frozenset[int] = frozenset()
 
 
@@ -113,7 +116,8 @@ def eager_blocks(captured: Captured, problem: Problem,
     if missing:
         raise RematError(f"execution=\"eager\": blocks {missing[:3]} run no op of the captured "
                          "step; name modules that the forward calls")
-    # Autograd's sequence number ties a backward op to the forward op whose node it runs.
+    # Autograd's sequence number ties a backward op to the forward op whose node it runs;
+    # that node packed what the op reads: its outputs after it ran, its inputs before.
     packer: dict[int, int] = {}
     for block, members in ops.items():
         by_seq: dict[Any, int] = {}
@@ -122,8 +126,9 @@ def eager_blocks(captured: Captured, problem: Problem,
             if seq is not None:
                 by_seq[seq] = max(by_seq.get(seq, v), v)
         for b, name in owner.items():
-            if name == block and nodes[b].meta.get("seq_nr") in by_seq:
-                packer[b] = by_seq[nodes[b].meta["seq_nr"]]
+            p = by_seq.get(nodes[b].meta.get("seq_nr")) if name == block else None
+            if p is not None:
+                packer[b] = _last_needed(problem, b, p, set(members))
     # A node's backward is a run of consecutive backward ops with its sequence number.
     node_end: dict[int, int] = {}
     run: list[int] = []
@@ -138,11 +143,24 @@ def eager_blocks(captured: Captured, problem: Problem,
                 for p, members in ops.items()}
     cacheable = frozenset(j for pol in policies.values()
                           for joint, ok in zip(pol.joint, pol.cacheable) if ok for j in joint)
+    position = {v: after + 0.5 for pol in policies.values() for v, after in pol.made_after}
     groups = tuple(joint for pol in policies.values() for joint in pol.joint if len(joint) > 1)
     blocks = EagerBlocks(ops={p: tuple(m) for p, m in ops.items()}, owner=owner,
                          packer=packer, cacheable=cacheable, groups=groups,
-                         node_end=node_end)
+                         node_end=node_end, position=position)
     return blocks, policies
+
+
+def _last_needed(problem: Problem, b: int, p: int, members: set[int]) -> int:
+    """The last forward op the recomputation must run for backward op `b`, whose autograd
+    node is forward op `p`'s: what `b` reads of `p`'s outputs (`p`, or the getitem that takes
+    it out), and the op before `p` for what it reads of `p`'s inputs (a node packs its inputs before its kernel runs, and checkpoint's
+    early stop fires at the last pack)."""
+    made = {p} | {g for g in problem.users[p] if g in members
+                  and problem.ops[g].inputs == (p,) and problem.ops[p].kind is Kind.TUPLE}
+    reads = {problem.root[s] for s in problem.ops[b].inputs if s < problem.num_forward}
+    return max((r if r in made else p - 1) for r in reads & members) if reads & members \
+        else p - 1
 
 
 def expected_ops(problem: Problem, nodes: list[fx.Node], path: str, members: Sequence[int],
@@ -151,6 +169,7 @@ def expected_ops(problem: Problem, nodes: list[fx.Node], path: str, members: Seq
     names: list[str] = []
     joint: list[tuple[int, ...]] = []
     cacheable: list[bool] = []
+    made_after: list[tuple[int, int]] = []
     index = {n: i for i, n in enumerate(nodes)}
     for v in members:
         node, op = nodes[v], problem.ops[v]
@@ -170,12 +189,14 @@ def expected_ops(problem: Problem, nodes: list[fx.Node], path: str, members: Seq
             names.append("aten.mul.Tensor")
             joint.append((items[0],))
             cacheable.append(True)
+            if 1 in items:
+                made_after.append((items[0], items[1]))
             continue
         names.append(name)
         joint.append(outputs)
         cacheable.append(op.kind is not Kind.VIEW and recompute_blocker(problem, v) is None
                          and all(problem.ops[o].kind is not Kind.VIEW for o in outputs))
-    return BlockPolicy(path, tuple(names), tuple(joint), tuple(cacheable))
+    return BlockPolicy(path, tuple(names), tuple(joint), tuple(cacheable), tuple(made_after))
 
 
 def eager_problem(problem: Problem, nodes: list[fx.Node], device: str) -> Problem:
@@ -191,8 +212,10 @@ def eager_problem(problem: Problem, nodes: list[fx.Node], device: str) -> Proble
         items = {n.args[1]: index[n] for n in node.users if n in index}
         if 0 in items and 1 in items:
             out, mask = ops[items[0]], ops[items[1]]
+            # The tuple op stands for empty_like, bernoulli_ and div_: the noise alone; the
+            # output is made by the mul that its getitem stands for.
             ops[items[1]] = replace(mask, size=out.size)
-            ops[v] = replace(ops[v], temp=ops[v].temp - mask.size + out.size)
+            ops[v] = replace(ops[v], temp=out.size)
     return Problem(tuple(ops), name=problem.name, source=problem.source)
 
 

@@ -48,13 +48,17 @@ class EagerBlocks:
     owner: Mapping[int, str]
     """backward op -> the block whose autograd nodes it runs (absent: outside every block)."""
     packer: Mapping[int, int] = field(default_factory=dict)
-    """backward op -> the forward op whose autograd node saved what it reads, where known."""
+    """backward op -> the last forward op the recomputation must run for it to have what it
+    reads (where its autograd node packed it), where known."""
     cacheable: frozenset[int] = frozenset()
     """forward ops whose output the policy may cache: not views, not in-place, not random,
     not overwritten later in the block (caching those breaks checkpoint or the draws)."""
     node_end: Mapping[int, int] = field(default_factory=dict)
     """backward op -> the last backward op of the same autograd node: eager autograd releases
     a node's saved tensors when the node finishes, not after the kernel that last reads them."""
+    position: Mapping[int, float] = field(default_factory=dict)
+    """forward op -> where eager makes it, where that is not its index: on the CPU a
+    dropout's output (a getitem before its mask's) is made by a mul after the noise."""
     groups: tuple[tuple[int, ...], ...] = ()
     """ops cached together: the tensors of one eager op with several outputs (layer norm's
     output, mean and rstd), which the policy caches all or none of."""
@@ -102,8 +106,8 @@ def block_runs(problem: Problem, blocks: EagerBlocks, cached: Iterable[int]) -> 
         stop = max(_pack_position(problem, blocks, b, members, ops[0]) for b in reading)
         recomputed = []
         for v in ops:
-            if v > stop:
-                break
+            if blocks.position.get(v, v) > stop:
+                continue
             op = problem.ops[v]
             if op.kind is Kind.VIEW or v in cached or recompute_blocker(problem, v) is not None:
                 continue
@@ -111,10 +115,7 @@ def block_runs(problem: Problem, blocks: EagerBlocks, cached: Iterable[int]) -> 
             if t is not None and t not in recomputed:
                 continue  # taken out of a tuple op that is not run again (outside the range)
             recomputed.append(v)
-        # A tuple op run again makes all its tensors, wherever they lie past the stop.
-        extra = [g for t in recomputed if problem.ops[t].kind is Kind.TUPLE
-                 for g in problem.users[t] if g > stop and g in members and g not in cached]
-        runs.append(BlockRun(name, reading[0], stop, tuple(sorted(set(recomputed) | set(extra))),
+        runs.append(BlockRun(name, reading[0], stop, tuple(recomputed),
                              tuple(sorted(cached & members)), tuple(inputs), mine[-1]))
     return runs
 
@@ -125,7 +126,7 @@ def _pack_position(problem: Problem, blocks: EagerBlocks, b: int, members: set[i
     the torch side knows it, else the latest forward value of the block that `b` reads (the
     output's own node packed it at the earliest)."""
     packer = blocks.packer.get(b)
-    if packer is not None and packer in members:
+    if packer is not None:
         return packer
     read = [s for s in problem.storage_inputs[b] if s in members]
     return max(read, default=first)
