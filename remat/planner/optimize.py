@@ -212,8 +212,17 @@ class EagerPlan(Plan):
         self.structure = structure
         self.eager_problem = eager_problem
 
+    @property
+    def block_policies(self) -> dict:
+        """Each block's policy (picklable): plan on one rank, send these to the others and
+        call `remat.fx_passes.eager_policy.apply_eager(model, policies)` there."""
+        from remat.fx_passes.eager_policy import with_cache
+
+        cached = frozenset(self.schedule.info["cached"])
+        return {p: with_cache(pol, cached) for p, pol in self.policies.items()}
+
     def apply(self, model: Any):
-        from remat.fx_passes.eager_policy import apply_eager, with_cache
+        from remat.fx_passes.eager_policy import apply_eager
         from remat.planner.eager_plan import check_eager_device
 
         _check_same_parameters(model, self.prepared.param_shapes)
@@ -221,8 +230,7 @@ class EagerPlan(Plan):
             raise RematError("plan.apply(model) needs real weights; this model's parameters are "
                              "meta or fake tensors: load or initialize the weights first")
         check_eager_device(model, self.prepared.captured.device)
-        cached = frozenset(self.schedule.info["cached"])
-        return apply_eager(model, {p: with_cache(pol, cached) for p, pol in self.policies.items()})
+        return apply_eager(model, self.block_policies)
 
 
 def optimize(model: Any, budget: int | str | None = None, *,
