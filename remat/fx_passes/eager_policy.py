@@ -6,7 +6,7 @@ The plan is made on AOTAutograd's joint graph; the policy sees the ATen ops that
 PyTorch dispatches below autograd. The two agree op for op except where functionalization or
 a decomposition differs, and this module spells those out (`expected_ops`):
 - the joint graph's getitems and generator snapshots are not ops in eager;
-- `_unsafe_view` and `view` are one view op;
+- `_unsafe_view` and `view` are one view op, `lift_fresh_copy` and `lift_fresh` one op;
 - dropout on the CPU is ``empty_like, bernoulli_, div_, mul`` in eager but ``native_dropout``
   (a tuple of output and boolean mask) in the joint graph; the eager noise tensor is in the
   input's dtype, so `eager_problem` gives the mask those bytes.
@@ -33,7 +33,7 @@ from torch import fx
 from remat.errors import RematError
 from remat.fx_passes.capture import Captured
 from remat.fx_passes.lower import op_nodes
-from remat.fx_passes.rng import rng_state
+from remat.fx_passes.rng import rng_state, state_bytes
 from remat.solvers.eager import EagerBlocks
 from remat.solvers.problem import Kind, Phase, Problem, recompute_blocker
 
@@ -44,10 +44,14 @@ __all__ = ["BlockPolicy", "apply_eager", "block_paths", "eager_blocks", "eager_p
 _CPU_DROPOUT = ("aten.empty_like.default", "aten.bernoulli_.float", "aten.div_.Scalar")
 
 
+# Ops that functionalization turns into others: compared as one.
+_SAME = {"aten._unsafe_view.default": "aten.view.default",
+         "aten.lift_fresh_copy.default": "aten.lift_fresh.default"}
+
+
 def canonical(op_name: str) -> str:
-    """An op's name as both sides are compared: `_unsafe_view` is `view` (functionalization
-    turns one into the other)."""
-    return "aten.view.default" if op_name == "aten._unsafe_view.default" else op_name
+    """An op's name as both sides compare it (`_SAME`)."""
+    return _SAME.get(op_name, op_name)
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,9 @@ def eager_blocks(captured: Captured, problem: Problem,
                           for joint, ok in zip(pol.joint, pol.cacheable) if ok for j in joint)
     position = {v: after + 0.5 for pol in policies.values() for v, after in pol.made_after}
     groups = tuple(joint for pol in policies.values() for joint in pol.joint if len(joint) > 1)
+    cpu = torch.device(captured.device).type == "cpu"
     blocks = EagerBlocks(ops={p: tuple(m) for p, m in ops.items()}, owner=owner,
+                         state_bytes=state_bytes(torch.device("cpu")) if cpu else 0,
                          packer=packer, cacheable=cacheable, groups=groups,
                          node_end=node_end, position=position)
     return blocks, policies
@@ -173,7 +179,7 @@ def expected_ops(problem: Problem, nodes: list[fx.Node], path: str, members: Seq
     index = {n: i for i, n in enumerate(nodes)}
     for v in members:
         node, op = nodes[v], problem.ops[v]
-        if node.target is operator.getitem or node.target is rng_state:
+        if node.target is operator.getitem or node.target is rng_state or _kept_input(node):
             continue
         outputs = (v,)
         if op.kind is Kind.TUPLE:
@@ -199,14 +205,35 @@ def expected_ops(problem: Problem, nodes: list[fx.Node], path: str, members: Seq
     return BlockPolicy(path, tuple(names), tuple(joint), tuple(cacheable), tuple(made_after))
 
 
+def _kept_input(node: fx.Node) -> bool:
+    """A dropout that draws nothing (p=0, or eval): PyTorch's decomposition clones its input,
+    eager PyTorch returns the input itself."""
+    if node.target is not torch.ops.aten.clone.default:
+        return False
+    stack = node.meta.get("source_fn_stack") or [(None, None)]
+    fn = stack[-1][1]
+    return fn is torch.nn.functional.dropout or (
+        isinstance(fn, type) and issubclass(fn, torch.nn.modules.dropout._DropoutNd))
+
+
 def eager_problem(problem: Problem, nodes: list[fx.Node], device: str) -> Problem:
     """The problem with the bytes eager PyTorch allocates where they differ from the joint
-    graph's: on the CPU a dropout's mask is its noise tensor, in the input's dtype."""
-    if device.startswith("cuda"):
-        return problem
+    graph's: no generator snapshots (checkpoint keeps the state, `EagerBlocks.state_bytes`),
+    a dropout that draws nothing returns its input (a view of it, here); on the CPU
+    a dropout's mask is its noise tensor, in the input's dtype."""
     index = {n: i for i, n in enumerate(nodes)}
     ops = list(problem.ops)
     for v, node in enumerate(nodes):
+        if node.target is rng_state:  # checkpoint keeps one state per block instead
+            ops[v] = replace(ops[v], size=0)
+        if _kept_input(node):
+            base = index.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+            ops[v] = (replace(ops[v], kind=Kind.VIEW, size=0, inputs=(base,))
+                      if base is not None and ops[base].kind is not Kind.TUPLE
+                      else replace(ops[v], size=0))
+    for v, node in enumerate(nodes):
+        if device.startswith("cuda"):
+            break
         if str(node.target) != "aten.native_dropout.default":
             continue
         items = {n.args[1]: index[n] for n in node.users if n in index}

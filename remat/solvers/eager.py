@@ -59,6 +59,9 @@ class EagerBlocks:
     position: Mapping[int, float] = field(default_factory=dict)
     """forward op -> where eager makes it, where that is not its index: on the CPU a
     dropout's output (a getitem before its mask's) is made by a mul after the noise."""
+    state_bytes: int = 0
+    """bytes of device memory checkpoint keeps per block from its forward to its end: the
+    generator's state (5,056 bytes on a CPU; on CUDA it is kept in host memory)."""
     groups: tuple[tuple[int, ...], ...] = ()
     """ops cached together: the tensors of one eager op with several outputs (layer norm's
     output, mean and rstd), which the policy caches all or none of."""
@@ -77,7 +80,9 @@ class BlockRun:
     recomputed: tuple[int, ...]
     cached: tuple[int, ...]
     inputs: tuple[int, ...]  # forward storages from outside the block that checkpoint holds
-    end: int | None  # the block's last backward op: checkpoint lets its inputs go after it
+    end: int | None
+    """The block's last backward op that reads a forward tensor: checkpoint lets the block's
+    inputs go after it (the joint graph's trailing views of weight gradients do not count)."""
 
 
 def block_runs(problem: Problem, blocks: EagerBlocks, cached: Iterable[int]) -> list[BlockRun]:
@@ -101,7 +106,7 @@ def block_runs(problem: Problem, blocks: EagerBlocks, cached: Iterable[int]) -> 
                                           for s in storage_inputs[b] if s < nf)]
         if not reading:
             runs.append(BlockRun(name, None, None, (), tuple(sorted(cached & members)),
-                                 tuple(inputs), mine[-1] if mine else None))
+                                 tuple(inputs), None))
             continue
         stop = max(_pack_position(problem, blocks, b, members, ops[0]) for b in reading)
         recomputed = []
@@ -116,7 +121,7 @@ def block_runs(problem: Problem, blocks: EagerBlocks, cached: Iterable[int]) -> 
                 continue  # taken out of a tuple op that is not run again (outside the range)
             recomputed.append(v)
         runs.append(BlockRun(name, reading[0], stop, tuple(recomputed),
-                             tuple(sorted(cached & members)), tuple(inputs), mine[-1]))
+                             tuple(sorted(cached & members)), tuple(inputs), reading[-1]))
     return runs
 
 
@@ -241,6 +246,10 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
         if recomputed:
             start = again[i] if t is None else again[t] + 1
             hold(op.size, start, max(copy, default=start))
+
+    for run in runs:
+        if run.end is not None and blocks.state_bytes:
+            hold(blocks.state_bytes, step_of[blocks.ops[run.name][0]], step_of[run.end])
 
     live = 0
     steps = []
