@@ -85,7 +85,8 @@ def _policies():
     training = remat.Training(data_parallel=WORLD, zero_stage=3)
     prepared = prepare(model, inputs, training=training)
     plan = partial(plan_eager_mode, model, prepared, budget=None, target="h100",
-                   solver="optimal", solver_options=SolverOptions(time_limit=5), blocks=None)
+                   solver="optimal", solver_options=SolverOptions(time_limit=5), blocks=None,
+                   example_inputs=inputs)
     # A budget between the least eager peak and saving everything: the plan recomputes.
     budget = int(0.8 * plan(activation_budget=10**9).activation_peak)
     planned = plan(activation_budget=budget)

@@ -30,10 +30,10 @@ def llama():
 
 
 def plan_at(llama, budget, **kw):
-    model, _, prepared = llama
+    model, inputs, prepared = llama
     return plan_eager_mode(model, prepared, budget=None, activation_budget=budget, target="h100",
                            solver=kw.pop("solver", Strategy.OPTIMAL), solver_options=FAST,
-                           blocks=kw.pop("blocks", None))
+                           blocks=kw.pop("blocks", None), example_inputs=inputs)
 
 
 def step(model, inputs, seed=7):

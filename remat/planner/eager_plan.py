@@ -23,14 +23,20 @@ log = logging.getLogger(__name__)
 
 def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budget: int | None,
                     target: str, solver: Strategy | str, solver_options: SolverOptions | None,
-                    blocks: Sequence[str] | None):
-    from remat.fx_passes.eager_policy import block_paths, eager_blocks, eager_problem
+                    blocks: Sequence[str] | None, example_inputs: Sequence[Any] | None = None):
+    from remat.fx_passes.eager_policy import block_paths, eager_blocks, eager_problem, probe
     from remat.fx_passes.lower import op_nodes
     from remat.planner.optimize import EagerPlan, _budget_error
 
     captured, joint = prepared.captured, prepared.problem
     paths = block_paths(model, joint, blocks, block_of)
-    structure, policies = eager_blocks(captured, joint, paths)
+    observed = None
+    if example_inputs is not None and not prepared.meta_weights:
+        observed = probe(model, _as_tuple(example_inputs), paths)
+    else:
+        log.info("eager: no weights to run the blocks with; their eager ops are derived from "
+                 "the joint graph (plan.apply's run checks them)")
+    structure, policies = eager_blocks(captured, joint, paths, observed)
     problem = eager_problem(joint, op_nodes(captured, joint), captured.device)
     strategy = Strategy(solver)
     allowance = activation_budget if budget is None else prepared.allowance(budget)
@@ -83,3 +89,20 @@ def check_eager_device(model: Any, captured_device: str) -> None:
             f"plan.apply(model): the eager plan was made on {captured_device} and the model is "
             f"on {where}; eager PyTorch runs other ops on other devices (dropout, attention), "
             "so plan on the device you train on")
+
+
+def check_no_cache(model: Any) -> None:
+    """Refuse a Hugging Face model whose config keeps a key/value cache: its blocks append to
+    the cache in the forward and again when checkpoint recomputes them, so the recomputation
+    sees other shapes (what `gradient_checkpointing_enable()` avoids by turning it off)."""
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            raise RematError(
+                f"plan.apply(model): {name or 'the model'} has config.use_cache=True; its blocks "
+                "would append to the key/value cache again when recomputed; set "
+                "model.config.use_cache = False before optimize (training needs no cache)")
+
+
+def _as_tuple(inputs: Any) -> tuple:
+    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)

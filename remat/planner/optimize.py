@@ -223,13 +223,14 @@ class EagerPlan(Plan):
 
     def apply(self, model: Any):
         from remat.fx_passes.eager_policy import apply_eager
-        from remat.planner.eager_plan import check_eager_device
+        from remat.planner.eager_plan import check_eager_device, check_no_cache
 
         _check_same_parameters(model, self.prepared.param_shapes)
         if _has_meta_weights(model):
             raise RematError("plan.apply(model) needs real weights; this model's parameters are "
                              "meta or fake tensors: load or initialize the weights first")
         check_eager_device(model, self.prepared.captured.device)
+        check_no_cache(model)
         return apply_eager(model, self.block_policies)
 
 
@@ -261,7 +262,7 @@ def optimize(model: Any, budget: int | str | None = None, *,
 
         return plan_eager_mode(model, prepared, budget=whole, activation_budget=activations,
                                target=target, solver=solver, solver_options=solver_options,
-                               blocks=blocks)
+                               blocks=blocks, example_inputs=example_inputs)
     return plan_prepared(model, prepared, budget=whole, activation_budget=activations,
                          target=target, solver=solver, solver_options=solver_options)
 
