@@ -3,6 +3,7 @@ the allocator (torch.profiler memory events) of the real step."""
 from __future__ import annotations
 
 import copy
+from functools import partial
 import subprocess
 import sys
 
@@ -129,3 +130,32 @@ def test_execution_argument_is_checked(llama):
         remat.optimize(model, activation_budget=10**9, example_inputs=inputs, execution="lazy")
     with pytest.raises(ValueError, match="blocks="):
         remat.optimize(model, activation_budget=10**9, example_inputs=inputs, blocks=["layers"])
+
+
+def test_hugging_face_gpt2_trains_like_eager_and_refuses_a_kv_cache():
+    """transformers' GPT-2 (SDPA, dropout on): its joint graph shares the causal mask between
+    blocks and reorders ops, which the probe and the alignment absorb; a model that would
+    append to its key/value cache when recomputed is refused."""
+    from tests.models import gpt2_hf
+
+    model, inputs = gpt2_hf(batch=2, seq=32)
+    model.model.config.use_cache = False
+    ref = copy.deepcopy(model)
+    torch.manual_seed(3)
+    ref(*inputs).loss.backward()
+    prepared = prepare(model, inputs)
+    plan = partial(plan_eager_mode, model, prepared, budget=None, target="h100",
+                   solver=Strategy.GREEDY, solver_options=FAST, blocks=None,
+                   example_inputs=inputs)
+    everything = plan(activation_budget=10**9).activation_peak
+    plan = plan(activation_budget=int(0.8 * everything))
+    assert plan.schedule.recomputed  # the checkpoints run ops again
+    cached = copy.deepcopy(model)
+    cached.model.config.use_cache = True
+    with pytest.raises(RematError, match="use_cache"):
+        plan.apply(cached)
+    mine = plan.apply(copy.deepcopy(model))
+    torch.manual_seed(3)
+    mine(*inputs).loss.backward()
+    for (name, a), (_, b) in zip(ref.named_parameters(), mine.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
