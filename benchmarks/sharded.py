@@ -24,7 +24,6 @@ every block and none.
 from __future__ import annotations
 
 import argparse
-import copy
 import itertools
 import os
 import sys

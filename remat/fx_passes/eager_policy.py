@@ -167,8 +167,8 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
 def _last_needed(problem: Problem, b: int, p: int, members: set[int]) -> int:
     """The last forward op the recomputation must run for backward op `b`, whose autograd
     node is forward op `p`'s: what `b` reads of `p`'s outputs (`p`, or the getitem that takes
-    it out), and the op before `p` for what it reads of `p`'s inputs (a node packs its inputs before its kernel runs, and checkpoint's
-    early stop fires at the last pack)."""
+    it out), and the op before `p` for what it reads of `p`'s inputs (a node packs its inputs
+    before its kernel runs, and checkpoint's early stop fires at the last pack)."""
     made = {p} | {g for g in problem.users[p] if g in members
                   and problem.ops[g].inputs == (p,) and problem.ops[p].kind is Kind.TUPLE}
     reads = {problem.root[s] for s in problem.ops[b].inputs if s < problem.num_forward}

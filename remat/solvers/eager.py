@@ -33,7 +33,7 @@ from typing import Iterable, Mapping
 from remat.errors import BudgetError
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
 from remat.solvers.schedule import Schedule, Status
-from remat.solvers.simulate import Step, StepKind, Timeline
+from remat.solvers.simulate import StepKind, Timeline, step_order, timeline_of
 
 log = logging.getLogger(__name__)
 
@@ -166,14 +166,9 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
     """The memory of the step in eager mode, step by step (see the module's docstring)."""
     ops = problem.ops
     nf = problem.num_forward
-    by_trigger: dict[int, list[int]] = {}
-    for run in runs:
-        if run.trigger is not None:
-            by_trigger.setdefault(run.trigger, []).extend(run.recomputed)
-    order = [(i, StepKind.FORWARD) for i in range(nf)]
-    for b in problem.backward:
-        order.extend((v, StepKind.RECOMPUTE) for v in sorted(by_trigger.get(b, ())))
-        order.append((b, StepKind.BACKWARD))
+    at = {v: run.trigger for run in runs if run.trigger is not None for v in run.recomputed}
+    order = step_order(problem, Schedule(saved=frozenset(), recomputed=frozenset(at),
+                                         recompute_at=at))
     step_of = [0] * len(ops)
     again: dict[int, int] = {}
     for t, (i, kind) in enumerate(order):
@@ -204,11 +199,10 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
                 if v <= run.stop:
                     held_to[v] = max(held_to.get(v, 0), taken)
 
-    delta = [0] * (len(order) + 1)
+    held: list[tuple[int, int, int, int]] = []
 
     def hold(size: int, start: int, stop: int) -> None:
-        delta[start] += size
-        delta[stop + 1] -= size
+        held.append((-1, size, start, stop))
 
     readers = problem.storage_readers
     pinned = problem.pinned
@@ -250,13 +244,7 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
     for run in runs:
         if run.end is not None and blocks.state_bytes:
             hold(blocks.state_bytes, step_of[blocks.ops[run.name][0]], step_of[run.end])
-
-    live = 0
-    steps = []
-    for t, (i, kind) in enumerate(order):
-        live += delta[t]
-        steps.append(Step(op=i, kind=kind, live=live + ops[i].temp))
-    return Timeline(tuple(steps))
+    return timeline_of(problem, order, held)
 
 
 def plan_eager(problem: Problem, blocks: EagerBlocks, budget: int,
