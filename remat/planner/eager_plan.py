@@ -16,7 +16,9 @@ from remat.planner.accounting import StepMemory
 from remat.planner.budget import format_size
 from remat.solvers import Phase, Problem, SolverOptions, Strategy, solve
 from remat.solvers.baselines import block_of
-from remat.solvers.eager import EagerBlocks, block_runs, eager_timeline, plan_eager
+from remat.solvers.eager import (EagerBlocks, block_runs, eager_schedule, eager_timeline,
+                                 plan_eager)
+from remat.solvers.objective import with_objective
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +48,13 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
         seeds.insert(0, compiled.saved)
     except (BudgetError, SolverError) as e:
         log.info("eager: no compiled-mode plan to start from (%s); seeding from baselines", e)
+    # The eager planner weighs ops by their cost under the objective (seconds, or FLOPs);
+    # the schedule it returns is then costed in seconds like every other.
+    costed = with_objective(problem, (solver_options or SolverOptions()).objective)
     try:
-        schedule = plan_eager(problem, structure, max(allowance, 0), seeds)
+        schedule = plan_eager(costed, structure, max(allowance, 0), seeds)
+        schedule = eager_schedule(problem, structure, schedule.info["cached"],
+                                  budget=max(allowance, 0))
         if allowance < 0:
             raise BudgetError("the state alone exceeds the budget", budget=allowance,
                               smallest=schedule.peak)
