@@ -5,6 +5,7 @@ tracker cannot: it is the judge of a predicted peak (TORCH-NOTES.md, "Measuring"
 """
 from __future__ import annotations
 
+import gc
 from typing import Any, Callable
 
 import torch
@@ -15,6 +16,8 @@ __all__ = ["allocator_peak"]
 def allocator_peak(fn: Callable[[], Any]) -> tuple[int, Any]:
     """(most bytes live at once among the allocations made while `fn()` ran, above what was
     live when it started; `fn()`'s result)."""
+    # Garbage of earlier work freed inside the window would read as negative bytes.
+    gc.collect()
     activities = [torch.profiler.ProfilerActivity.CPU]
     with torch.profiler.profile(activities=activities, profile_memory=True) as prof:
         result = fn()

@@ -10,8 +10,8 @@ a decomposition differs, and this module spells those out (`expected_ops`):
 - dropout on the CPU is ``empty_like, bernoulli_, div_, mul`` in eager but ``native_dropout``
   (a tuple of output and boolean mask) in the joint graph; the eager noise tensor is in the
   input's dtype, so `eager_problem` gives the mask those bytes.
-Where the model has weights, `probe` records what eager PyTorch really dispatches in each
-block (one forward) and `aligned` matches it to the joint graph's ops. At run time ops are
+Where the model has weights, `remat.fx_passes.eager_probe` records what eager PyTorch really
+dispatches in each block (one forward) and matches it to the joint graph's ops. At run time ops are
 matched by position within the block: the policy counts the ops it is called for, and an op
 other than the expected one (or a different count) raises RematError naming the block.
 
@@ -41,8 +41,8 @@ from remat.solvers.problem import Kind, Phase, Problem, recompute_blocker
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BlockPolicy", "aligned", "apply_eager", "block_paths", "eager_blocks",
-           "eager_problem", "probe", "with_cache"]
+__all__ = ["BlockPolicy", "apply_eager", "block_paths", "eager_blocks", "eager_problem",
+           "with_cache"]
 
 _CPU_DROPOUT = ("aten.empty_like.default", "aten.bernoulli_.float", "aten.div_.Scalar")
 
@@ -70,6 +70,9 @@ class BlockPolicy:
     made_after: tuple[tuple[int, int], ...] = ()
     """(joint op, joint op): eager makes the first after the second (CPU dropout's output
     after its noise)."""
+    life: tuple[tuple[int, int], ...] = ()
+    """(joint op, joint op): in the probe, the first's tensor lived until the second ran
+    (Python variables keep tensors beyond their last use, until the block returns)."""
     cache: frozenset[int] = frozenset()
 
 
@@ -151,16 +154,19 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
     policies = {p: expected_ops(problem, nodes, p, members, captured.device)
                 for p, members in ops.items()}
     if observed is not None:
-        policies = {p: aligned(pol, observed[p]) for p, pol in policies.items()}
+        from remat.fx_passes.eager_probe import aligned
+
+        policies = {p: aligned(pol, *observed[p]) for p, pol in policies.items()}
     cacheable = frozenset(j for pol in policies.values()
                           for joint, ok in zip(pol.joint, pol.cacheable) if ok for j in joint)
     position = {v: after + 0.5 for pol in policies.values() for v, after in pol.made_after}
+    forward_life = {j: last for pol in policies.values() for j, last in pol.life}
     groups = tuple(joint for pol in policies.values() for joint in pol.joint if len(joint) > 1)
     cpu = torch.device(captured.device).type == "cpu"
     blocks = EagerBlocks(ops={p: tuple(m) for p, m in ops.items()}, owner=owner,
                          state_bytes=state_bytes(torch.device("cpu")) if cpu else 0,
                          packer=packer, cacheable=cacheable, groups=groups,
-                         node_end=node_end, position=position)
+                         node_end=node_end, position=position, forward_life=forward_life)
     return blocks, policies
 
 
@@ -251,71 +257,6 @@ def eager_problem(problem: Problem, nodes: list[fx.Node], device: str) -> Proble
             ops[items[1]] = replace(mask, size=out.size)
             ops[v] = replace(ops[v], temp=out.size)
     return Problem(tuple(ops), name=problem.name, source=problem.source)
-
-
-def probe(model: torch.nn.Module, inputs: Sequence[Any],
-          paths: Sequence[str]) -> dict[str, list[str]]:
-    """The ops eager PyTorch dispatches in each block, recorded by running the model's forward
-    once (the generator and the buffers are put back afterwards, so nothing changes)."""
-    from torch.utils.checkpoint import checkpoint
-
-    seen: dict[str, list[str]] = {p: [] for p in paths}
-    saved = {n: b.detach().clone() for n, b in model.named_buffers()}
-    originals = {}
-
-    def recorder(path, forward):
-        def contexts():
-            from torch.utils.checkpoint import (CheckpointPolicy,
-                                                create_selective_checkpoint_contexts)
-
-            def record(ctx, op, *args, **kwargs):
-                seen[path].append(canonical(str(op)))
-                return CheckpointPolicy.PREFER_RECOMPUTE
-
-            return create_selective_checkpoint_contexts(record)
-
-        return lambda *a, **k: checkpoint(forward, *a, use_reentrant=False,
-                                          context_fn=contexts, **k)
-
-    try:
-        for path in paths:
-            module = model.get_submodule(path)
-            originals[path] = module.__dict__.get("forward")
-            module.forward = recorder(path, module.forward)
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
-            model(*inputs)
-    finally:
-        for path, forward in originals.items():
-            module = model.get_submodule(path)
-            if forward is None:
-                del module.forward
-            else:
-                module.forward = forward
-        with torch.no_grad():
-            for name, buffer in model.named_buffers():
-                buffer.copy_(saved[name])
-    return seen
-
-
-def aligned(policy: BlockPolicy, observed: Sequence[str]) -> BlockPolicy:
-    """The block's policy over the ops eager PyTorch really dispatches, each matched to the
-    joint-graph ops it stands for where the two sequences agree (difflib's longest matching
-    blocks): joint graphs reorder and share some ops (CSE of the causal mask between blocks);
-    an eager op without a match is never cached, a joint op without one is not cacheable."""
-    import difflib
-
-    matcher = difflib.SequenceMatcher(a=policy.ops, b=list(observed), autojunk=False)
-    joint: list[tuple[int, ...]] = [()] * len(observed)
-    cacheable = [False] * len(observed)
-    for block in matcher.get_matching_blocks():
-        for k in range(block.size):
-            joint[block.b + k] = policy.joint[block.a + k]
-            cacheable[block.b + k] = policy.cacheable[block.a + k]
-    unmatched = len(observed) - sum(b.size for b in matcher.get_matching_blocks())
-    if unmatched:
-        log.info("block %r: %d of its %d eager ops have no counterpart in the joint graph; "
-                 "they are recomputed, never cached", policy.path, unmatched, len(observed))
-    return replace(policy, ops=tuple(observed), joint=tuple(joint), cacheable=tuple(cacheable))
 
 
 def with_cache(policy: BlockPolicy, cached: frozenset[int]) -> BlockPolicy:

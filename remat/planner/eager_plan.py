@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budget: int | None,
                     target: str, solver: Strategy | str, solver_options: SolverOptions | None,
                     blocks: Sequence[str] | None, example_inputs: Sequence[Any] | None = None):
-    from remat.fx_passes.eager_policy import block_paths, eager_blocks, eager_problem, probe
+    from remat.fx_passes.eager_policy import block_paths, eager_blocks, eager_problem
+    from remat.fx_passes.eager_probe import probe
     from remat.fx_passes.lower import op_nodes
     from remat.planner.optimize import EagerPlan, _budget_error
 

@@ -59,6 +59,9 @@ class EagerBlocks:
     position: Mapping[int, float] = field(default_factory=dict)
     """forward op -> where eager makes it, where that is not its index: on the CPU a
     dropout's output (a getitem before its mask's) is made by a mul after the noise."""
+    forward_life: Mapping[int, int] = field(default_factory=dict)
+    """forward op -> the forward op until which eager really holds its tensor (measured:
+    Python variables hold tensors past their last use, to the block's return)."""
     state_bytes: int = 0
     """bytes of device memory checkpoint keeps per block from its forward to its end: the
     generator's state (5,056 bytes on a CPU; on CUDA it is kept in host memory)."""
@@ -226,6 +229,11 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
         run = run_of.get(block) if block is not None else None
         recomputed = run is not None and i in run.recomputed
         original, copy = [made, held_to.get(i, made)], []
+        lives_to = blocks.forward_life.get(i)
+        if lives_to is not None:
+            original.append(step_of[lives_to])
+            if recomputed:  # the recomputation's variables: to the same op, or its end
+                copy.extend(again[v] for v in run.recomputed if v <= lives_to)
         for r in readers[i]:
             if r < nf:
                 original.append(step_of[r])
