@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from remat.errors import BudgetError, RematError, SolverError
 from remat.planner.accounting import StepMemory
 from remat.planner.budget import format_size
+from remat.planner.optimize import Plan, _check_same_parameters, _has_meta_weights
 from remat.solvers import Phase, Problem, SolverOptions, Strategy, solve
 from remat.solvers.baselines import block_of
 from remat.solvers.eager import (EagerBlocks, block_runs, eager_schedule, eager_timeline,
@@ -23,13 +24,44 @@ from remat.solvers.objective import with_objective
 log = logging.getLogger(__name__)
 
 
+class EagerPlan(Plan):
+    """A plan for eager training: `apply(model)` wraps the model's blocks in place with
+    checkpoint and a selective policy per block, and returns the model."""
+
+    def __init__(self, *, policies, structure, eager_problem, **fields):
+        super().__init__(**fields)
+        self.policies = policies
+        self.structure = structure
+        self.eager_problem = eager_problem
+
+    @property
+    def block_policies(self) -> dict:
+        """Each block's policy (picklable): plan on one rank, send these to the others and
+        call `remat.fx_passes.eager_policy.apply_eager(model, policies)` there."""
+        from remat.fx_passes.eager_policy import with_cache
+
+        cached = frozenset(self.schedule.info["cached"])
+        return {p: with_cache(pol, cached) for p, pol in self.policies.items()}
+
+    def apply(self, model: Any):
+        from remat.fx_passes.eager_policy import apply_eager
+
+        _check_same_parameters(model, self.prepared.param_shapes)
+        if _has_meta_weights(model):
+            raise RematError("plan.apply(model) needs real weights; this model's parameters are "
+                             "meta or fake tensors: load or initialize the weights first")
+        check_eager_device(model, self.prepared.captured.device)
+        check_no_cache(model)
+        return apply_eager(model, self.block_policies)
+
+
 def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budget: int | None,
                     target: str, solver: Strategy | str, solver_options: SolverOptions | None,
                     blocks: Sequence[str] | None, example_inputs: Sequence[Any] | None = None):
     from remat.fx_passes.eager_policy import block_paths, eager_blocks, eager_problem
     from remat.fx_passes.eager_probe import probe
     from remat.fx_passes.lower import op_nodes
-    from remat.planner.optimize import EagerPlan, _budget_error
+    from remat.planner.optimize import _budget_error
 
     captured, joint = prepared.captured, prepared.problem
     paths = block_paths(model, joint, blocks, block_of)

@@ -202,38 +202,6 @@ class Plan:
                 f"{format_size(self.peak)}{budget}, recompute {self.recompute_flops:.3g} FLOPs>")
 
 
-class EagerPlan(Plan):
-    """A plan for eager training: `apply(model)` wraps the model's blocks in place with
-    checkpoint and a selective policy per block, and returns the model."""
-
-    def __init__(self, *, policies, structure, eager_problem, **fields):
-        super().__init__(**fields)
-        self.policies = policies
-        self.structure = structure
-        self.eager_problem = eager_problem
-
-    @property
-    def block_policies(self) -> dict:
-        """Each block's policy (picklable): plan on one rank, send these to the others and
-        call `remat.fx_passes.eager_policy.apply_eager(model, policies)` there."""
-        from remat.fx_passes.eager_policy import with_cache
-
-        cached = frozenset(self.schedule.info["cached"])
-        return {p: with_cache(pol, cached) for p, pol in self.policies.items()}
-
-    def apply(self, model: Any):
-        from remat.fx_passes.eager_policy import apply_eager
-        from remat.planner.eager_plan import check_eager_device, check_no_cache
-
-        _check_same_parameters(model, self.prepared.param_shapes)
-        if _has_meta_weights(model):
-            raise RematError("plan.apply(model) needs real weights; this model's parameters are "
-                             "meta or fake tensors: load or initialize the weights first")
-        check_eager_device(model, self.prepared.captured.device)
-        check_no_cache(model)
-        return apply_eager(model, self.block_policies)
-
-
 def optimize(model: Any, budget: int | str | None = None, *,
              activation_budget: int | str | None = None, example_inputs: Sequence[Any],
              training: Training = Training(), target: str = "h100",
