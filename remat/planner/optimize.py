@@ -259,7 +259,8 @@ def optimize(model: Any, budget: int | str | None = None, *,
              training: Training = Training(), target: str = "h100",
              solver: Strategy | str = Strategy.OPTIMAL,
              solver_options: SolverOptions | None = None,
-             loss_fn: Callable | None = None, returns: str = "output") -> Plan:
+             loss_fn: Callable | None = None, returns: str = "output",
+             execution: str = "compiled", blocks: Sequence[str] | None = None) -> Plan:
     """The plan of least recompute time (least FLOPs with ``SolverOptions(objective="flops")``)
     whose whole training step fits `budget` ("60GB",
     "60GiB", an int of bytes), or whose activations alone fit `activation_budget`; exactly one
@@ -272,10 +273,24 @@ def optimize(model: Any, budget: int | str | None = None, *,
     loss: the output if it is a tensor, else its ``.loss`` / ``["loss"]`` / first element,
     or ``loss_fn(output)``; it must be a floating scalar. Floating inputs must have the
     parameters' dtype. The plan is made in the model's current mode (`Plan.training_mode`).
-    `returns`: what `Plan.module` returns ("output": what the model returns, see there)."""
+    `returns`: what `Plan.module` returns ("output": what the model returns, see there).
+    `execution="eager"` plans for per-block selective checkpointing in an eager loop
+    (FSDP2, DDP): `model = plan.apply(model)` wraps the blocks (the repeated children, or the
+    modules named in `blocks`) in place; see `remat.planner.eager_plan`."""
+    if execution not in ("compiled", "eager"):
+        raise ValueError(f"execution must be \"compiled\" or \"eager\", not {execution!r}")
+    if blocks is not None and execution != "eager":
+        raise ValueError("blocks= names the modules to checkpoint in execution=\"eager\"")
     whole, activations = _one_budget(budget, activation_budget)
     prepared = prepare(model, example_inputs, example_kwargs=example_kwargs, training=training,
                        target=target, loss_fn=loss_fn, returns=returns)
+    if execution == "eager":
+        from remat.planner.eager_plan import plan_eager_mode
+
+        return plan_eager_mode(model, prepared, budget=whole, activation_budget=activations,
+                               target=target, solver=solver, solver_options=solver_options,
+                               blocks=blocks, example_inputs=example_inputs,
+                               example_kwargs=example_kwargs)
     return plan_prepared(model, prepared, budget=whole, activation_budget=activations,
                          target=target, solver=solver, solver_options=solver_options)
 

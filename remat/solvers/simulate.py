@@ -112,10 +112,17 @@ def holds(problem: Problem, schedule: Schedule,
 
 
 def simulate(problem: Problem, schedule: Schedule) -> Timeline:
-    ops = problem.ops
     order = step_order(problem, schedule)
+    return timeline_of(problem, order, holds(problem, schedule, order))
+
+
+def timeline_of(problem: Problem, order: list[tuple[int, StepKind]],
+                held: list[tuple[int, int, int, int]]) -> Timeline:
+    """The timeline of steps `order` holding each (storage, bytes, first step, last step) of
+    `held`, plus each op's temp during its own step (shared by the execution modes)."""
+    ops = problem.ops
     delta = [0] * (len(order) + 1)
-    for _, size, start, stop in holds(problem, schedule, order):
+    for _, size, start, stop in held:
         delta[start] += size
         delta[stop + 1] -= size
 

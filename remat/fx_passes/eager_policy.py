@@ -1,0 +1,319 @@
+"""Apply a plan in eager mode: each block's forward wrapped in place with non-reentrant
+`torch.utils.checkpoint` and a selective-checkpoint policy that caches (MUST_SAVE) exactly the
+ops whose outputs the plan keeps and recomputes (PREFER_RECOMPUTE) the rest.
+
+The plan is made on AOTAutograd's joint graph; the policy sees the ATen ops that eager
+PyTorch dispatches below autograd. The two agree op for op except where functionalization or
+a decomposition differs, and this module spells those out (`expected_ops`):
+- the joint graph's getitems and generator snapshots are not ops in eager;
+- `_unsafe_view` and `view` are one view op, `lift_fresh_copy` and `lift_fresh` one op;
+- dropout on the CPU is ``empty_like, bernoulli_, div_, mul`` in eager but ``native_dropout``
+  (a tuple of output and boolean mask) in the joint graph; the eager noise tensor is in the
+  input's dtype, so `eager_problem` gives the mask those bytes.
+Where the model has weights, `remat.fx_passes.eager_probe` records what eager PyTorch really
+dispatches in each block (one forward) and matches it to the joint graph's ops. At run time ops are
+matched by position within the block: the policy counts the ops it is called for, and an op
+other than the expected one (or a different count) raises RematError naming the block.
+
+What the policy never caches, whatever the plan says: views (free to recompute), in-place ops
+and the tensors they later overwrite (checkpoint refuses a cached tensor that was mutated), and
+random ops (checkpoint replays the generator from the block's start: skipping one draw would
+shift the draws of every later random op of the block).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any, Sequence
+
+import torch
+from torch import fx
+
+from remat.errors import RematError
+from remat.fx_passes.capture import Captured
+from remat.fx_passes.lower import op_nodes
+from remat.fx_passes.rng import rng_state, state_bytes
+from remat.solvers.eager import EagerBlocks
+from remat.solvers.problem import Kind, Phase, Problem, recompute_blocker
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BlockPolicy", "apply_eager", "block_paths", "eager_blocks", "eager_problem",
+           "with_cache"]
+
+_CPU_DROPOUT = ("aten.empty_like.default", "aten.bernoulli_.float", "aten.div_.Scalar")
+
+
+# Ops that functionalization turns into others: compared as one.
+_SAME = {"aten._unsafe_view.default": "aten.view.default",
+         "aten.lift_fresh_copy.default": "aten.lift_fresh.default"}
+
+
+def canonical(op_name: str) -> str:
+    """An op's name as both sides compare it (`_SAME`)."""
+    return _SAME.get(op_name, op_name)
+
+
+@dataclass(frozen=True)
+class BlockPolicy:
+    """What one block's policy expects and caches: `ops[k]` is the k-th op the policy is
+    called for (canonical name), `joint[k]` the joint-graph ops it stands for, `cache` the
+    positions it returns MUST_SAVE for."""
+
+    path: str
+    ops: tuple[str, ...]
+    joint: tuple[tuple[int, ...], ...]
+    cacheable: tuple[bool, ...]
+    made_after: tuple[tuple[int, int], ...] = ()
+    """(joint op, joint op): eager makes the first after the second (CPU dropout's output
+    after its noise)."""
+    life: tuple[tuple[int, int], ...] = ()
+    """(joint op, joint op): in the probe, the first's tensor lived until the second ran
+    (Python variables keep tensors beyond their last use, until the block returns)."""
+    cache: frozenset[int] = frozenset()
+
+
+def block_paths(model: torch.nn.Module, problem: Problem, names: Sequence[str] | None,
+                block_of) -> list[str]:
+    """The module paths to checkpoint: the children of each module named in `names` that
+    holds a list of blocks (ModuleList, Sequential), or the named module itself; by default
+    the repeated blocks `block_of` finds in the problem's module paths."""
+    if names is None:
+        found = {block_of(op.module) for op in problem.ops if op.phase is Phase.FORWARD}
+        paths = sorted(p for p in found if p)
+        if not paths:
+            raise RematError("execution=\"eager\": the model has no repeated blocks (modules "
+                             "whose path ends in a list index, like \"layers.3\"); name the "
+                             "modules to checkpoint with blocks=[...]")
+        return paths
+    paths = []
+    for name in names:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise RematError(f"blocks=: the model has no module {name!r}") from None
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
+            paths.extend(f"{name}.{child}" for child, _ in module.named_children())
+        else:
+            paths.append(name)
+    return paths
+
+
+def _block_for(module: str, paths: Sequence[str]) -> str | None:
+    matches = [p for p in paths if module == p or module.startswith(p + ".")]
+    return max(matches, key=len) if matches else None
+
+
+def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
+                 observed: dict[str, list[str]] | None = None
+                 ) -> tuple[EagerBlocks, dict[str, BlockPolicy]]:
+    """The solver's view of the blocks (ops, owners, packers, what may be cached) and each
+    block's op sequence: the `observed` one (`probe`) aligned with the joint graph where
+    given, else the one derived from the joint graph."""
+    nodes = op_nodes(captured, problem)
+    ops: dict[str, list[int]] = {p: [] for p in paths}
+    owner: dict[int, str] = {}
+    for i, op in enumerate(problem.ops):
+        block = _block_for(op.module, paths)
+        if block is None:
+            continue
+        if op.phase is Phase.FORWARD:
+            ops[block].append(i)
+        else:
+            owner[i] = block
+    missing = [p for p, members in ops.items() if not members]
+    if missing:
+        raise RematError(f"execution=\"eager\": blocks {missing[:3]} run no op of the captured "
+                         "step; name modules that the forward calls")
+    # Autograd's sequence number ties a backward op to the forward op whose node it runs;
+    # that node packed what the op reads: its outputs after it ran, its inputs before.
+    packer: dict[int, int] = {}
+    for block, members in ops.items():
+        by_seq: dict[Any, int] = {}
+        for v in members:
+            seq = nodes[v].meta.get("seq_nr")
+            if seq is not None:
+                by_seq[seq] = max(by_seq.get(seq, v), v)
+        for b, name in owner.items():
+            p = by_seq.get(nodes[b].meta.get("seq_nr")) if name == block else None
+            if p is not None:
+                packer[b] = _last_needed(problem, b, p, set(members))
+    # A node's backward is a run of consecutive backward ops with its sequence number.
+    node_end: dict[int, int] = {}
+    run: list[int] = []
+    for b in list(problem.backward) + [None]:
+        seq = None if b is None else nodes[b].meta.get("seq_nr")
+        if run and (seq is None or seq != nodes[run[0]].meta.get("seq_nr")):
+            node_end.update((r, run[-1]) for r in run[:-1])
+            run = []
+        if seq is not None:
+            run.append(b)
+    policies = {p: expected_ops(problem, nodes, p, members, captured.device)
+                for p, members in ops.items()}
+    if observed is not None:
+        from remat.fx_passes.eager_probe import aligned
+
+        policies = {p: aligned(pol, *observed[p]) for p, pol in policies.items()}
+    cacheable = frozenset(j for pol in policies.values()
+                          for joint, ok in zip(pol.joint, pol.cacheable) if ok for j in joint)
+    position = {v: after + 0.5 for pol in policies.values() for v, after in pol.made_after}
+    forward_life = {j: last for pol in policies.values() for j, last in pol.life}
+    groups = tuple(joint for pol in policies.values() for joint in pol.joint if len(joint) > 1)
+    cpu = torch.device(captured.device).type == "cpu"
+    blocks = EagerBlocks(ops={p: tuple(m) for p, m in ops.items()}, owner=owner,
+                         state_bytes=state_bytes(torch.device("cpu")) if cpu else 0,
+                         packer=packer, cacheable=cacheable, groups=groups,
+                         node_end=node_end, position=position, forward_life=forward_life)
+    return blocks, policies
+
+
+def _last_needed(problem: Problem, b: int, p: int, members: set[int]) -> int:
+    """The last forward op the recomputation must run for backward op `b`, whose autograd
+    node is forward op `p`'s: what `b` reads of `p`'s outputs (`p`, or the getitem that takes
+    it out), and the op before `p` for what it reads of `p`'s inputs (a node packs its inputs
+    before its kernel runs, and checkpoint's early stop fires at the last pack)."""
+    made = {p} | {g for g in problem.users[p] if g in members
+                  and problem.ops[g].inputs == (p,) and problem.ops[p].kind is Kind.TUPLE}
+    reads = {problem.root[s] for s in problem.ops[b].inputs if s < problem.num_forward}
+    return max((r if r in made else p - 1) for r in reads & members) if reads & members \
+        else p - 1
+
+
+def expected_ops(problem: Problem, nodes: list[fx.Node], path: str, members: Sequence[int],
+                 device: str) -> BlockPolicy:
+    """The ops eager PyTorch dispatches for the block, derived from its joint-graph ops."""
+    names: list[str] = []
+    joint: list[tuple[int, ...]] = []
+    cacheable: list[bool] = []
+    made_after: list[tuple[int, int]] = []
+    index = {n: i for i, n in enumerate(nodes)}
+    for v in members:
+        node, op = nodes[v], problem.ops[v]
+        if node.target is operator.getitem or node.target is rng_state or _kept_input(node):
+            continue
+        outputs = (v,)
+        if op.kind is Kind.TUPLE:
+            items = {n.args[1]: index[n] for n in node.users if n in index}
+            outputs = tuple(items[k] for k in sorted(items))
+        name = canonical(str(node.target))
+        if name == "aten.native_dropout.default" and not device.startswith("cuda"):
+            items = {n.args[1]: index[n] for n in node.users if n in index}
+            for piece in _CPU_DROPOUT:
+                names.append(piece)
+                joint.append((items[1],) if 1 in items else ())
+                cacheable.append(False)
+            names.append("aten.mul.Tensor")
+            joint.append((items[0],))
+            cacheable.append(True)
+            if 1 in items:
+                made_after.append((items[0], items[1]))
+            continue
+        names.append(name)
+        joint.append(outputs)
+        cacheable.append(op.kind is not Kind.VIEW and recompute_blocker(problem, v) is None
+                         and all(problem.ops[o].kind is not Kind.VIEW for o in outputs))
+    return BlockPolicy(path, tuple(names), tuple(joint), tuple(cacheable), tuple(made_after))
+
+
+def _kept_input(node: fx.Node) -> bool:
+    """A dropout that draws nothing (p=0, or eval): PyTorch's decomposition clones its input,
+    eager PyTorch returns the input itself."""
+    if node.target is not torch.ops.aten.clone.default:
+        return False
+    stack = node.meta.get("source_fn_stack") or [(None, None)]
+    fn = stack[-1][1]
+    return fn is torch.nn.functional.dropout or (
+        isinstance(fn, type) and issubclass(fn, torch.nn.modules.dropout._DropoutNd))
+
+
+def eager_problem(problem: Problem, nodes: list[fx.Node], device: str) -> Problem:
+    """The problem with the bytes eager PyTorch allocates where they differ from the joint
+    graph's: no generator snapshots (checkpoint keeps the state, `EagerBlocks.state_bytes`),
+    a dropout that draws nothing returns its input (a view of it, here); on the CPU
+    a dropout's mask is its noise tensor, in the input's dtype."""
+    index = {n: i for i, n in enumerate(nodes)}
+    ops = list(problem.ops)
+    for v, node in enumerate(nodes):
+        if node.target is rng_state:  # checkpoint keeps one state per block instead
+            ops[v] = replace(ops[v], size=0)
+        if _kept_input(node):
+            base = index.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+            ops[v] = (replace(ops[v], kind=Kind.VIEW, size=0, inputs=(base,))
+                      if base is not None and ops[base].kind is not Kind.TUPLE
+                      else replace(ops[v], size=0))
+    for v, node in enumerate(nodes):
+        if device.startswith("cuda"):
+            break
+        if str(node.target) != "aten.native_dropout.default":
+            continue
+        items = {n.args[1]: index[n] for n in node.users if n in index}
+        if 0 in items and 1 in items:
+            out, mask = ops[items[0]], ops[items[1]]
+            # The tuple op stands for empty_like, bernoulli_ and div_: the noise alone; the
+            # output is made by the mul that its getitem stands for.
+            ops[items[1]] = replace(mask, size=out.size)
+            ops[v] = replace(ops[v], temp=out.size)
+    return Problem(tuple(ops), name=problem.name, source=problem.source)
+
+
+def with_cache(policy: BlockPolicy, cached: frozenset[int]) -> BlockPolicy:
+    """The block's policy caching the positions whose joint ops are in `cached`."""
+    cache = frozenset(k for k, (joint, ok) in enumerate(zip(policy.joint, policy.cacheable))
+                      if ok and any(j in cached for j in joint))
+    return replace(policy, cache=cache)
+
+
+def apply_eager(model: torch.nn.Module, policies: dict[str, BlockPolicy]) -> torch.nn.Module:
+    """Wrap each block's forward in place (parameter names unchanged, so `fully_shard`, DDP
+    and state dicts see the same model). Returns `model`."""
+    for path, policy in policies.items():
+        module = model.get_submodule(path)
+        if getattr(module, "_remat_policy", None) is not None:
+            raise RematError(f"block {path!r} is already wrapped by a remat plan; apply a plan "
+                             "once, to a fresh model")
+        module._remat_policy = policy
+        module.forward = partial(_checkpointed, module.forward, policy)
+    return model
+
+
+def _checkpointed(forward, policy: BlockPolicy, *args, **kwargs):
+    from torch.utils.checkpoint import checkpoint
+
+    counters: list[Any] = []
+
+    def contexts():
+        counter = itertools.count()
+        counters.append(counter)
+        return _contexts(policy, counter)
+
+    out = checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+    if counters:
+        seen = next(counters[0])
+        if seen != len(policy.ops):
+            raise RematError(
+                f"block {policy.path!r}: the run called {seen} ops where the plan's capture had "
+                f"{len(policy.ops)}; the block's ops differ between capture and run (other "
+                "shapes, flags such as use_cache, or code paths): plan with the inputs and "
+                "settings you train with")
+    return out
+
+
+def _contexts(policy: BlockPolicy, counter):
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def decide(ctx, op, *args, **kwargs):
+        k = next(counter)
+        name = canonical(str(op))
+        if k >= len(policy.ops) or policy.ops[k] != name:
+            expected = policy.ops[k] if k < len(policy.ops) else "nothing more"
+            raise RematError(
+                f"block {policy.path!r}: op {k} of the run is {name} where the plan's capture "
+                f"had {expected}; the block's ops differ between capture and run: plan with "
+                "the inputs and settings you train with")
+        return CheckpointPolicy.MUST_SAVE if k in policy.cache else \
+            CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(decide)

@@ -1,0 +1,137 @@
+"""`optimize(..., execution="eager")`: a plan that runs as per-block selective checkpointing in
+the user's own eager loop (FSDP2, DDP, Hugging Face), and `EagerPlan.apply`, which wraps the
+model's blocks in place.
+
+The plan is made for what the eager mode holds (`remat.solvers.eager`): the exact solver's
+plan for the compiled mode is one seed among others (checkpoint every block whole, cache
+everything cacheable), each repaired until its eager peak fits and improved while it does.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from remat.errors import BudgetError, RematError, SolverError
+from remat.planner.budget import format_size
+from remat.planner.optimize import Plan, _check_same_parameters, _has_meta_weights
+from remat.solvers import SolverOptions, Strategy, solve
+from remat.solvers.baselines import block_of
+from remat.solvers.eager import eager_schedule, plan_eager
+from remat.solvers.objective import with_objective
+
+log = logging.getLogger(__name__)
+
+
+class EagerPlan(Plan):
+    """A plan for eager training: `apply(model)` wraps the model's blocks in place with
+    checkpoint and a selective policy per block, and returns the model."""
+
+    def __init__(self, *, policies, structure, eager_problem, **fields):
+        super().__init__(**fields)
+        self.policies = policies
+        self.structure = structure
+        self.eager_problem = eager_problem
+
+    @property
+    def block_policies(self) -> dict:
+        """Each block's policy (picklable): plan on one rank, send these to the others and
+        call `remat.fx_passes.eager_policy.apply_eager(model, policies)` there."""
+        from remat.fx_passes.eager_policy import with_cache
+
+        cached = frozenset(self.schedule.info["cached"])
+        return {p: with_cache(pol, cached) for p, pol in self.policies.items()}
+
+    def apply(self, model: Any):
+        from remat.fx_passes.eager_policy import apply_eager
+
+        _check_same_parameters(model, self.prepared.param_shapes)
+        if _has_meta_weights(model):
+            raise RematError("plan.apply(model) needs real weights; this model's parameters are "
+                             "meta or fake tensors: load or initialize the weights first")
+        check_eager_device(model, self.prepared.captured.device)
+        check_no_cache(model)
+        return apply_eager(model, self.block_policies)
+
+
+def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budget: int | None,
+                    target: str, solver: Strategy | str, solver_options: SolverOptions | None,
+                    blocks: Sequence[str] | None, example_inputs: Sequence[Any] | None = None,
+                    example_kwargs: dict[str, Any] | None = None):
+    from remat.fx_passes.eager_policy import block_paths, eager_blocks, eager_problem
+    from remat.fx_passes.eager_probe import probe
+    from remat.fx_passes.lower import op_nodes
+    from remat.planner.optimize import _budget_error
+
+    # The graph's own problem: checkpoint's recomputations run on the graph's ops. FSDP's
+    # collectives (prepared.problem under ZeRO-2/3) are not in the eager timeline yet.
+    captured, joint = prepared.captured, prepared.sharded.graph
+    if prepared.sharded.problem is not joint:
+        log.warning("eager: the plan does not yet model ZeRO-2/3's gathered parameters and "
+                    "unsharded gradients (execution=\"compiled\" does); leave room for them")
+    paths = block_paths(model, joint, blocks, block_of)
+    observed = None
+    if example_inputs is not None and not prepared.meta_weights:
+        observed = probe(model, _as_tuple(example_inputs), paths, example_kwargs or {})
+    else:
+        log.info("eager: no weights to run the blocks with; their eager ops are derived from "
+                 "the joint graph (plan.apply's run checks them)")
+    structure, policies = eager_blocks(captured, joint, paths, observed)
+    problem = eager_problem(joint, op_nodes(captured, joint), captured.device)
+    strategy = Strategy(solver)
+    allowance = activation_budget if budget is None else prepared.allowance(budget)
+    seeds: list[frozenset[int]] = [frozenset(), structure.cacheable]
+    try:
+        compiled = solve(problem, max(allowance, 0), strategy, solver_options)
+        seeds.insert(0, compiled.saved)
+    except (BudgetError, SolverError) as e:
+        log.info("eager: no compiled-mode plan to start from (%s); seeding from baselines", e)
+    # The eager planner weighs ops by their cost under the objective (seconds, or FLOPs);
+    # the schedule it returns is then costed in seconds like every other.
+    costed = with_objective(problem, (solver_options or SolverOptions()).objective)
+    try:
+        schedule = plan_eager(costed, structure, max(allowance, 0), seeds)
+        schedule = eager_schedule(problem, structure, schedule.info["cached"],
+                                  budget=max(allowance, 0))
+        if allowance < 0:
+            raise BudgetError("the state alone exceeds the budget", budget=allowance,
+                              smallest=schedule.peak)
+    except BudgetError as e:
+        raise _budget_error(prepared, e, budget=budget, strategy=strategy) from None
+    # schedule.peak is the eager timeline's (eager_schedule), so the terms are the eager step's.
+    memory = prepared.step_memory(schedule, budget)
+    log.info("eager plan: %d blocks, activation peak %s, recompute %.3g FLOPs", len(paths),
+             format_size(schedule.peak), schedule.recompute_flops)
+    return EagerPlan(model=model, prepared=prepared, schedule=schedule, memory=memory,
+                     target=target, solver=strategy, solver_options=solver_options,
+                     activation_budget=activation_budget, policies=policies,
+                     structure=structure, eager_problem=problem)
+
+
+
+def check_eager_device(model: Any, captured_device: str) -> None:
+    import torch
+
+    params = list(model.parameters())
+    where = params[0].device.type if params else "cpu"
+    if where != torch.device(captured_device).type:
+        raise RematError(
+            f"plan.apply(model): the eager plan was made on {captured_device} and the model is "
+            f"on {where}; eager PyTorch runs other ops on other devices (dropout, attention), "
+            "so plan on the device you train on")
+
+
+def check_no_cache(model: Any) -> None:
+    """Refuse a Hugging Face model whose config keeps a key/value cache: its blocks append to
+    the cache in the forward and again when checkpoint recomputes them, so the recomputation
+    sees other shapes (what `gradient_checkpointing_enable()` avoids by turning it off)."""
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            raise RematError(
+                f"plan.apply(model): {name or 'the model'} has config.use_cache=True; its blocks "
+                "would append to the key/value cache again when recomputed; set "
+                "model.config.use_cache = False before optimize (training needs no cache)")
+
+
+def _as_tuple(inputs: Any) -> tuple:
+    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)

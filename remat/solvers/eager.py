@@ -1,0 +1,301 @@
+"""The eager execution mode: recomputation by `torch.utils.checkpoint` with a selective policy
+per block, and a planner for it. Torch-free.
+
+In this mode (DESIGN.md, "Execution modes") each checkpointed block runs its forward once,
+keeping only what its policy caches (MUST_SAVE) and what checkpoint itself keeps: the block's
+inputs and the generator's state. When autograd first unpacks a tensor saved inside the block
+(the block's *trigger*, a backward op), checkpoint re-runs the block's forward from its start,
+every op that is not cached, and stops early once the last tensor the block's autograd nodes
+saved has been packed again (its *stop*, the last forward op whose autograd node saves
+something). So, unlike the compiled mode, a recomputation cannot be placed: it runs at the
+trigger, all of the block's at once, and it runs every uncached op up to the stop, whether the
+backward needs its output or not.
+
+`eager_schedule(problem, blocks, cached)` derives what this mode recomputes and when, and
+`eager_timeline` its memory, with `remat.solvers.simulate`'s conventions (steps in order, a
+storage live from its step to its last reader's, temp during its step, a tensor taken out of a
+tuple op live from the step after it). Which copy a backward op reads: the recomputed one when
+the op belongs to the value's own block (its autograd node was packed inside the checkpoint),
+the original otherwise. What lives longer than its readers: a block's inputs, which checkpoint
+holds until the block's backward ends; cached values that the recomputation stops before
+(held by the checkpoint's frame until then too); generator snapshots.
+
+`plan_eager` is a heuristic (status HEURISTIC): from seed cache sets it repairs (caches less)
+until the eager peak fits and improves (caches more) while it still fits.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Iterable, Mapping
+
+from remat.errors import BudgetError
+from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
+from remat.solvers.schedule import Schedule, Status
+from remat.solvers.simulate import StepKind, Timeline, step_order, timeline_of
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EagerBlocks:
+    """How the step's ops group into checkpointed blocks (built by the torch side, which
+    knows the modules and autograd's sequence numbers)."""
+
+    ops: Mapping[str, tuple[int, ...]]
+    """block name -> its forward ops, in order."""
+    owner: Mapping[int, str]
+    """backward op -> the block whose autograd nodes it runs (absent: outside every block)."""
+    packer: Mapping[int, int] = field(default_factory=dict)
+    """backward op -> the last forward op the recomputation must run for it to have what it
+    reads (where its autograd node packed it), where known."""
+    cacheable: frozenset[int] = frozenset()
+    """forward ops whose output the policy may cache: not views, not in-place, not random,
+    not overwritten later in the block (caching those breaks checkpoint or the draws)."""
+    node_end: Mapping[int, int] = field(default_factory=dict)
+    """backward op -> the last backward op of the same autograd node: eager autograd releases
+    a node's saved tensors when the node finishes, not after the kernel that last reads them."""
+    position: Mapping[int, float] = field(default_factory=dict)
+    """forward op -> where eager makes it, where that is not its index: on the CPU a
+    dropout's output (a getitem before its mask's) is made by a mul after the noise."""
+    forward_life: Mapping[int, int] = field(default_factory=dict)
+    """forward op -> the forward op until which eager really holds its tensor (measured:
+    Python variables hold tensors past their last use, to the block's return)."""
+    state_bytes: int = 0
+    """bytes of device memory checkpoint keeps per block from its forward to its end: the
+    generator's state (5,056 bytes on a CPU; on CUDA it is kept in host memory)."""
+    groups: tuple[tuple[int, ...], ...] = ()
+    """ops cached together: the tensors of one eager op with several outputs (layer norm's
+    output, mean and rstd), which the policy caches all or none of."""
+
+    def block_of(self) -> dict[int, str]:
+        return {v: name for name, ops in self.ops.items() for v in ops}
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """What one block does in the backward under its policy."""
+
+    name: str
+    trigger: int | None  # the backward op before which the block recomputes; None: never
+    stop: int | None  # the last forward op the recomputation runs
+    recomputed: tuple[int, ...]
+    cached: tuple[int, ...]
+    inputs: tuple[int, ...]  # forward storages from outside the block that checkpoint holds
+    end: int | None
+    """The block's last backward op that reads a forward tensor: checkpoint lets the block's
+    inputs go after it (the joint graph's trailing views of weight gradients do not count)."""
+
+
+def block_runs(problem: Problem, blocks: EagerBlocks, cached: Iterable[int]) -> list[BlockRun]:
+    """Per block, the trigger, the early stop and what the recomputation runs, for the
+    policy that caches exactly `cached` (forward ops, restricted to the cacheable ones)."""
+    cached = frozenset(cached) & blocks.cacheable
+    cached |= {v for group in blocks.groups if cached.intersection(group) for v in group}
+    nf = problem.num_forward
+    root, storage_inputs = problem.root, problem.storage_inputs
+    runs = []
+    owned: dict[str, list[int]] = {}
+    for b, name in blocks.owner.items():
+        owned.setdefault(name, []).append(b)
+    for name, ops in blocks.ops.items():
+        members = set(ops)
+        inputs = sorted({s for v in ops for s in storage_inputs[v]
+                         if s < nf and s not in members})
+        visible = members | set(inputs)
+        mine = sorted(owned.get(name, ()))
+        reading = [b for b in mine if any(root[s] in visible or s in visible
+                                          for s in storage_inputs[b] if s < nf)]
+        if not reading:
+            runs.append(BlockRun(name, None, None, (), tuple(sorted(cached & members)),
+                                 tuple(inputs), None))
+            continue
+        stop = max(_pack_position(problem, blocks, b, members, ops[0]) for b in reading)
+        recomputed = []
+        for v in ops:
+            if blocks.position.get(v, v) > stop:
+                continue
+            op = problem.ops[v]
+            if op.kind is Kind.VIEW or v in cached or recompute_blocker(problem, v) is not None:
+                continue
+            t = tuple_of(problem, v)
+            if t is not None and t not in recomputed:
+                continue  # taken out of a tuple op that is not run again (outside the range)
+            recomputed.append(v)
+        runs.append(BlockRun(name, reading[0], stop, tuple(recomputed),
+                             tuple(sorted(cached & members)), tuple(inputs), reading[-1]))
+    return runs
+
+
+def _pack_position(problem: Problem, blocks: EagerBlocks, b: int, members: set[int],
+                   first: int) -> int:
+    """The forward op whose autograd node packed what backward op `b` reads: the packer when
+    the torch side knows it, else the latest forward value of the block that `b` reads (the
+    output's own node packed it at the earliest)."""
+    packer = blocks.packer.get(b)
+    if packer is not None:
+        return packer
+    read = [s for s in problem.storage_inputs[b] if s in members]
+    return max(read, default=first)
+
+
+def eager_schedule(problem: Problem, blocks: EagerBlocks, cached: Iterable[int], *,
+                   strategy: str = "eager", status: Status = Status.HEURISTIC,
+                   budget: int | None = None) -> Schedule:
+    """The `Schedule` that the eager mode runs for a policy caching `cached`: `saved` is what
+    the forward keeps for the backward (cached values, and everything outside the blocks that
+    the backward reads), `recomputed` what the checkpoints run again and `recompute_at` their
+    triggers. Its `peak` is `eager_timeline`'s, not `simulate`'s."""
+    runs = block_runs(problem, blocks, cached)
+    timeline = eager_timeline(problem, blocks, runs)
+    in_blocks = set(blocks.block_of())
+    recomputed = {v: run.trigger for run in runs for v in run.recomputed}
+    needed_outside = {problem.root[s] for b in problem.backward for s in problem.storage_inputs[b]
+                      if s < problem.num_forward and problem.root[s] not in in_blocks}
+    saved = frozenset(needed_outside | {v for run in runs for v in run.cached})
+    return Schedule(
+        saved=saved, recomputed=frozenset(recomputed), recompute_at=MappingProxyType(recomputed),
+        strategy=strategy, status=status, budget=budget,
+        cost=sum(problem.ops[v].cost for v in recomputed),
+        recompute_flops=sum(problem.ops[v].flops for v in recomputed), peak=timeline.peak,
+        info={"execution": "eager", "cached": tuple(sorted(v for r in runs for v in r.cached)),
+              "blocks": {r.name: {"trigger": r.trigger, "stop": r.stop,
+                                  "recomputed": len(r.recomputed), "cached": len(r.cached)}
+                         for r in runs}})
+
+
+def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) -> Timeline:
+    """The memory of the step in eager mode, step by step (see the module's docstring)."""
+    ops = problem.ops
+    nf = problem.num_forward
+    at = {v: run.trigger for run in runs if run.trigger is not None for v in run.recomputed}
+    order = step_order(problem, Schedule(saved=frozenset(), recomputed=frozenset(at),
+                                         recompute_at=at))
+    step_of = [0] * len(ops)
+    again: dict[int, int] = {}
+    for t, (i, kind) in enumerate(order):
+        if kind is StepKind.RECOMPUTE:
+            again[i] = t
+        else:
+            step_of[i] = t
+    end = len(order) - 1
+
+    block_of = blocks.block_of()
+    owner = blocks.owner
+    run_of = {run.name: run for run in runs}
+    # How long checkpoint itself holds a storage: a block's inputs to its last backward op,
+    # cached values the recomputation never reaches and snapshots to the same; the cache
+    # holds the values it reaches until the recomputation takes them out.
+    held_to: dict[int, int] = {}
+    for run in runs:
+        if run.end is None:
+            continue
+        kept = list(run.inputs) + [v for v in run.cached if run.stop is None or v > run.stop]
+        kept += [v for v in blocks.ops[run.name] if recompute_blocker(problem, v) is not None
+                 and ops[v].kind is not Kind.VIEW]
+        for s in kept:
+            held_to[s] = max(held_to.get(s, 0), step_of[run.end])
+        if run.trigger is not None:
+            taken = step_of[run.trigger] - len(run.recomputed)  # the recomputation's first step
+            for v in run.cached:
+                if v <= run.stop:
+                    held_to[v] = max(held_to.get(v, 0), taken)
+
+    held: list[tuple[int, int, int, int]] = []
+
+    def hold(size: int, start: int, stop: int) -> None:
+        held.append((-1, size, start, stop))
+
+    readers = problem.storage_readers
+    pinned = problem.pinned
+    node_end = blocks.node_end
+
+    def read_at(r: int) -> int:  # when a backward op's read of a saved tensor ends
+        return step_of[node_end.get(r, r)]
+
+    for i, op in enumerate(ops):
+        if problem.root[i] != i or op.size == 0:
+            continue
+        t = tuple_of(problem, i)
+        made = step_of[i] if t is None else step_of[t] + 1
+        if i in pinned:
+            hold(op.size, made, end)
+            continue
+        if i >= nf:
+            hold(op.size, made, max((step_of[r] for r in readers[i]), default=made))
+            continue
+        block = block_of.get(i)
+        run = run_of.get(block) if block is not None else None
+        recomputed = run is not None and i in run.recomputed
+        original, copy = [made, held_to.get(i, made)], []
+        lives_to = blocks.forward_life.get(i)
+        if lives_to is not None:
+            original.append(step_of[lives_to])
+            if recomputed:  # the recomputation's variables: to the same op, or its end
+                copy.extend(again[v] for v in run.recomputed if v <= lives_to)
+        for r in readers[i]:
+            if r < nf:
+                original.append(step_of[r])
+                if r in again:  # read again by a recomputation
+                    same_block = block_of.get(r) == block
+                    (copy if recomputed and same_block else original).append(again[r])
+            elif recomputed and owner.get(r) == block:
+                copy.append(read_at(r))
+            else:
+                original.append(read_at(r))
+        hold(op.size, made, max(original))
+        if recomputed:
+            start = again[i] if t is None else again[t] + 1
+            hold(op.size, start, max(copy, default=start))
+
+    for run in runs:
+        if run.end is not None and blocks.state_bytes:
+            hold(blocks.state_bytes, step_of[blocks.ops[run.name][0]], step_of[run.end])
+    return timeline_of(problem, order, held)
+
+
+def plan_eager(problem: Problem, blocks: EagerBlocks, budget: int,
+               seeds: Iterable[Iterable[int]]) -> Schedule:
+    """The cheapest eager policy found from `seeds` (cache sets, e.g. what the exact plan
+    saves, nothing, everything cacheable) whose eager peak fits `budget`: each seed is
+    repaired by caching less (the most bytes per second of recompute first) until it fits,
+    then improved by caching more (the most recompute seconds per byte first) while it fits.
+    A heuristic: status HEURISTIC. Raises BudgetError with the least peak seen when no
+    seed fits however little it caches."""
+    candidates = [v for v in sorted(blocks.cacheable) if problem.ops[v].size > 0
+                  and problem.ops[v].kind is Kind.TENSOR]
+    eps = 1e-15
+
+    def run(cached) -> Schedule:
+        return eager_schedule(problem, blocks, cached, budget=budget)
+
+    best: Schedule | None = None
+    least = None
+    for seed in seeds:
+        cached = set(seed) & set(candidates)
+        schedule = run(cached)
+        for v in sorted(cached, key=lambda v: -problem.ops[v].size / (problem.ops[v].cost + eps)):
+            if schedule.peak <= budget:
+                break
+            cached.discard(v)
+            schedule = run(cached)
+        least = schedule.peak if least is None else min(least, schedule.peak)
+        if schedule.peak > budget:
+            continue
+        for v in sorted(set(candidates) - cached,
+                        key=lambda v: -(problem.ops[v].cost + eps) / problem.ops[v].size):
+            if v not in schedule.recomputed:
+                continue  # caching it would save no recomputation
+            trial = run(cached | {v})
+            if trial.peak <= budget and trial.cost <= schedule.cost:
+                cached.add(v)
+                schedule = trial
+        if best is None or (schedule.cost, schedule.peak) < (best.cost, best.peak):
+            best = schedule
+    if best is None:
+        raise BudgetError(
+            f"eager: no checkpoint policy found fits; the least eager peak seen is "
+            f"{least:,} bytes of activations, above the budget of {budget:,}; checkpoint more "
+            "modules (blocks=) or raise the budget", budget=budget, smallest=least)
+    return best

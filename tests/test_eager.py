@@ -1,0 +1,161 @@
+"""execution="eager": per-block selective checkpointing, judged by eager PyTorch's gradients and
+the allocator (torch.profiler memory events) of the real step."""
+from __future__ import annotations
+
+import copy
+from functools import partial
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import remat
+from remat.errors import BudgetError, RematError
+from remat.fx_passes.allocator import allocator_peak
+from remat.fx_passes.eager_policy import apply_eager, with_cache
+from remat.planner.eager_plan import plan_eager_mode
+from remat.planner.optimize import prepare
+from remat.solvers import SolverOptions, Strategy
+from remat.solvers.eager import block_runs, eager_schedule
+from tests.llama_tiny import TinyLlamaConfig, tiny_llama
+
+CONFIG = TinyLlamaConfig(hidden=32, mlp=88, seq=32, dropout=0.1)
+FAST = SolverOptions(time_limit=5)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model, inputs = tiny_llama(CONFIG, batch=4)
+    return model, inputs, prepare(model, inputs)
+
+
+def plan_at(llama, budget, **kw):
+    model, inputs, prepared = llama
+    return plan_eager_mode(model, prepared, budget=None, activation_budget=budget, target="h100",
+                           solver=kw.pop("solver", Strategy.OPTIMAL), solver_options=FAST,
+                           blocks=kw.pop("blocks", None), example_inputs=inputs)
+
+
+def step(model, inputs, seed=7):
+    torch.manual_seed(seed)
+    loss = model(*inputs)
+    loss.backward()
+    return float(loss.detach())
+
+
+def plain_peak_and_grads(llama):
+    model, inputs, _ = llama
+    ref = copy.deepcopy(model)
+    peak, loss = allocator_peak(lambda: step(ref, inputs))
+    return peak, loss, {n: p.grad for n, p in ref.named_parameters()}
+
+
+def test_solvers_eager_is_torch_free():
+    code = ("import sys; sys.modules['torch'] = None; import remat.solvers.eager, "
+            "remat.solvers; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("fraction", [0.7, 0.85])
+def test_eager_plan_gradients_equal_eager_and_peak_matches_allocator(llama, fraction):
+    model, inputs, _ = llama
+    plain, plain_loss, grads = plain_peak_and_grads(llama)
+    budget = int(plain * fraction)
+    plan = plan_at(llama, budget)
+    assert plan.activation_peak <= budget
+    assert plan.schedule.info["execution"] == "eager"
+    mine = plan.apply(copy.deepcopy(model))
+    measured, loss = allocator_peak(lambda: step(mine, inputs))
+    # Dropout is on: equal gradients mean checkpoint replayed the same masks.
+    assert loss == plain_loss
+    for name, p in mine.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert abs(measured - plan.activation_peak) <= 0.01 * measured, (measured,
+                                                                      plan.activation_peak)
+    assert measured < plain
+
+
+def test_eager_model_predicts_whole_block_checkpointing(llama):
+    """The policy that caches nothing (torch.utils.checkpoint on every block), predicted by the
+    eager model and measured: a check of the trigger, early stop and lifetimes alone."""
+    model, inputs, _ = llama
+    plan = plan_at(llama, 10**9)
+    problem, blocks = plan.eager_problem, plan.structure
+    predicted = eager_schedule(problem, blocks, ()).peak
+    mine = apply_eager(copy.deepcopy(model),
+                       {p: with_cache(pol, frozenset()) for p, pol in plan.policies.items()})
+    measured, _ = allocator_peak(lambda: step(mine, inputs))
+    assert abs(measured - predicted) <= 0.01 * measured, (measured, predicted)
+    # Early stop: the recomputation never runs the block's last ops (the residual adds).
+    for run in block_runs(problem, blocks, ()):
+        assert run.stop < blocks.ops[run.name][-1]
+
+
+def test_blocks_by_name_is_the_default(llama):
+    named = plan_at(llama, 10**9, blocks=["layers"])
+    default = plan_at(llama, 10**9)
+    assert sorted(named.policies) == sorted(default.policies) == ["layers.0", "layers.1"]
+
+
+def test_a_block_whose_ops_differ_at_run_time_is_named(llama):
+    model, inputs, _ = llama
+    plan = plan_at(llama, 10**9)
+    mine = plan.apply(copy.deepcopy(model))
+    mine.layers[1].drop = torch.nn.Identity()  # the run now skips the block's dropouts
+    with pytest.raises(RematError, match="block 'layers.1'"):
+        step(mine, inputs)
+
+
+def test_apply_refuses_twice_and_other_models(llama):
+    model, _, _ = llama
+    plan = plan_at(llama, 10**9)
+    mine = plan.apply(copy.deepcopy(model))
+    with pytest.raises(RematError, match="already wrapped"):
+        plan.apply(mine)
+    other, _ = tiny_llama(TinyLlamaConfig(hidden=16, mlp=40, seq=32))
+    with pytest.raises(RematError, match="parameters differ"):
+        plan.apply(other)
+
+
+def test_budget_below_the_least_eager_peak_raises(llama):
+    with pytest.raises(BudgetError):
+        plan_at(llama, 1000)
+
+
+def test_execution_argument_is_checked(llama):
+    model, inputs, _ = llama
+    with pytest.raises(ValueError, match="execution"):
+        remat.optimize(model, activation_budget=10**9, example_inputs=inputs, execution="lazy")
+    with pytest.raises(ValueError, match="blocks="):
+        remat.optimize(model, activation_budget=10**9, example_inputs=inputs, blocks=["layers"])
+
+
+def test_hugging_face_gpt2_trains_like_eager_and_refuses_a_kv_cache():
+    """transformers' GPT-2 (SDPA, dropout on): its joint graph shares the causal mask between
+    blocks and reorders ops, which the probe and the alignment absorb; a model that would
+    append to its key/value cache when recomputed is refused."""
+    from tests.models import gpt2_hf
+
+    model, inputs = gpt2_hf(batch=2, seq=32)
+    model.model.config.use_cache = False
+    ref = copy.deepcopy(model)
+    torch.manual_seed(3)
+    ref(*inputs).loss.backward()
+    prepared = prepare(model, inputs)
+    plan = partial(plan_eager_mode, model, prepared, budget=None, target="h100",
+                   solver=Strategy.GREEDY, solver_options=FAST, blocks=None,
+                   example_inputs=inputs)
+    everything = plan(activation_budget=10**9).activation_peak
+    plan = plan(activation_budget=int(0.8 * everything))
+    assert plan.schedule.recomputed  # the checkpoints run ops again
+    cached = copy.deepcopy(model)
+    cached.model.config.use_cache = True
+    with pytest.raises(RematError, match="use_cache"):
+        plan.apply(cached)
+    mine = plan.apply(copy.deepcopy(model))
+    torch.manual_seed(3)
+    mine(*inputs).loss.backward()
+    for (name, a), (_, b) in zip(ref.named_parameters(), mine.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
