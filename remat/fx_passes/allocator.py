@@ -10,7 +10,10 @@ allocator sees both:
 
 `allocator_peak(step, device)` runs ``step()`` once and returns the most bytes allocated at
 any moment above what was allocated when it began (parameters, inputs, optimizer state and
-anything else held before the step are the baseline, not counted).
+anything else held before the step are the baseline, not counted). `step_peak(forward,
+backward, device)` does the same for a training step, leaving out the gradient that seeds the
+backward (``loss.backward()``'s ones): like the batch, it is an input of the step's graphs,
+which the simulator counts in the static term, not in the activations.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AllocatorTrace", "allocator_peak", "cpu_memory_events"]
+__all__ = ["AllocatorTrace", "allocator_peak", "cpu_memory_events", "step_peak"]
 
 
 @contextlib.contextmanager
@@ -80,3 +83,43 @@ def allocator_peak(step: Callable[[], Any], device: torch.device | str = "cpu") 
         result = step()
         del result
     return AllocatorTrace(tuple(events)).peak
+
+
+def step_peak(forward: Callable[[], Any], backward: Callable[[Any, Any], Any],
+              device: torch.device | str = "cpu") -> tuple[int, Any]:
+    """(the allocator's peak of a training step, the forward's result). Runs
+    ``out = forward()``, makes the seed ``ones_like`` of the loss outside the measurement, then
+    ``backward(out, seed)``. The peak is above what was allocated before the forward."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = forward()
+        torch.cuda.synchronize(device)
+        forward_peak = torch.cuda.max_memory_allocated(device)
+        before_seed = torch.cuda.memory_allocated(device)
+        seed = _seed(out)
+        seed_bytes = torch.cuda.memory_allocated(device) - before_seed  # rounded by the allocator
+        torch.cuda.reset_peak_memory_stats(device)
+        backward(out, seed)
+        torch.cuda.synchronize(device)
+        backward_peak = torch.cuda.max_memory_allocated(device) - seed_bytes
+        return max(forward_peak, backward_peak) - base, out
+    if device.type != "cpu":
+        raise ValueError(f"step_peak measures the CPU or CUDA allocator, not {device}")
+    with cpu_memory_events() as forward_events:
+        out = forward()
+    seed = _seed(out)
+    with cpu_memory_events() as backward_events:
+        backward(out, seed)
+        del seed
+    events = AllocatorTrace(tuple(forward_events) + tuple(backward_events))
+    return events.peak, out
+
+
+def _seed(out: Any) -> torch.Tensor:
+    loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"the forward returned {type(out).__name__}, not a loss tensor")
+    return torch.ones_like(loss)
