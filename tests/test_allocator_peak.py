@@ -21,7 +21,6 @@ from remat.fx_passes.planned import planned_module
 from remat.fx_passes.storage import remat_meta
 from remat.fx_passes.workspace import workspace_bytes
 from remat.solvers import SolverOptions, make_schedule, simulate, solve
-from tests import models
 
 
 class ConvNet(nn.Module):
@@ -73,7 +72,7 @@ def swiglu():
                               torch.randn(4, 32, 64, generator=g))
 
 
-FACTORIES = {"conv_net": conv_net, "swiglu": swiglu, "gpt": models.gpt, "mlp": models.mlp}
+FACTORIES = {"conv_net": conv_net, "swiglu": swiglu}
 
 
 @functools.cache
@@ -83,8 +82,10 @@ def lowered(name):
     return model, inputs, captured, lower(captured)
 
 
-def plan(problem, fraction):
+@functools.cache
+def plan(name, fraction):
     """The optimal schedule at `fraction` of the save-all peak (or the least that fits)."""
+    problem = lowered(name)[3]
     full = simulate(problem, make_schedule(problem, ())).peak
     options = SolverOptions(time_limit=5, workers=1)
     try:
@@ -134,35 +135,32 @@ def test_conv_backward_scratch_is_measured():
             assert workspace_bytes(node) >= meta["scratch"], node.name
 
 
-@pytest.mark.parametrize("name", ["conv_net", "swiglu", "gpt"])
+@pytest.mark.parametrize("name", ["conv_net", "swiglu"])
 @pytest.mark.parametrize("fraction", [1.0, 0.6])
 def test_allocator_peak_within_two_percent_under_simulated(name, fraction):
+    """(test_rewrite checks the same, to the byte, through measure_step on the test models.)"""
     model, inputs, _, problem = lowered(name)
-    schedule = plan(problem, fraction) if fraction < 1 else make_schedule(problem, ())
+    schedule = plan(name, fraction) if fraction < 1 else make_schedule(problem, ())
     simulated = simulate(problem, schedule).peak
     measured, _ = planned_allocator_peak(model, inputs, problem, schedule)
     assert 0.98 * simulated <= measured <= simulated, (measured, simulated)
 
 
-def test_scratch_at_the_peak_is_what_the_allocator_adds():
-    """Without the measured scratch the simulator reads under the allocator (the issue's U-Net
-    was 26 % over): the check above can fail."""
+def test_without_scratch_the_simulator_reads_under_the_allocator():
+    """The check above can fail: without the measured scratch, the simulated peak of the conv
+    net is under the allocator's (the issue's U-Net was 26 % over its budget)."""
     from dataclasses import replace
 
+    from remat.fx_passes import op_nodes
     from remat.solvers import Problem
-    model, inputs, _, problem = lowered("conv_net")
+
+    model, inputs, captured, problem = lowered("conv_net")
     schedule = make_schedule(problem, ())
-    no_scratch = Problem(tuple(replace(op, temp=remat_meta_temp(op, problem)) for op in
-                               problem.ops), name=problem.name)
+    bare = Problem(tuple(replace(op, temp=op.temp - remat_meta(node).get("scratch", 0))
+                         for op, node in zip(problem.ops, op_nodes(captured, problem))),
+                   name=problem.name)
     measured, _ = planned_allocator_peak(model, inputs, problem, schedule)
-    assert simulate(no_scratch, schedule).peak < measured
-
-
-def remat_meta_temp(op, problem):
-    """An op's temp without its kernel scratch (a tuple's outputs only)."""
-    _, _, captured, _ = lowered("conv_net")
-    node = next(n for n in captured.graph.nodes if n.name == op.name)
-    return op.temp - remat_meta(node).get("scratch", 0)
+    assert simulate(bare, schedule).peak < measured
 
 
 @pytest.mark.parametrize("name", ["swiglu", "conv_net"])
@@ -170,7 +168,7 @@ def test_measure_step_reads_the_allocator_peak_unchanged(name):
     """Measured with its tracker and FLOP counter inside the graphs, the step peaks where it
     peaks uninstrumented (within 1 %), and the FLOPs are the plan's."""
     model, inputs, _, problem = lowered(name)
-    schedule = plan(problem, 0.6)
+    schedule = plan(name, 0.6)
     plain, _ = planned_allocator_peak(model, inputs, problem, schedule)
     instrumented = copy.deepcopy(model)
     module = planned_module(instrumented, problem, schedule)
