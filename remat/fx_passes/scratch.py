@@ -55,9 +55,13 @@ def _materialize(value: Any, device: torch.device, generator: torch.Generator) -
         if not isinstance(v, torch.Tensor):
             return v
         real = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=device)
+        # Filled through its whole storage: an expanded value (stride 0) cannot be written.
+        flat = torch.empty(0, dtype=v.dtype, device=device).set_(real.untyped_storage())
         if v.dtype.is_floating_point:
-            return real.normal_(generator=generator)
-        return real.zero_()  # indices stay in range
+            flat.normal_(generator=generator)
+        else:
+            flat.zero_()  # indices stay in range
+        return real
 
     return torch.fx.node.map_aggregate(value, make)
 
