@@ -5,7 +5,8 @@
 
 Every model of tests/models.py, examples/ (llama tiny, the resnet example's shape) and
 benchmarks/peers.py (its quick sizes; ``--full`` for its full ones), plus the tests' U-Net with
-``ReLU(inplace=True)`` and ``cat`` and a SwiGLU stack with dropout. Each is planned at two
+``ReLU(inplace=True)`` and ``cat``, a SwiGLU stack with dropout, and tiny transformers T5,
+GPT-NeoX and ViT (dropout on). Each is planned at two
 budgets (80 % and 60 % of its save-all peak, or the least peak that fits), compiled, run once,
 then run again under torch.profiler's memory events: the allocator's peak above what was
 allocated before the step (parameters, inputs, gradients of the compiling step cleared).
@@ -40,6 +41,58 @@ from remat.solvers import Problem, SolverOptions, make_schedule, simulate, solve
 MiB = 2**20
 
 
+class _HFLoss(torch.nn.Module):
+    """A transformers model called with keyword inputs; the forward returns `.loss`."""
+
+    def __init__(self, model, *names):
+        super().__init__()
+        self.model, self.names = model, names
+
+    def forward(self, *inputs):
+        return self.model(**dict(zip(self.names, inputs))).loss
+
+
+def _hf_models() -> dict:
+    """The issue's unseen models, tiny, dropout on: T5 (dropout backward temporaries),
+    GPT-NeoX and ViT (SDPA backward)."""
+    import transformers as hf
+
+    g = torch.Generator().manual_seed(1)
+    ids = lambda: torch.randint(1, 256, (4, 32), generator=g)
+
+    def t5():
+        config = hf.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                             num_heads=4, dropout_rate=0.1, decoder_start_token_id=0,
+                             pad_token_id=0)
+        torch.manual_seed(0)
+        model = hf.T5ForConditionalGeneration(config).train()
+        return _HFLoss(model, "input_ids", "labels"), (ids(), ids())
+
+    def gpt_neox():
+        config = hf.GPTNeoXConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=128,
+                                  max_position_embeddings=64, hidden_dropout=0.1,
+                                  attention_dropout=0.1, attn_implementation="sdpa")
+        torch.manual_seed(0)
+        model = hf.GPTNeoXForCausalLM(config).train()
+        model.loss_type = "ForCausalLM"
+        x = ids()
+        return _HFLoss(model, "input_ids", "labels"), (x, x)
+
+    def vit():
+        config = hf.ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, intermediate_size=128,
+                              hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+                              num_labels=10, attn_implementation="sdpa")
+        torch.manual_seed(0)
+        model = hf.ViTForImageClassification(config).train()
+        return _HFLoss(model, "pixel_values", "labels"), (
+            torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g))
+
+    return {"transformers.t5": t5, "transformers.gpt_neox": gpt_neox,
+            "transformers.vit": vit}
+
+
 def _models(full: bool) -> dict:
     from _peers_models import MODELS as PEERS
     from tests import models
@@ -68,6 +121,7 @@ def _models(full: bool) -> dict:
             return case.model, case.inputs
 
         table[f"peers.{name}{'' if full else ' (quick)'}"] = factory
+    table.update(_hf_models())
     return table
 
 
@@ -78,14 +132,21 @@ def _without_scratch(problem: Problem, captured) -> Problem:
 
 
 def _schedules(problem: Problem, time_limit: float):
+    """Two budgets: 80 % and 60 % of the save-all peak; one below the least peak that fits
+    becomes that least, and the other then lies halfway between it and the save-all peak."""
     full = simulate(problem, make_schedule(problem, ())).peak
     options = SolverOptions(time_limit=time_limit, workers=1)
-    for fraction in (0.8, 0.6):
+    budgets = [int(full * 0.8), int(full * 0.6)]
+    labels = ["80%", "60%"]
+    for i in (1, 0):
         try:
-            yield f"{fraction:.0%}", solve(problem, int(full * fraction), "optimal", options)
+            yield labels[i], solve(problem, budgets[i], "optimal", options)
         except BudgetError as e:
-            yield f"least ({e.smallest / MiB:.3f} MiB)", solve(problem, e.smallest, "optimal",
-                                                                options)
+            labels[i] = f"least {e.smallest / MiB:.3f}"
+            yield labels[i], solve(problem, e.smallest, "optimal", options)
+            if i == 1:  # the other budget: halfway between the least and saving everything
+                budgets[0] = max(budgets[0], (e.smallest + full) // 2)
+                labels[0] = f"{budgets[0] / full:.0%}"
 
 
 def run(name: str, factory, time_limit: float) -> list[list]:
