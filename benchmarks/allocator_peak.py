@@ -32,7 +32,7 @@ from tabulate import tabulate  # noqa: E402
 
 from remat.errors import BudgetError  # noqa: E402
 from remat.fx_passes import capture, lower, op_nodes  # noqa: E402
-from remat.fx_passes.allocator import AllocatorTrace, cpu_memory_events  # noqa: E402
+from remat.fx_passes.allocator import AllocatorTrace, cpu_memory_events, paired  # noqa: E402
 from remat.fx_passes.measure import measure_step  # noqa: E402
 from remat.fx_passes.planned import planned_module  # noqa: E402
 from remat.fx_passes.storage import remat_meta  # noqa: E402
@@ -192,7 +192,7 @@ def calibrate() -> None:
             outs = out if isinstance(out, (tuple, list)) else (out,)
             kept = sum(t.untyped_storage().nbytes() for t in outs if isinstance(t, torch.Tensor))
             del out, outs
-        return AllocatorTrace(tuple(events)).peak - kept
+        return AllocatorTrace(tuple(paired(events))).peak - kept
 
     forward, backward = [], []
     with torch.no_grad():

@@ -26,25 +26,50 @@ import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AllocatorTrace", "allocator_peak", "cpu_memory_events", "step_peak"]
+__all__ = ["AllocatorTrace", "allocator_peak", "cpu_memory_events", "paired", "step_peak"]
 
 
 @contextlib.contextmanager
-def cpu_memory_events() -> Iterator[list[int]]:
+def cpu_memory_events() -> Iterator[list[tuple[int, int]]]:
     """Record the CPU allocator's events while the block runs; the yielded list is filled, on
-    exit, with the signed bytes of every allocation (+) and free (-), in allocation order."""
+    exit, with the (address, signed bytes) of every allocation (+) and free (-) in the order
+    they ran. `paired` turns one or more such lists into the sizes that count.
+
+    Only frees of blocks allocated inside the measurement count. The profiler remembers the size of
+    every block allocated while any profiling session runs; a block freed while none runs
+    keeps its entry, and a new block at the same address, freed inside a later session, is
+    then reported with the stale size: a free that never was (a planned ViT step read 18 %
+    low). Pairing each free with an allocation seen here by address drops those, and the
+    frees of blocks that were held before (the baseline)."""
     from torch.profiler import ProfilerActivity, profile
 
     events: list[int] = []
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
-                 record_shapes=False, with_stack=False) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         yield events
-    raw = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-           and e.device_type() == torch.autograd.DeviceType.CPU]
-    # The events are listed in the order they were recorded; sort stably by time in case
-    # another thread's queue was appended after this one's.
-    raw.sort(key=lambda e: e.start_ns())
-    events.extend(int(e.nbytes()) for e in raw)
+    allocations = []
+    stack = list(reversed(prof.profiler.kineto_results.experimental_event_tree()))
+    while stack:  # pre-order: an op's allocations in the order it made them
+        event = stack.pop()
+        stack.extend(reversed(event.children))
+        fields = event.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
+            allocations.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+    allocations.sort(key=lambda a: a[0])  # stable: ties keep the order they were found in
+    events.extend((ptr, size) for _, ptr, size in allocations)
+
+
+def paired(events: list[tuple[int, int]]) -> list[int]:
+    """Signed sizes of `events` (cpu_memory_events'), each free taking the size its block was
+    allocated with here; frees of blocks allocated elsewhere are dropped."""
+    live: dict[int, int] = {}
+    sizes = []
+    for ptr, size in events:
+        if size > 0:
+            live[ptr] = size
+            sizes.append(size)
+        elif ptr in live:
+            sizes.append(-live.pop(ptr))
+    return sizes
 
 
 @dataclass(frozen=True)
@@ -82,7 +107,7 @@ def allocator_peak(step: Callable[[], Any], device: torch.device | str = "cpu") 
     with cpu_memory_events() as events:
         result = step()
         del result
-    return AllocatorTrace(tuple(events)).peak
+    return AllocatorTrace(tuple(paired(events))).peak
 
 
 def step_peak(forward: Callable[[], Any], backward: Callable[[Any, Any], Any],
@@ -114,8 +139,7 @@ def step_peak(forward: Callable[[], Any], backward: Callable[[Any, Any], Any],
     with cpu_memory_events() as backward_events:
         backward(out, seed)
         del seed
-    events = AllocatorTrace(tuple(forward_events) + tuple(backward_events))
-    return events.peak, out
+    return AllocatorTrace(tuple(paired(forward_events + backward_events))).peak, out
 
 
 def _seed(out: Any) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from remat.fx_passes.allocator import cpu_memory_events
+from remat.fx_passes.allocator import cpu_memory_events, paired
 from remat.fx_passes.storage import remat_meta
 from remat.fx_passes.workspace import workspace_bytes
 
@@ -123,7 +123,7 @@ def _measure_cpu(nodes: list[fx.Node], generator: torch.Generator) -> dict[fx.No
             _mark()
             ran.append(node)
             del out, args, kwargs
-    peaks = _windows(events, len(ran))
+    peaks = _windows(paired(events), len(ran))
     return {node: peak for node, peak in zip(ran, peaks) if node is not None}
 
 
