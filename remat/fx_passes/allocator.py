@@ -91,19 +91,28 @@ class AllocatorTrace:
         return sum(self.events)
 
 
+def _cuda_window(fn: Callable[[], Any], device: torch.device) -> tuple[Any, int]:
+    """(fn's result, the CUDA allocator's peak while it ran above what was allocated before)."""
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    return result, torch.cuda.max_memory_allocated(device) - base
+
+
+def _checked(device: torch.device | str) -> torch.device:
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"the allocator is measured on the CPU or CUDA, not {device}")
+    return device
+
+
 def allocator_peak(step: Callable[[], Any], device: torch.device | str = "cpu") -> int:
     """The allocator's peak while ``step()`` runs, above what was allocated when it began."""
-    device = torch.device(device)
+    device = _checked(device)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        result = step()
-        torch.cuda.synchronize(device)
-        del result
-        return torch.cuda.max_memory_allocated(device) - base
-    if device.type != "cpu":
-        raise ValueError(f"allocator_peak measures the CPU or CUDA allocator, not {device}")
+        return _cuda_window(step, device)[1]
     with cpu_memory_events() as events:
         result = step()
         del result
@@ -115,24 +124,14 @@ def step_peak(forward: Callable[[], Any], backward: Callable[[Any, Any], Any],
     """(the allocator's peak of a training step, the forward's result). Runs
     ``out = forward()``, makes the seed ``ones_like`` of the loss outside the measurement, then
     ``backward(out, seed)``. The peak is above what was allocated before the forward."""
-    device = torch.device(device)
+    device = _checked(device)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        out = forward()
-        torch.cuda.synchronize(device)
-        forward_peak = torch.cuda.max_memory_allocated(device)
-        before_seed = torch.cuda.memory_allocated(device)
+        out, forward_peak = _cuda_window(forward, device)
+        held = torch.cuda.memory_allocated(device) - base
         seed = _seed(out)
-        seed_bytes = torch.cuda.memory_allocated(device) - before_seed  # rounded by the allocator
-        torch.cuda.reset_peak_memory_stats(device)
-        backward(out, seed)
-        torch.cuda.synchronize(device)
-        backward_peak = torch.cuda.max_memory_allocated(device) - seed_bytes
-        return max(forward_peak, backward_peak) - base, out
-    if device.type != "cpu":
-        raise ValueError(f"step_peak measures the CPU or CUDA allocator, not {device}")
+        _, backward_peak = _cuda_window(lambda: backward(out, seed), device)
+        return max(forward_peak, held + backward_peak), out
     with cpu_memory_events() as forward_events:
         out = forward()
     seed = _seed(out)
