@@ -101,7 +101,8 @@ def _windows(events: list[int], count: int) -> list[int]:
 
 
 def _measure_cpu(nodes: list[fx.Node], generator: torch.Generator) -> dict[fx.Node, int]:
-    ran: list[fx.Node] = []
+    # One window per attempted op, in order; an op that fails leaves a window that is dropped.
+    windows: list[fx.Node | None] = []
     with cpu_memory_events() as events:
         for node in nodes:
             try:
@@ -109,22 +110,18 @@ def _measure_cpu(nodes: list[fx.Node], generator: torch.Generator) -> dict[fx.No
             except Exception as e:  # symbolic or opaque inputs: modelled instead
                 log.info("cannot materialize the inputs of %s (%s)", node.name, e)
                 continue
+            out, ran = None, node
             _mark()
             try:
                 out = node.target(*args, **kwargs)
             except Exception as e:
                 log.info("cannot run %s alone (%s): its scratch is modelled", node.name, e)
-                out = None
-                # close the window anyway, so that windows stay paired; dropped below
-                _mark()
-                ran.append(None)
-                del args, kwargs
-                continue
+                ran = None
             _mark()
-            ran.append(node)
+            windows.append(ran)
             del out, args, kwargs
-    peaks = _windows(paired(events), len(ran))
-    return {node: peak for node, peak in zip(ran, peaks) if node is not None}
+    peaks = _windows(paired(events), len(windows))
+    return {node: peak for node, peak in zip(windows, peaks) if node is not None}
 
 
 def _measure_cuda(nodes: list[fx.Node], device: torch.device,
