@@ -9,8 +9,8 @@ more, on the kernels it was calibrated on. Families and how they were calibrated
 
 | family | scratch | calibration |
 | --- | --- | --- |
-| convolution (forward) | 2.2 x (input + output), channels padded to 16 | 96 shapes: N 2/8, C_in 3/16/64, C_out 16/64/128, H 16/56, k 1/3, stride 1/2; max 2.17, median 0.80 |
-| convolution_backward | 2.0 x (grad_output + input, channels padded to 16, + 2 x weight) | same 96 shapes; max 2.00, median 0.99 |
+| convolution (forward) | 2.2 x (input + output), channels padded to 16 | 144 shapes: N 2/8, C_in 3/16/64, C_out 16/64/128, H 16/56, k 1/3, stride 1/2; max 2.17, median 0.80 |
+| convolution_backward | 2.0 x (grad_output + input, channels padded to 16, + 2 x weight) | same 144 shapes; max 2.00, median 1.00 |
 | native_dropout | 1.0 x input (the mask is drawn in the input's dtype, then cast to bool) | test models: exactly 1.0 |
 | native_dropout_backward | 1.0 x grad_output + 16 (the product before scaling) | test models: exactly 1.0 (+12) |
 | native_batch_norm_backward | 1.0 x input | test models: exactly 1.0 |
