@@ -17,33 +17,16 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from remat.fx_passes.flops import FlopCounter, register_cpu_attention
 from remat.fx_passes.memory_tracker import MemoryTracker
-
-from torch.utils import flop_counter as _fc
-
-from remat.fx_passes.flops import register_cpu_attention
 
 # PyTorch has no formula for the CPU attention kernels: attention would count zero FLOPs.
 register_cpu_attention()
 
 
-class FlopCount(TorchDispatchMode):
-    """Total FLOPs of the ops that run under it, by FlopCounterMode's formulas (matmul,
-    convolution, attention; pointwise ops count zero). Unlike the public FlopCounterMode it has
-    no module hooks, so it also works inside AOTAutograd's graphs and can be entered many times,
-    accumulating."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.total = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        formula = _fc.flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.total += int(formula(*args, **kwargs, out_val=out))
-        return out
+# Total FLOPs by FlopCounterMode's formulas, without its module hooks (it works inside
+# AOTAutograd's graphs) and without decomposing ops (which would allocate).
+FlopCount = FlopCounter
 
 
 class Probe:

@@ -1,8 +1,10 @@
 """Capture, profile and lower every test model; check the predictions against PyTorch.
 
-Per model: ops in the joint graph, capture and profile time, the save-all peak that
-`simulate` predicts beside the peak measured inside the compiled graphs of PyTorch's
-`default_partition` step (and the plain eager step's peak), FLOPs beside FlopCounterMode, and
+Per model: ops in the joint graph, capture and profile time (kernel scratch measured), the
+save-all peak that `simulate` predicts beside the allocator's peak of PyTorch's
+`default_partition` step (torch.profiler memory events; kernel scratch included) and the live
+bytes a storage tracker measures inside its graphs (no scratch), the plain eager step's
+allocator peak, FLOPs beside FlopCounterMode, and
 for transformers the saved bytes per layer beside s*b*h*(34 + 5*a*s/h) (MEMORY.md).
 Run: python benchmarks/profile_models.py
 """
@@ -20,8 +22,9 @@ from tabulate import tabulate  # noqa: E402
 from torch._functorch.partitioners import default_partition  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from remat.fx_passes import (capture, default_loss, lower, measure_eager,  # noqa: E402
+from remat.fx_passes import (capture, compile_step, default_loss, lower,  # noqa: E402
                              profile, register_cpu_attention)
+from remat.fx_passes.allocator import step_peak  # noqa: E402
 from remat.fx_passes.memory_tracker import measure_partitioned  # noqa: E402
 from remat.solvers import make_schedule, simulate  # noqa: E402
 from tests import models  # noqa: E402
@@ -44,7 +47,13 @@ def run(name):
     predicted = simulate(problem, save_all).peak
 
     tracker = measure_partitioned(model, inputs, default_partition)
-    eager = measure_eager(lambda: default_loss(model(*inputs)).backward()).peak
+    step = compile_step(model, default_partition)
+    step(*inputs).backward()  # compiles
+    model.zero_grad(set_to_none=True)
+    allocator, _ = step_peak(lambda: step(*inputs), lambda loss, seed: loss.backward(seed))
+    model.zero_grad(set_to_none=True)
+    eager, _ = step_peak(lambda: default_loss(model(*inputs)),
+                         lambda loss, seed: loss.backward(seed))
     model.zero_grad(set_to_none=True)
     register_cpu_attention()
     with FlopCounterMode(display=False) as counter:
@@ -59,9 +68,9 @@ def run(name):
     row = {
         "model": name, "ops": len(problem), "graph nodes": len(captured.graph.nodes),
         "capture s": round(t1 - t0, 2), "profile s": round(t2 - t1, 3),
-        "predicted peak KiB": predicted / 1024, "measured peak KiB": tracker.peak / 1024,
-        "error %": round(100 * (predicted - tracker.peak) / tracker.peak, 2),
-        "eager peak KiB": eager / 1024,
+        "predicted peak KiB": predicted / 1024, "allocator peak KiB": allocator / 1024,
+        "error %": round(100 * (predicted - allocator) / allocator, 2),
+        "tracker peak KiB": tracker.peak / 1024, "eager allocator KiB": eager / 1024,
         "FLOPs": problem.total_flops, "FlopCounterMode": counter.get_total_flops(),
     }
     layer = None

@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+
+from remat.fx_passes.allocator import AllocatorTrace, cpu_memory_events, paired
 
 
 def allocator_peak(fn) -> tuple[int, int]:
     """(peak, end): the most bytes allocated at once while `fn()` runs, and the bytes still
     allocated when it returns, both counted from what was allocated before it."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with cpu_memory_events() as events:
         fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak, live
+    trace = AllocatorTrace(tuple(paired(events)))
+    return trace.peak, trace.end
 
 
 def storage_bytes(tensors) -> int:

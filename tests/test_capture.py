@@ -132,9 +132,11 @@ def test_meta_capture_equals_real_capture(tiny_gpt):
     fake = lower(meta_captured)
     assert meta_captured.device == "meta"
     assert model.lm_head.weight.device.type == "meta"  # the model got its tensors back
-    key = lambda p: [(o.name, o.phase, o.inputs, o.size, o.kind, o.temp, o.flops,
+    key = lambda p: [(o.name, o.phase, o.inputs, o.size, o.kind, o.flops,
                       o.not_recomputable, o.is_output) for o in p.ops]
     assert key(fake) == key(real)
+    # Kernel scratch: measured on the real capture, modelled (erring high) on the meta one.
+    assert all(f.temp >= r.temp for f, r in zip(fake.ops, real.ops))
 
 
 def test_source_describes_the_step(tiny_gpt):

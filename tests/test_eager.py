@@ -12,7 +12,7 @@ import torch
 
 import remat
 from remat.errors import BudgetError, RematError
-from remat.fx_passes.allocator import allocator_peak
+from remat.fx_passes.allocator import peak_and_result as allocator_peak
 from remat.fx_passes.eager_policy import apply_eager, with_cache
 from remat.planner.eager_plan import plan_eager_mode
 from remat.planner.optimize import prepare

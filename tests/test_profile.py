@@ -161,3 +161,30 @@ def test_recomputation_lowers_the_unet_peak_below_saving_everything():
     save_all = make_schedule(problem, []).peak
     schedule = solve(problem, int(save_all * 0.85), "optimal")
     assert schedule.peak <= save_all * 0.85 and schedule.recomputed
+
+
+def test_kernel_scratch_measured_on_real_tensors_modelled_on_meta():
+    """A real capture runs every op once under the allocator; a meta capture cannot run, and
+    takes the workspace model (remat.fx_passes.workspace), which errs high."""
+    def conv(device):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(inplace=True),
+                                  nn.Conv2d(16, 4, 3, padding=1))
+            x = torch.randn(2, 3, 16, 16)
+        return model, (x,)
+
+    problems = {}
+    for device in ("cpu", "meta"):
+        model, inputs = conv(device)
+        captured = capture(model, inputs, loss_fn=lambda out: out.pow(2).mean())
+        problems[device] = lower(captured)
+        sources = {n.meta["remat"]["scratch_source"] for n in captured.graph.nodes
+                   if n.op == "call_function" and n.meta["remat"].get("alias_of") is None
+                   and "getitem" not in n.name}
+        assert sources == {"measured" if device == "cpu" else "model"}, sources
+        assert captured.graph_module.meta["remat_profile"].scratch_measured == (device == "cpu")
+    real, meta = problems["cpu"], problems["meta"]
+    backward = [i for i, op in enumerate(real.ops) if "convolution_backward" in op.target]
+    assert backward and all(real.ops[i].temp > 0 for i in backward)
+    assert all(m.temp >= r.temp for m, r in zip(meta.ops, real.ops))

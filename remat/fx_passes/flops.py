@@ -15,12 +15,13 @@ from typing import Any
 import torch
 from torch import fx
 from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat.fx_passes.rng import unwrapped
 
 log = logging.getLogger(__name__)
 
-__all__ = ["node_flops", "register_cpu_attention"]
+__all__ = ["FlopCounter", "node_flops", "register_cpu_attention"]
 
 _registered = False
 
@@ -65,3 +66,26 @@ def node_flops(node: fx.Node) -> int:
     except Exception:  # a formula that cannot read these arguments must not stop planning
         log.warning("no FLOP count for %s (%s)", node.name, target, exc_info=True)
         return 0
+
+
+class FlopCounter(TorchDispatchMode):
+    """Counts FLOPs with the same registry as ``FlopCounterMode``, running every op as it is.
+
+    ``FlopCounterMode`` decomposes each op it has no formula for (``silu_backward`` into
+    sigmoid, empty_like, fill_, sub_, mul), and the decomposed ops really allocate: a step
+    measured under it holds more than the step does (TORCH-NOTES.md). This mode never
+    decomposes. It counts exactly what `node_flops` counts for the graph's nodes, so a planned
+    step's total equals the problem's FLOPs plus its recomputations'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        register_cpu_attention()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_counter.flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out

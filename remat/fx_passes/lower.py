@@ -158,6 +158,7 @@ def lower(captured: Captured, *, target="h100", measure: bool = False,
             size = 0  # a split of a placeholder: views of static memory
         elif meta.get("tuple_bytes") or isinstance(node.meta.get("val"), (tuple, list)):
             kind, size, temp = Kind.TUPLE, 0, meta.get("tuple_bytes", 0)
+        temp += meta.get("scratch", 0)  # kernel scratch, live while the op runs (scratch.py)
         ops.append(Op(
             name=node.name, phase=phase[node], inputs=tuple(inputs), size=int(size),
             kind=kind, temp=int(temp), cost=float(meta.get("time", 0.0)),

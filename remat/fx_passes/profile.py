@@ -5,6 +5,9 @@ runs, in order,
 - `storage_pass` (remat.fx_passes.storage): ``bytes``, ``alias_of``, ``tuple_bytes``;
 - `flops_pass`: ``flops`` from ``torch.utils.flop_counter``'s registry;
 - `module_pass`: ``module``, the module path of the op ("h.3.attn"), backward ops included;
+- `scratch_pass` (remat.fx_passes.scratch): ``scratch``, the bytes a kernel allocates while it
+  runs beyond its outputs, measured by the allocator when the graph was captured with real
+  tensors, else from the workspace model (``scratch_source`` says which);
 - `time_pass`: ``time`` in seconds, the roofline for `target` or, with ``measure=True``, the
   median of CUDA-event timings of the op alone on ``device`` (a GPU by default; a CPU only
   when asked), ``time_source`` saying which.
@@ -23,6 +26,7 @@ from torch import fx
 from remat.fx_passes.capture import Captured
 from remat.fx_passes.devices import Device, device as lookup_device
 from remat.fx_passes.flops import node_flops
+from remat.fx_passes.scratch import scratch_pass
 from remat.fx_passes.storage import remat_meta, storage_pass
 from remat.fx_passes.timing import measure_node, roofline
 
@@ -38,11 +42,13 @@ class Profile:
     total_flops: int
     total_time: float
     profile_time: float
+    scratch_measured: bool = False  # kernel scratch from the allocator, not the model
+
 
     def to_dict(self) -> dict:
         return {"target": self.target.name, "measured": self.measured,
                 "total_flops": self.total_flops, "total_time": self.total_time,
-                "profile_time": self.profile_time}
+                "profile_time": self.profile_time, "scratch_measured": self.scratch_measured}
 
 
 def flops_pass(gm: fx.GraphModule) -> int:
@@ -110,9 +116,13 @@ def profile(captured: Captured, *, target: "str | Device" = "h100", measure: boo
     storage_pass(gm)
     total_flops = flops_pass(gm)
     module_pass(gm)
+    # Weights on the meta device cannot run: their ops' scratch comes from the model.
+    real = captured.device != "meta"
+    scratch_pass(gm, measure=real)
     total_time = time_pass(gm, chip, measure=measure, device=device)
     result = Profile(target=chip, measured=measure, total_flops=total_flops,
-                     total_time=total_time, profile_time=time.perf_counter() - start)
+                     total_time=total_time, profile_time=time.perf_counter() - start,
+                     scratch_measured=real)
     gm.meta["remat_profile"] = result
     log.info("profiled %s: %.3g FLOPs, %.3g s on %s", captured.model_name, total_flops,
              total_time, chip.name)
