@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from remat.errors import BudgetError, RematError, SolverError
 from remat.planner.budget import format_size
-from remat.planner.optimize import Plan, _check_same_parameters, _has_meta_weights
+from remat.planner.optimize import Plan, check_same_parameters, has_meta_weights
 from remat.solvers import SolverOptions, Strategy, solve
 from remat.solvers.baselines import block_of
 from remat.solvers.eager import eager_schedule, plan_eager
@@ -44,8 +44,8 @@ class EagerPlan(Plan):
     def apply(self, model: Any):
         from remat.fx_passes.eager_policy import apply_eager
 
-        _check_same_parameters(model, self.prepared.param_shapes)
-        if _has_meta_weights(model):
+        check_same_parameters(model, self.prepared.param_shapes)
+        if has_meta_weights(model):
             raise RematError("plan.apply(model) needs real weights; this model's parameters are "
                              "meta or fake tensors: load or initialize the weights first")
         check_eager_device(model, self.prepared.captured.device)

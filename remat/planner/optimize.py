@@ -6,10 +6,7 @@ per model and batch) and `plan_prepared` (solve, simulate, report; once per budg
 """
 from __future__ import annotations
 
-import inspect
 import logging
-import time
-from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, Sequence
 
@@ -19,71 +16,12 @@ from remat.planner.accounting import StepMemory
 from remat.planner.budget import format_size, parse_size
 from remat.planner.report import (Measured, MemoryColumn, Report, SolverSummary, kept_tensors,
                                   module_rows, price)
-from remat.planner.training import StateMemory, Training, state_memory
+from remat.planner.prepare import (Prepared, check_same_parameters, device_of,
+                                   has_meta_weights, prepare)
+from remat.planner.training import Training
 from remat.solvers import Problem, Schedule, SolverOptions, Strategy, solve
 
 log = logging.getLogger(__name__)
-
-# The baselines the report sets beside the plan.
-BASELINES = (Strategy.SAVE_ALL, Strategy.CHECKPOINT_BLOCKS)
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A model's training step, captured, profiled and lowered, with its state: everything that
-    does not depend on the budget."""
-
-    problem: Problem
-    """The problem the solver plans: the graph's ops, and under ZeRO-2/3 the collectives too."""
-    captured: Any  # remat.fx_passes.capture.Captured
-    profile: Any  # remat.fx_passes.profile.Profile
-    state: StateMemory
-    training: Training
-    gradients_in_graph: bool
-    param_shapes: dict[str, tuple[tuple[int, ...], str]]
-    """name -> (shape, dtype) of the parameters the plan was made for."""
-    loss_fn: Callable | None = None
-    meta_weights: bool = False
-    """The parameters have no data (meta or fake): the plan cannot run on them."""
-    inputs: tuple = ()
-    """The example inputs as (shape, dtype) for tensors, the value itself otherwise: enough to
-    capture the same step again on another device."""
-    kwargs: dict = field(default_factory=dict)
-    """The example keyword inputs, in the same form as `inputs`."""
-    returns: str = "output"
-    """What the planned module returns: "output" (the model's) or "loss"."""
-    prepare_time: float = 0.0
-    sharded: Any = None
-    """remat.fx_passes.sharding.Sharded: `problem` and the graph problem the rewrite runs."""
-
-    @cached_property
-    def graph_gradients(self) -> int:
-        """Bytes of the graph's gradients that the state counts (remat.planner.accounting)."""
-        return accounting.graph_gradients(self.problem) if self.gradients_in_graph else 0
-
-    @cached_property
-    def baselines(self) -> dict[Strategy, Schedule]:
-        """The baselines' schedules, whatever their peak (the report shows whether they fit)."""
-        unbounded = sum(op.size + op.temp for op in self.problem.ops)
-        return {s: solve(self.problem, unbounded, s) for s in BASELINES}
-
-    def step_memory(self, schedule: Schedule, budget: int | None) -> StepMemory:
-        return accounting.step_memory(schedule, self.state, self.training,
-                                      graph_gradients=self.graph_gradients,
-                                      gradients_in_graph=self.gradients_in_graph, budget=budget)
-
-    def allowance(self, budget: int | None, activation_budget: int | None = None) -> int:
-        """The simulated peak the solver may reach: the activations' share of a whole-step
-        `budget` (or `activation_budget`), plus the graph's gradients the state counts."""
-        if budget is None:
-            return activation_budget + self.graph_gradients
-        return (accounting.activation_allowance(budget, self.state, self.training)
-                + self.graph_gradients)
-
-    def needs(self, simulated_peak: int) -> int:
-        """The smallest whole-step budget that holds a schedule of this simulated peak."""
-        return accounting.smallest_budget(simulated_peak - self.graph_gradients, self.state,
-                                          self.training)
 
 
 class Plan:
@@ -162,12 +100,12 @@ class Plan:
         from remat.fx_passes.planned import planned_module
         from remat.fx_passes.replicate import ReplicatedCapture
 
-        _check_same_parameters(model, self.prepared.param_shapes)
-        if _has_meta_weights(model):
+        check_same_parameters(model, self.prepared.param_shapes)
+        if has_meta_weights(model):
             raise RematError("plan.apply(model) needs real weights; this model's parameters are "
                              "meta or fake tensors: load or initialize the weights first")
         plan = self
-        where = _device_of(model)
+        where = device_of(model)
         # A replicated capture's graph stands for the whole model but was traced on three
         # blocks: what runs is planned again on the full graph.
         if where != self.prepared.captured.device \
@@ -304,53 +242,6 @@ def _one_budget(budget, activation_budget) -> tuple[int | None, int | None]:
     return None, parse_size(activation_budget, allow_zero=True)
 
 
-def prepare(model: Any, example_inputs: Sequence[Any] = (), *,
-            example_kwargs: dict[str, Any] | None = None, training: Training = Training(),
-            target: str = "h100", loss_fn: Callable | None = None,
-            returns: str = "output", replicate: bool | None = None,
-            progress: Callable[[str, float], None] | None = None) -> Prepared:
-    """Capture, profile and lower the step once; compute the state it holds. `replicate`
-    traces three blocks of a stack of equal ones and replicates the middle one
-    (remat.fx_passes.replicate): the same problem in a fraction of the time, for planning;
-    None: when the weights are meta or fake (a plan that cannot run as it is).
-    `progress(phase, seconds)` hears of each phase as it ends."""
-    from remat.fx_passes.capture import capture
-    from remat.fx_passes.replicate import capture_replicated
-    from remat.fx_passes.lower import lower
-    from remat.fx_passes.profile import profile
-    from remat.fx_passes.sharding import shard
-
-    start = time.perf_counter()
-    log.info("capturing the training step of %s", type(model).__name__)
-    if replicate is None:
-        replicate = _has_meta_weights(model)
-    captured = (capture_replicated if replicate else capture)(
-        model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn, returns=returns)
-    done = progress or (lambda phase, seconds: None)
-    done("capture", captured.capture_time)
-    log.info("profiling %d nodes for %s", len(captured.graph.nodes), target)
-    profiled = profile(captured, target=target)
-    done("profile", profiled.profile_time)
-    lowering = time.perf_counter()
-    sharded = shard(lower(captured), captured, data_parallel=training.data_parallel,
-                    zero_stage=training.zero_stage, prefetch=training.prefetch,
-                    grad_bytes=training.grad_bytes)
-    problem = sharded.problem
-    done("lower", time.perf_counter() - lowering)
-    log.info("lowered to %d ops (%d forward), %d candidates", len(problem),
-             problem.num_forward, len(problem.candidates))
-    state = state_memory(model, training)
-    _warn_on_mismatch(model, training)
-    # Sharded gradients are made in the optimizer's dtype (remat.fx_passes.sharding).
-    in_graph = training.zero_stage >= 2 or _gradients_in_graph(model, training)
-    return Prepared(problem=problem, captured=captured, profile=profiled, state=state,
-                    training=training, gradients_in_graph=in_graph, sharded=sharded,
-                    param_shapes=_param_shapes(model), loss_fn=loss_fn,
-                    meta_weights=_has_meta_weights(model), inputs=_input_specs(example_inputs),
-                    kwargs={k: _input_specs((v,))[0] for k, v in (example_kwargs or {}).items()},
-                    returns=returns, prepare_time=time.perf_counter() - start)
-
-
 def plan_prepared(model: Any, prepared: Prepared, *, budget: int | None,
                   activation_budget: int | None, target: str,
                   solver: Strategy | str = Strategy.OPTIMAL,
@@ -400,76 +291,3 @@ def _budget_error(prepared: Prepared, error: BudgetError, *, budget: int | None,
     return whole
 
 
-# ----------------------------------------------------------------------------- parameters
-
-
-def _trainable(model: Any, training: Training):
-    return [(n, p) for n, p in model.named_parameters() if not training.is_frozen(n, p)]
-
-
-def _gradients_in_graph(model: Any, training: Training) -> bool:
-    """Whether the gradients the optimizer reads are the graph's own outputs: the graph makes
-    gradients in the parameters' dtype, so they are when that dtype has the configuration's
-    gradient size (see remat.planner.accounting)."""
-    trainable = _trainable(model, training)
-    return all(p.element_size() == training.grad_bytes for _, p in trainable)
-
-
-def _warn_on_mismatch(model: Any, training: Training) -> None:
-    params = list(model.named_parameters())
-    sizes = {p.element_size() for _, p in params}
-    if params and sizes != {training.weight_bytes}:
-        log.warning("the model's parameters have %s bytes per element but precision %r stores "
-                    "weights in %d: the activations are planned in the model's dtype; cast the "
-                    "model to plan what will run", sorted(sizes), training.precision.value,
-                    training.weight_bytes)
-    config = getattr(model, "config", None)
-    if model.training and getattr(config, "use_cache", False) \
-            and "use_cache" in inspect.signature(model.forward).parameters:
-        log.warning("%s returns its key/value cache (config.use_cache=True): the plan holds it "
-                    "to the end of the step, as eager would; set model.config.use_cache=False "
-                    "for training (Hugging Face does under gradient checkpointing)",
-                    type(model).__name__)
-    frozen_but_trained = [n for n, p in params
-                          if p.requires_grad and training.is_frozen(n, None)]
-    if frozen_but_trained:
-        log.warning("%d parameters are frozen in Training but require grad in the model (%s...): "
-                    "the graph computes their gradients; set requires_grad=False on them",
-                    len(frozen_but_trained), frozen_but_trained[0])
-
-
-def _param_shapes(model: Any) -> dict[str, tuple[tuple[int, ...], str]]:
-    return {n: (tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()}
-
-
-def _has_meta_weights(model: Any) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return any(p.device.type == "meta" or isinstance(p, FakeTensor)
-               for p in model.parameters())
-
-
-def _device_of(model: Any) -> str:
-    return str(next(iter(model.parameters())).device) if any(True for _ in
-                                                            model.parameters()) else ""
-
-
-def _input_specs(example_inputs: Sequence[Any]) -> tuple:
-    import torch
-
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
-    return tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
-                 for x in example_inputs)
-
-
-def _check_same_parameters(model: Any, expected: dict) -> None:
-    actual = _param_shapes(model)
-    if actual != expected:
-        missing = sorted(set(expected) - set(actual))
-        extra = sorted(set(actual) - set(expected))
-        differ = sorted(n for n in set(actual) & set(expected) if actual[n] != expected[n])
-        raise RematError(
-            "plan.apply(model): the model's parameters differ from the planned model's "
-            f"(missing {missing[:3]}, unexpected {extra[:3]}, other shape or dtype "
-            f"{differ[:3]}); plan this model with remat.optimize")
