@@ -78,7 +78,7 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
     structure, policies = eager_blocks(captured, joint, paths, observed)
     problem = eager_problem(joint, op_nodes(captured, joint), captured.device)
     strategy = Strategy(solver)
-    allowance = activation_budget if budget is None else prepared.allowance(budget)
+    allowance = prepared.allowance(budget, activation_budget)
     seeds: list[frozenset[int]] = [frozenset(), structure.cacheable]
     try:
         compiled = solve(problem, max(allowance, 0), strategy, solver_options)
