@@ -33,7 +33,7 @@ from typing import Iterable, Mapping
 from remat.errors import BudgetError
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
 from remat.solvers.schedule import Schedule, Status
-from remat.solvers.simulate import StepKind, Timeline, step_order, timeline_of
+from remat.solvers.simulate import Timeline, step_order, steps_of, timeline_of
 
 log = logging.getLogger(__name__)
 
@@ -172,13 +172,7 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
     at = {v: run.trigger for run in runs if run.trigger is not None for v in run.recomputed}
     order = step_order(problem, Schedule(saved=frozenset(), recomputed=frozenset(at),
                                          recompute_at=at))
-    step_of = [0] * len(ops)
-    again: dict[int, int] = {}
-    for t, (i, kind) in enumerate(order):
-        if kind is StepKind.RECOMPUTE:
-            again[i] = t
-        else:
-            step_of[i] = t
+    step_of, again = steps_of(order, len(ops))
     end = len(order) - 1
 
     block_of = blocks.block_of()

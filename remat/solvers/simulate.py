@@ -73,14 +73,7 @@ def holds(problem: Problem, schedule: Schedule,
     nf = problem.num_forward
     order = step_order(problem, schedule) if order is None else order
     end = len(order) - 1
-    # Where each op's value is made: forward and backward ops once, recomputed ops twice.
-    first_step = [0] * len(ops)
-    recompute_step: dict[int, int] = {}
-    for t, (i, kind) in enumerate(order):
-        if kind is StepKind.RECOMPUTE:
-            recompute_step[i] = t
-        else:
-            first_step[i] = t
+    first_step, recompute_step = steps_of(order, len(ops))
 
     readers = problem.storage_readers
     pinned = problem.pinned
@@ -132,3 +125,16 @@ def timeline_of(problem: Problem, order: list[tuple[int, StepKind]],
         live += delta[t]
         steps.append(Step(op=i, kind=kind, live=live + ops[i].temp))
     return Timeline(tuple(steps))
+
+
+def steps_of(order, num_ops: int) -> tuple[list[int], dict[int, int]]:
+    """Where each op's value is made in `order` (`step_order`'s): forward and backward ops
+    once, at the first list's step; a recomputed op again, at the dict's step."""
+    first_step = [0] * num_ops
+    recompute_step: dict[int, int] = {}
+    for t, (i, kind) in enumerate(order):
+        if kind is StepKind.RECOMPUTE:
+            recompute_step[i] = t
+        else:
+            first_step[i] = t
+    return first_step, recompute_step
