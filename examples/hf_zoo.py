@@ -9,12 +9,17 @@ dropout on where the architecture has it, and called as a training loop calls it
 wrapper: ``remat.optimize(model, example_kwargs={...}, activation_budget=...)``; the planned
 module returns the model's ``ModelOutput`` and ``out.loss.backward()`` runs the plan.
 
-For each model the reference is eager PyTorch's step, measured by the allocator (torch.profiler
-memory events on the CPU: every byte allocated from the start of the forward to the end of the
-backward, the parameters' gradients included). Each budget is a fraction of that peak. Per model
-and budget the table prints: capture (seconds, or the error), the solver's status, time and gap,
-the largest gradient difference to eager (same seed: dropout is replayed), the allocator's peak
-of the planned step against the budget, and the recompute FLOPs in % of the model's.
+For each model the reference is eager PyTorch's step, measured by the allocator
+(remat.fx_passes.allocator: torch.profiler memory events on the CPU, every byte allocated from
+the start of the forward to the end of the backward). Its activations mean what
+``activation_budget`` means: the step's peak less the state (parameters, which the allocator
+sees as held before the step, and their gradients; there is no optimizer here). Each budget is
+a fraction of eager's activations. Per model and budget the table prints: whether the budget
+is shown feasible before planning (per-block checkpointing fits it, or the proven floor of the
+least peak exceeds it), capture (seconds, or the error), the solver's status, time and gap, the
+largest gradient difference to eager (same seed: dropout is replayed), the plan's predicted
+activation peak and the allocator's (the planned step's peak less its gradients) against the
+budget, and the recompute FLOPs in % of the model's.
 """
 from __future__ import annotations
 
@@ -32,9 +37,12 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from remat.errors import BudgetError  # noqa: E402
+from remat.fx_passes.allocator import allocator_peak  # noqa: E402
 from remat.planner.budget import format_size  # noqa: E402
 from remat.planner.optimize import plan_prepared, prepare  # noqa: E402
-from remat.solvers import SolverOptions  # noqa: E402
+from remat.solvers import SolverOptions, Strategy  # noqa: E402
+from remat.solvers.bound import peak_bound  # noqa: E402
 
 VOCAB, SEQ, BATCH = 128, 128, 8
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -122,20 +130,20 @@ def build(name: str):
 # ----------------------------------------------------------------------------- measuring
 
 
-def allocator_peak(step: Callable[[], None]) -> int:
-    """The most bytes the CPU allocator held at once during `step()`, above what was held when
-    it began: torch.profiler's memory events, summed in time order."""
-    from torch.profiler import ProfilerActivity, profile
+def gradient_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters' gradients after a step: part of the state, which the one
+    meaning of activations takes out of the step's peak (remat.planner.accounting)."""
+    return sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+               if p.grad is not None)
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+
+def activation_peak(step: Callable[[], None], model: torch.nn.Module) -> int:
+    """The allocator's peak of `step()` less the gradients it leaves in `model`: the step's
+    peak less the state (parameters and inputs are held before it begins, so the allocator's
+    baseline; there is no optimizer state). Calls `step` on a model with no gradients."""
+    zero(model)
+    peak = allocator_peak(step)
+    return peak - gradient_bytes(model)
 
 
 def training_step(call: Callable, kwargs: dict, seed: int) -> Callable[[], None]:
@@ -176,24 +184,39 @@ class Row:
     solve_time: float | None = None
     gap: float | None = None
     grad_diff: float | None = None
+    predicted: int | None = None
     peak: int | None = None
     recompute_pct: float | None = None
+    feasible: str = ""
     error: str = ""
 
     def cells(self) -> list:
         fits = "" if self.peak is None else ("yes" if self.peak <= self.budget else "NO")
         return [self.model, self.family, f"{100 * self.fraction:.0f} %",
-                format_size(self.budget) if self.budget else "", self.capture,
+                format_size(self.budget) if self.budget else "", self.feasible, self.capture,
                 self.status or self.error.split(":")[0],
                 "" if self.solve_time is None else f"{self.solve_time:.1f} s",
                 "" if self.gap is None else f"{100 * self.gap:.2f} %",
                 "" if self.grad_diff is None else f"{self.grad_diff:.1e}",
+                "" if self.predicted is None else format_size(self.predicted),
                 "" if self.peak is None else format_size(self.peak), fits,
                 "" if self.recompute_pct is None else f"{self.recompute_pct:.1f} %"]
 
 
-HEADERS = ["model", "family", "budget", "bytes", "capture", "status", "solve", "gap",
-           "grad diff", "allocator peak", "fits", "recompute"]
+HEADERS = ["model", "family", "budget", "activations", "feasible", "capture", "status", "solve",
+           "gap", "grad diff", "predicted", "allocator", "fits", "recompute"]
+
+
+def feasibility(prepared, budget: int, seconds: float) -> tuple[str, int]:
+    """Whether `budget` (activations) is shown feasible before planning: "blocks" when
+    per-block checkpointing fits it; else "no" when the proven least peak (bound.peak_bound,
+    a floor no schedule beats) exceeds it; else "open" (the solver decides). Also the floor."""
+    grads = prepared.graph_gradients
+    blocks = prepared.baselines[Strategy.CHECKPOINT_BLOCKS].peak - grads
+    floor = max(0, int(peak_bound(prepared.problem, time_limit=seconds).value) - grads)
+    if blocks <= budget:
+        return "blocks", floor
+    return ("no" if floor > budget else "open"), floor
 
 
 def run_model(name: str, fractions: list[float], options: SolverOptions) -> list[Row]:
@@ -203,41 +226,46 @@ def run_model(name: str, fractions: list[float], options: SolverOptions) -> list
         eager = copy.deepcopy(base)
         eager_step = training_step(eager, kwargs, seed=7)
         eager_step()  # first call: lazy initialization outside the measured step
-        zero(eager)
-        eager_peak = allocator_peak(eager_step)
+        eager_activations = activation_peak(eager_step, eager)
     except Exception as e:
         return [Row(name, family, f, capture="no eager step", error=_first_line(e))
                 for f in fractions]
-    print(f"{name}: eager step {format_size(eager_peak)} (allocator)", flush=True)
+    print(f"{name}: eager activations {format_size(eager_activations)} (allocator, "
+          f"gradients {format_size(gradient_bytes(eager))} out)", flush=True)
     start = time.perf_counter()
     try:
         prepared = prepare(base, example_kwargs=kwargs)
     except Exception as e:  # the table reports every failure with its cause
-        return [Row(name, family, f, int(f * eager_peak), capture="failed",
+        return [Row(name, family, f, int(f * eager_activations), capture="failed",
                     error=_first_line(e)) for f in fractions]
     capture = f"ok {time.perf_counter() - start:.0f} s"
-    simulated = {s.value: format_size(v.peak) for s, v in prepared.baselines.items()}
+    grads = prepared.graph_gradients
+    simulated = {s.value: format_size(v.peak - grads) for s, v in prepared.baselines.items()}
     print(f"{name}: captured; simulated activation peaks {simulated}", flush=True)
     rows = []
     for fraction in fractions:
-        row = Row(name, family, fraction, int(fraction * eager_peak), capture=capture)
+        row = Row(name, family, fraction, int(fraction * eager_activations), capture=capture)
         rows.append(row)
+        row.feasible, floor = feasibility(prepared, row.budget, min(5.0, options.time_limit))
         planned = copy.deepcopy(base)
         try:
             plan = plan_prepared(planned, prepared, budget=None, activation_budget=row.budget,
                                  target="h100", solver_options=options)
         except Exception as e:
             row.error = _first_line(e)
+            if isinstance(e, BudgetError) and e.smallest is not None:
+                row.error += f" (least peak found {format_size(e.smallest)}, " \
+                             f"floor {format_size(floor)})"
             print(f"{name} at {100 * fraction:.0f} %: {row.error}", flush=True)
             continue
         row.status, row.solve_time, row.gap = plan.status.value, plan.schedule.solve_time, \
             plan.gap
+        row.predicted = plan.activation_peak
         row.recompute_pct = plan.report().price.recompute_pct
         try:
             step = training_step(plan.module, kwargs, seed=7)
             step()  # compiles the planned step
-            zero(planned)
-            row.peak = allocator_peak(step)
+            row.peak = activation_peak(step, planned)
             row.grad_diff = grad_diff(eager, planned)
         except Exception as e:
             row.error = f"run: {_first_line(e)}"
@@ -266,8 +294,12 @@ def main(argv=None) -> int:
     rows = []
     for name in args.models.split(","):
         rows += run_model(name, fractions, options)
-    print("\nHugging Face models as they are (CPU, fp32, allocator = torch.profiler memory "
-          "events; grad diff = max |planned - eager| over all parameter gradients)")
+    print("\nHugging Face models as they are (CPU, fp32). activations = the step's peak less "
+          "the state (parameters, gradients; no optimizer), budgets a fraction of eager's; "
+          "feasible: blocks = per-block checkpointing fits, no = the proven floor exceeds it, "
+          "open = neither shows it; predicted = the plan's simulated activation peak, "
+          "allocator = torch.profiler memory events less the gradients; grad diff = "
+          "max |planned - eager| over all parameter gradients)")
     print(tabulate([r.cells() for r in rows], headers=HEADERS, disable_numparse=True))
     failures = [r for r in rows if r.error]
     for r in failures:

@@ -194,10 +194,13 @@ class _Call:
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             if hint is not None and hint.peak <= budget:  # a caller's hint need not fit
                 # Out of time before CP-SAT accepted any schedule; the hint fits (simulated).
-                logger.warning("optimal: CP-SAT found no schedule within %.1f s; returning the "
-                               "hint (%s), FEASIBLE", self.options.time_limit, hint.strategy)
                 info["from_hint"] = True
-                return self.result(hint, bound)
+                found = self.result(hint, bound)
+                # The hint's status is its own: OPTIMAL where the bound proves its cost least.
+                logger.warning("optimal: CP-SAT found no schedule within %.1f s; returning the "
+                               "hint (%s), %s", self.options.time_limit, hint.strategy,
+                               found.status.value)
+                return found
             return self.nothing_found(solver.StatusName(status))
         best_cost = round(solver.ObjectiveValue())
         recomputed, positions = model.decision(solver.Value)
