@@ -99,7 +99,7 @@ def relaxed_schedule(problem: Problem, budget: int, *, time_limit: float = 10.0,
                 continue
         if fits is None:  # a little past the excess, so that the next plan likely fits
             shrink += int(OVERSHOOT * (schedule.peak - budget))
-        elif fails is None or fits - fails <= PRECISION * budget:
+        elif fails is None or fits - fails <= max(1, PRECISION * budget):  # bytes: 1 at least
             break
         else:  # bisect: a smaller shrink is cheaper
             shrink = (fits + fails) // 2

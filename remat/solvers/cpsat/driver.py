@@ -219,6 +219,7 @@ class _Call:
             self.progress.update(stage="lowering the peak: solving")
             m.Add(model.cost <= best_cost)
             m.Minimize(model.peak)
+            m.ClearHints()  # the first stage's hint would stand beside this one's
             model.hint(first)
             solver = cp_solver(self.options, seconds)
             status2 = solver.Solve(m)
@@ -227,6 +228,8 @@ class _Call:
                 model_peak = solver.Value(model.peak)
                 info["peak_proven"] = status2 == cp_model.OPTIMAL
                 info["peak_stage"] = "proven" if info["peak_proven"] else "stopped at its share"
+            else:  # the first stage's answer stands; its live-range ends need not be tight
+                info["peak_stage"] = f"CP-SAT answered {solver.StatusName(status2)}"
             info["model_peak"] = model_peak * units.byte
         self.progress.update(stage="finishing")
         schedule = make_schedule(problem, recomputed, recompute_at=positions)
