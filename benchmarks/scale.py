@@ -1,7 +1,7 @@
 """Planning time and memory as Llama-style models grow: a column per phase, a row per model.
 
-    python benchmarks/scale.py --time-limit 30
-    python benchmarks/scale.py --models 7b 70b --time-limit 30 --solver optimal
+    python benchmarks/scale.py                       # 15 s a solve, stopping at a proven 1 % gap
+    python benchmarks/scale.py --models 7b 70b --time-limit 30 --relative-gap 0
     python benchmarks/scale.py --models 8L --no-replicate      # the full trace, for comparison
 
 Models (examples/llama.py, meta tensors, bf16, sequence 4096, micro-batch 1): ``8L`` .. ``80L``
@@ -15,8 +15,9 @@ Every model runs in a fresh process, so that its peak RSS (``ru_maxrss``, with t
 is its own; the phases are timed there:
 - capture: the joint graph (three blocks traced and the middle one replicated, unless
   ``--no-replicate``); profile; lower: `remat.planner.optimize.prepare`'s own phases;
-- solve: `plan_prepared` with ``--solver`` and ``--time-limit`` (a BudgetError is a row with
-  its status, and the phases after it are "-");
+- solve: `plan_prepared` with ``--solver``, ``--time-limit`` and ``--relative-gap`` (the solver
+  stops once its plan is proven that close; a BudgetError is a row with its status, and the
+  phases after it are "-");
 - simulate: `remat.solvers.simulate` of the plan (the simulator is the judge of every plan);
 - report: the report (its baselines solved) rendered.
 "total" is the sum of the phases; in brackets and in "cpu", the process's CPU seconds (CP-SAT's
@@ -56,7 +57,7 @@ def _configure(name: str):
     return replace(LLAMA_7B, layers=int(name.rstrip("L"))), training, None, 1
 
 
-def measure(name: str, *, solver: str, time_limit: float, replicate: bool,
+def measure(name: str, *, solver: str, time_limit: float, relative_gap: float, replicate: bool,
             fraction: float, prepare_only: bool = False) -> dict:
     """One model's row, in this process."""
     import resource
@@ -97,7 +98,7 @@ def measure(name: str, *, solver: str, time_limit: float, replicate: bool,
     row["replicated"] = hasattr(prepared.captured, "blocks")
     if prepare_only:
         return row
-    options = SolverOptions(time_limit=time_limit)
+    options = SolverOptions(time_limit=time_limit, relative_gap=relative_gap)
     activations = None
     if budget is None:  # a share of the save-all peak (the budget's choice, not timed)
         save_all = simulate(prepared.problem, make_schedule(prepared.problem, [])).peak
@@ -132,7 +133,8 @@ def measure(name: str, *, solver: str, time_limit: float, replicate: bool,
 
 def _run_child(name: str, args) -> dict:
     command = [sys.executable, __file__, "--child", name, "--solver", args.solver,
-               "--time-limit", str(args.time_limit), "--fraction", str(args.fraction)]
+               "--time-limit", str(args.time_limit), "--relative-gap", str(args.relative_gap),
+               "--fraction", str(args.fraction)]
     command += ["--no-replicate"] * args.no_replicate + ["--prepare-only"] * args.prepare_only
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -173,8 +175,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--solver", default="optimal", help="a remat.solvers.Strategy value")
-    parser.add_argument("--time-limit", type=float, default=30.0,
+    parser.add_argument("--time-limit", type=float, default=15.0,
                         help="seconds the solver may take per model")
+    parser.add_argument("--relative-gap", type=float, default=0.01,
+                        help="stop once the plan is proven within this share of the optimum")
     parser.add_argument("--no-replicate", action="store_true",
                         help="trace every block (the capture before replication)")
     parser.add_argument("--fraction", type=float, default=0.6,
@@ -185,6 +189,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(measure(args.child, solver=args.solver, time_limit=args.time_limit,
+                                 relative_gap=args.relative_gap,
                                  replicate=not args.no_replicate, fraction=args.fraction,
                                  prepare_only=args.prepare_only)))
         return 0
@@ -192,7 +197,8 @@ def main(argv=None) -> int:
     for name in args.models:
         rows.append(_run_child(name, args))
         print(f"{name}: done", file=sys.stderr, flush=True)
-    print(f"solver {args.solver}, time limit {args.time_limit:g} s, "
+    print(f"solver {args.solver}, time limit {args.time_limit:g} s, relative gap "
+          f"{args.relative_gap:g}, "
           f"{'full trace' if args.no_replicate else 'replicated capture'}, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     print(table(rows))

@@ -41,3 +41,20 @@ def test_relaxed_plan_on_a_stack_is_near_its_bound():
     plan, bound = relaxed_schedule(problem, budget, time_limit=10)
     assert plan is not None and plan.peak <= budget
     assert 0 < bound.value <= plan.cost <= 1.05 * bound.value, (plan.cost, bound)
+
+
+def test_optimal_stops_once_the_relaxed_plan_is_proven_within_relative_gap():
+    """With relative_gap, `optimal` returns the relaxation's plan as soon as its proven bound
+    is that close, without building the CP-SAT model; the gap it states is a true gap (its
+    bound is at most the cost proven optimal by the full search at relative_gap 0)."""
+    problem = transformer(layers=6, batch=2, seq=256, d_model=256, heads=4)
+    budget = simulate(problem, make_schedule(problem, [])).peak // 2
+    quick = solve(problem, budget, Strategy.OPTIMAL,
+                  SolverOptions(workers=2, time_limit=20, relative_gap=0.05))
+    assert "stopped" in quick.info and "variables" not in quick.info  # no model was built
+    assert quick.peak == simulate(problem, quick).peak <= budget
+    assert 0 <= quick.gap <= 0.05
+    full = solve(problem, budget, Strategy.OPTIMAL, SolverOptions(workers=2, time_limit=20))
+    assert "stopped" not in full.info  # at relative_gap 0 the search always runs
+    assert quick.bound <= full.cost * (1 + 1e-9)
+    assert quick.cost >= full.bound * (1 - 1e-9)

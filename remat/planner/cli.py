@@ -132,7 +132,7 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="plan a 7B model on meta tensors for an 80 GB device, "
                                        "then plan and run one step of a small GPT on the CPU")
-    demo.add_argument("--time-limit", type=float, default=30.0, help="seconds per solve")
+    demo.add_argument("--time-limit", type=float, default=15.0, help="seconds per solve")
     return parser
 
 

@@ -154,6 +154,12 @@ class _Call:
                 step_bound = max(found, relaxed_bound, key=lambda bound: bound.value)
         if step_bound.value == math.inf:  # no schedule fits: find the least peak for the error
             return self.fail(model)
+        if self.close_enough(hint, step_bound.value):
+            # The relaxation's plan is often proven this close already (7B: 0.1 % at 2.8 s);
+            # the search would spend the rest of the limit not improving it.
+            info["stopped"] = (f"the hint is proven within relative_gap "
+                               f"{self.options.relative_gap:g} before the search")
+            return self.result(hint, self.best_bound(0.0, step_bound))
         if model is None:
             model = self.build()
             if model is None:  # no time to search: the hint as it is, with what is proven
@@ -236,6 +242,14 @@ class _Call:
         if hint is not None and hint.peak <= budget and hint.cost < schedule.cost:
             schedule = hint  # CP-SAT started from it; its own answer can only be as good
         return self.result(schedule, bound)
+
+    def close_enough(self, hint: Schedule | None, bound: float) -> bool:
+        """Whether `hint` fits and its true cost is proven within `options.relative_gap` of
+        `bound`: the search may stop there, as CP-SAT does at that gap (never at 0)."""
+        if hint is None or hint.peak > self.budget or self.options.relative_gap <= 0:
+            return False
+        cost = sum(self.problem.ops[v].cost for v in hint.recomputed)
+        return cost - bound <= self.options.relative_gap * cost
 
     def evaluation(self) -> float:
         """Seconds one schedule evaluation (make_schedule, simulate) takes on this problem."""
