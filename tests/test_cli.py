@@ -88,10 +88,11 @@ def test_demo_prints_predicted_and_measured_within_5_percent():
     assert re.search(r"^70B: (per-rank peak .* of 80GB .*, (OPTIMAL|FEASIBLE), gap [\d.]+%|"
                      r"BudgetError: .*)$", out, re.M), out[:4000]
     match = re.search(r"predicted live bytes of the step's graph: (\d+) bytes "
-                      r".*measured: (\d+) bytes", out)
+                      r".*measured by the allocator: (\d+) bytes", out)
     assert match, out[-2000:]
     predicted, measured = map(int, match.groups())
-    assert abs(measured - predicted) <= 0.05 * predicted
+    # The allocator's contract (kernel scratch included): never over, at most 2 % under.
+    assert 0.98 * predicted <= measured <= predicted
 
 
 def only_a_model():
