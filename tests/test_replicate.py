@@ -3,7 +3,6 @@ Problem op for op (names included); stacks that are not uniform are captured who
 import logging
 from dataclasses import replace
 
-import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
