@@ -49,4 +49,8 @@ def with_objective(problem: Problem, objective: Objective | str) -> Problem:
     per_second = total_flops / total_time if total_time > 0 and total_flops > 0 else 1.0
     ops = tuple(replace(op, cost=op.flops + TIME_TIE_BREAK * op.cost * per_second)
                 for op in problem.ops)
-    return Problem(ops, name=problem.name, source={**problem.source, "objective": objective.value})
+    # A transfer does no FLOPs: under this objective its seconds only break ties, as an op's do.
+    bandwidth = (None if problem.host_bandwidth is None
+                 else problem.host_bandwidth / (TIME_TIE_BREAK * per_second))
+    return Problem(ops, name=problem.name, source={**problem.source, "objective": objective.value},
+                   host_bandwidth=bandwidth)

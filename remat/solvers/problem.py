@@ -79,10 +79,19 @@ class Problem:
     name: str = ""
     # Free-form facts about where the problem came from (model, batch, target device).
     source: dict = field(default_factory=dict, compare=False)
+    # Bytes per second over the link to host memory, in the units of `Op.cost` per byte
+    # (seconds, or the objective's): what offloading a saved value costs, both ways. None: the
+    # step may not offload.
+    host_bandwidth: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
         _validate(self.ops)
+        bandwidth = self.host_bandwidth
+        if bandwidth is not None and not (isinstance(bandwidth, (int, float))
+                                          and math.isfinite(bandwidth) and bandwidth > 0):
+            raise ValueError(f"host_bandwidth must be a positive number of bytes per second "
+                             f"(per cost unit) or None, not {bandwidth!r}")
 
     def __len__(self) -> int:
         return len(self.ops)

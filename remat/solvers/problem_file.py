@@ -37,11 +37,13 @@ def dumps(problem: Problem, **extra) -> str:
                 value = list(value)
             entry[f.name] = value
         ops.append(entry)
-    reserved = {"format", "version", "name", "source", "ops"} & extra.keys()
+    reserved = {"format", "version", "name", "source", "ops", "host_bandwidth"} & extra.keys()
     if reserved:
         raise ValueError(f"extra fields may not be named {sorted(reserved)}")
     body = {"format": FORMAT, "version": VERSION, "name": problem.name,
             "source": problem.source, **extra, "ops": ops}
+    if problem.host_bandwidth is not None:
+        body["host_bandwidth"] = problem.host_bandwidth
     return json.dumps(body, separators=(",", ":"))
 
 
@@ -65,5 +67,7 @@ def loads(text: str) -> tuple[Problem, dict]:
             ops.append(Op(**fields))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"op {i} of the problem file is malformed: {exc}") from None
-    extra = {k: v for k, v in body.items() if k not in {"format", "version", "name", "source", "ops"}}
-    return Problem(tuple(ops), name=body.get("name", ""), source=body.get("source", {})), extra
+    own = {"format", "version", "name", "source", "ops", "host_bandwidth"}
+    extra = {k: v for k, v in body.items() if k not in own}
+    return Problem(tuple(ops), name=body.get("name", ""), source=body.get("source", {}),
+                   host_bandwidth=body.get("host_bandwidth")), extra

@@ -4,6 +4,16 @@ Everything else follows from that decision (DESIGN.md, "The execution model"): t
 storages the backward needs, directly or through a recomputation, and does not recompute are
 saved. `make_schedule` derives them and checks that the decision can run; `evaluate` adds
 what the decision costs. Every strategy returns a `Schedule`.
+
+Beyond one recomputation (the richer execution model), a schedule may also
+- recompute a forward value *again*: within the forward, before a later forward reader (its
+  earlier copy then dies after its last reader before that point: long skip connections), or a
+  second time in the backward, after its first backward recomputation (`again`);
+- *offload* a saved value to host memory after its last forward reader and load it back before
+  a backward op (`offload_at`), at the cost of its bytes over the host link both ways
+  (`Problem.host_bandwidth`).
+Every read of a value is served by its latest copy made before the read; each copy lives from
+the step that makes it to the last read it serves (`remat.solvers.simulate`).
 """
 from __future__ import annotations
 
@@ -43,6 +53,13 @@ class Schedule:
     solve_time: float = 0.0
     # Anything a strategy wants to record: solver statistics, the anytime trace.
     info: Mapping = field(default_factory=dict, compare=False)
+    # The richer execution model: further recomputations of forward value v, each before op p
+    # (a forward op: recomputed within the forward; a backward op after recompute_at[v]: a
+    # second backward recomputation), and saved values offloaded to the host, each loaded back
+    # before the backward op given. Empty in the one-recomputation model.
+    again: Mapping[int, tuple[int, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    offload_at: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))
+    transfer_time: float = 0.0  # host-link seconds of the offloads (included in `cost`)
 
     @property
     def gap(self) -> float | None:
@@ -63,35 +80,41 @@ class Schedule:
             "saved": sorted(name(i) for i in self.saved),
             "recomputed": sorted(name(i) for i in self.recomputed),
             "recompute_at": {name(v): name(b) for v, b in sorted(self.recompute_at.items())},
+            "again": {name(v): [name(p) for p in ps] for v, ps in sorted(self.again.items())},
+            "offload_at": {name(v): name(b) for v, b in sorted(self.offload_at.items())},
+            "transfer_time": self.transfer_time,
         }
+
+    @property
+    def recomputations(self) -> int:
+        """How many times the step runs a forward op again, all copies counted."""
+        return len(self.recomputed) + sum(len(ps) for ps in self.again.values())
 
 
 def make_schedule(problem: Problem, recomputed: Iterable[int], *,
-                  recompute_at: Mapping[int, int] | None = None, **fields) -> Schedule:
+                  recompute_at: Mapping[int, int] | None = None,
+                  again: Mapping[int, Iterable[int]] | None = None,
+                  offload_at: Mapping[int, int] | None = None, **fields) -> Schedule:
     """The schedule that recomputes `recomputed` (forward op indices) and saves the rest of what
     the backward needs. Without `recompute_at`, each value is recomputed just before the first
     backward op that needs it, directly or through another recomputation: the latest point,
     which holds it for the shortest time. A value taken out of a tuple op brings the tuple op
     with it (a tuple cannot be saved). Raises ValueError, naming the op, for a decision that
     cannot run. The result is evaluated (cost, FLOPs, simulated peak) and carries `fields`
-    (strategy, status, budget, ...)."""
+    (strategy, status, budget, ...). `again` and `offload_at` are the richer model's (see the
+    module's docstring; `Schedule`'s fields), checked here the same way."""
     ops = problem.ops
     nf = problem.num_forward
     recomputed = set(recomputed)
     pinned = problem.pinned
-    for v in sorted(recomputed, key=repr):
-        if not (isinstance(v, int) and 0 <= v < nf):
-            raise ValueError(f"cannot recompute {v!r}: not a forward op of the problem")
-        op = ops[v]
-        if op.kind is Kind.VIEW:
-            raise ValueError(f"cannot recompute view {op.name!r}: views are rebuilt from their "
-                             "base; recompute the base")
-        reason = recompute_blocker(problem, v)
-        if reason is not None:
-            raise ValueError(f"cannot recompute {op.name!r}: it is not recomputable ({reason.value})")
-        if problem.root[v] in pinned:
-            raise ValueError(f"cannot recompute {op.name!r}: it is an output, kept to the end")
+    again_sets = {v: set(ps) for v, ps in (again or {}).items() if ps}
+    for v in sorted(recomputed | again_sets.keys(), key=repr):
+        _check_recomputable(problem, v, pinned)
     recomputed |= {t for t in map(lambda v: tuple_of(problem, v), recomputed) if t is not None}
+    for v in list(again_sets):  # a tensor taken out of a tuple comes with its tuple op
+        t = tuple_of(problem, v)
+        if t is not None:
+            again_sets.setdefault(t, set()).update(again_sets[v])
 
     needed = needed_storages(problem, recomputed)
     pointless = sorted(recomputed - needed)
@@ -109,9 +132,85 @@ def make_schedule(problem: Problem, recomputed: Iterable[int], *,
     else:
         positions = dict(recompute_at)
         _check_positions(problem, recomputed, positions, readers)
+    again_positions = {v: tuple(sorted(ps)) for v, ps in sorted(again_sets.items())}
+    _check_again(problem, again_positions, recomputed, positions)
+    offloads = dict(offload_at or {})
+    _check_offloads(problem, offloads, saved, positions, again_positions)
     schedule = Schedule(saved=frozenset(saved), recomputed=frozenset(recomputed),
-                        recompute_at=MappingProxyType(positions))
+                        recompute_at=MappingProxyType(positions),
+                        again=MappingProxyType(again_positions),
+                        offload_at=MappingProxyType(offloads))
+    _check_every_copy_read(problem, schedule)
     return evaluate(problem, schedule, **fields)
+
+
+def _check_recomputable(problem: Problem, v, pinned) -> None:
+    if not (isinstance(v, int) and 0 <= v < problem.num_forward):
+        raise ValueError(f"cannot recompute {v!r}: not a forward op of the problem")
+    op = problem.ops[v]
+    if op.kind is Kind.VIEW:
+        raise ValueError(f"cannot recompute view {op.name!r}: views are rebuilt from their "
+                         "base; recompute the base")
+    reason = recompute_blocker(problem, v)
+    if reason is not None:
+        raise ValueError(f"cannot recompute {op.name!r}: it is not recomputable ({reason.value})")
+    if problem.root[v] in pinned:
+        raise ValueError(f"cannot recompute {op.name!r}: it is an output, kept to the end")
+
+
+def _check_again(problem: Problem, again: dict[int, tuple[int, ...]], recomputed: set[int],
+                 positions: Mapping[int, int]) -> None:
+    """Forward positions come after the value's own op; backward ones after its first backward
+    recomputation (a value that is saved is never recomputed in the backward)."""
+    ops, nf = problem.ops, problem.num_forward
+    for v, ps in again.items():
+        for p in ps:
+            if not (isinstance(p, int) and v < p < len(ops)):
+                raise ValueError(f"{ops[v].name!r} is recomputed again at {p!r}, which is not "
+                                 "an op after it")
+            if p >= nf and (v not in recomputed or p <= positions[v]):
+                raise ValueError(f"{ops[v].name!r} is recomputed again before backward op "
+                                 f"{ops[p].name!r}, which is not after its first backward "
+                                 "recomputation")
+        t = tuple_of(problem, v)
+        if t is not None and not set(ps) <= set(again.get(t, ())):
+            raise ValueError(f"{ops[v].name!r} must be recomputed again where its tuple op "
+                             f"{ops[t].name!r} is")
+
+
+def _check_offloads(problem: Problem, offloads: dict[int, int], saved: set[int],
+                    positions: Mapping[int, int], again: Mapping[int, tuple[int, ...]]) -> None:
+    """An offloaded value is a saved tensor, loaded back before its first backward read."""
+    ops, nf = problem.ops, problem.num_forward
+    if offloads and not problem.host_bandwidth:
+        raise ValueError("the schedule offloads, but the problem has no host_bandwidth to cost "
+                         "the transfers: lower it with the device's host link")
+    for v, b in offloads.items():
+        if v not in saved or ops[v].kind is not Kind.TENSOR or not ops[v].size:
+            name = ops[v].name if isinstance(v, int) and 0 <= v < nf else v
+            raise ValueError(f"cannot offload {name!r}: only a saved tensor that owns bytes can "
+                             "be offloaded")
+        if not (isinstance(b, int) and nf <= b < len(ops)):
+            raise ValueError(f"{ops[v].name!r} is loaded back at {b!r}, which is not a "
+                             "backward op")
+        for r in problem.storage_readers[v]:
+            reads = [r] if r >= nf else [positions[r]] if r in positions else []
+            reads += [p for p in again.get(r, ()) if p >= nf]
+            if any(q < b for q in reads):
+                raise ValueError(f"{ops[v].name!r} is loaded back before {ops[b].name!r}, "
+                                 f"after {ops[r].name!r} needs it")
+
+
+def _check_every_copy_read(problem: Problem, schedule: Schedule) -> None:
+    """A further copy that no read is served by is an error, never silently paid for."""
+    if not schedule.again:
+        return
+    from remat.solvers.simulate import copies_of
+
+    for v, copies in copies_of(problem, schedule).items():
+        if v in schedule.again and any(not c.reads for c in copies[1:]):
+            raise ValueError(f"{problem.ops[v].name!r} is recomputed again where no later "
+                             "reader uses that copy")
 
 
 def recomputable(problem: Problem) -> list[int]:
@@ -141,9 +240,12 @@ def evaluate(problem: Problem, schedule: Schedule, **fields) -> Schedule:
     fields given (strategy, status, bound, budget, solve_time, info)."""
     from remat.solvers.simulate import simulate
 
+    ops = problem.ops
+    runs = [*schedule.recomputed, *(v for v, ps in schedule.again.items() for _ in ps)]
+    transfer = sum(2 * ops[v].size / problem.host_bandwidth for v in schedule.offload_at)
     return replace(schedule,
-                   cost=sum(problem.ops[v].cost for v in schedule.recomputed),
-                   recompute_flops=sum(problem.ops[v].flops for v in schedule.recomputed),
+                   cost=sum(ops[v].cost for v in runs) + transfer,
+                   recompute_flops=sum(ops[v].flops for v in runs), transfer_time=transfer,
                    peak=simulate(problem, schedule).peak, **fields)
 
 

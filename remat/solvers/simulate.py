@@ -15,13 +15,22 @@ nothing else:
 - Outputs (and the bases of output views) live to the end of the step.
 - An op's `temp` bytes are live during its step only. A tuple op's temp is all its outputs;
   a tensor taken out of it (a getitem) is live from the step after the tuple op's.
+
+The richer model (`Schedule.again`, `Schedule.offload_at`) adds copies: a recomputation within
+the forward (placed before a forward op, in forward order), a further one in the backward, a
+load from host memory (before the recomputations placed at the same backward op). In general a
+forward storage has a list of copies, each made at a step, and every read is served by the
+latest copy made before it; a copy lives from the step that makes it to the last read it
+serves. Without further copies this is exactly the rule above: the saved copy serves the
+backward, the original serves the forward, a recomputed copy the backward after it.
 """
 from __future__ import annotations
 
+import bisect
 import enum
 from dataclasses import dataclass
 
-from remat.solvers.problem import Problem, tuple_of
+from remat.solvers.problem import Kind, Problem, tuple_of
 from remat.solvers.schedule import Schedule
 
 
@@ -29,6 +38,21 @@ class StepKind(str, enum.Enum):
     FORWARD = "forward"
     RECOMPUTE = "recompute"
     BACKWARD = "backward"
+    RELOAD = "reload"  # an offloaded value copied back from host memory
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One copy of a forward storage: the step that makes it and the steps of the reads it
+    serves (sorted); it lives from `made` to its last read."""
+
+    made: int
+    kind: StepKind
+    reads: tuple[int, ...]
+
+    @property
+    def last(self) -> int:
+        return self.reads[-1] if self.reads else self.made
 
 
 @dataclass(frozen=True)
@@ -52,55 +76,35 @@ class Timeline:
 
 
 def step_order(problem: Problem, schedule: Schedule) -> list[tuple[int, StepKind]]:
-    """The (op, kind) of every step in the order the step runs them."""
+    """The (op, kind) of every step in the order the step runs them: before each op, the loads
+    from host placed there, then the recomputations placed there in forward order."""
     nf = problem.num_forward
     before: dict[int, list[int]] = {}
     for v, b in schedule.recompute_at.items():
         before.setdefault(b, []).append(v)
-    order = [(i, StepKind.FORWARD) for i in range(nf)]
-    for b in problem.backward:
-        order.extend((v, StepKind.RECOMPUTE) for v in sorted(before.get(b, ())))
-        order.append((b, StepKind.BACKWARD))
+    for v, positions in schedule.again.items():
+        for p in positions:
+            before.setdefault(p, []).append(v)
+    reload: dict[int, list[int]] = {}
+    for v, b in schedule.offload_at.items():
+        reload.setdefault(b, []).append(v)
+    order = []
+    for i in range(len(problem.ops)):
+        order.extend((v, StepKind.RELOAD) for v in sorted(reload.get(i, ())))
+        order.extend((v, StepKind.RECOMPUTE) for v in sorted(before.get(i, ())))
+        order.append((i, StepKind.FORWARD if i < nf else StepKind.BACKWARD))
     return order
 
 
 def holds(problem: Problem, schedule: Schedule,
           order: list[tuple[int, StepKind]] | None = None) -> list[tuple[int, int, int, int]]:
     """Every (storage, bytes, first step, last step) that the step holds under `schedule`, steps
-    counted in `order` (step_order's). A recomputed storage holds twice: its original copy and
-    its recomputed one."""
-    ops = problem.ops
-    nf = problem.num_forward
+    counted in `order` (step_order's): outputs and backward values once, a forward storage
+    once per copy (`copies_of`)."""
     order = step_order(problem, schedule) if order is None else order
-    end = len(order) - 1
-    first_step, recompute_step = steps_of(order, len(ops))
-
-    readers = problem.storage_readers
-    pinned = problem.pinned
-    held = []
-    for i, op in enumerate(ops):
-        if problem.root[i] != i or op.size == 0:
-            continue
-        # A tensor taken out of a tuple op exists from the tuple op on: the tuple holds it
-        # until the getitem runs, and anything placed in between runs beside it.
-        t = tuple_of(problem, i)
-        made = first_step[i] if t is None else first_step[t] + 1
-        if i in pinned:
-            held.append((i, op.size, made, end))
-            continue
-        # Steps at which the original and the recomputed copy are read.
-        forward_reads = [first_step[r] for r in readers[i] if r < nf]
-        later_reads = [first_step[r] for r in readers[i] if r >= nf]
-        later_reads += [recompute_step[r] for r in readers[i] if r in recompute_step]
-        if i >= nf:
-            held.append((i, op.size, made, max(later_reads, default=made)))
-        elif i in schedule.saved:
-            held.append((i, op.size, made, max(forward_reads + later_reads, default=made)))
-        else:
-            held.append((i, op.size, made, max(forward_reads, default=made)))
-            if i in recompute_step:
-                again = recompute_step[i] if t is None else recompute_step[t] + 1
-                held.append((i, op.size, again, max(later_reads, default=again)))
+    held = [(i, problem.ops[i].size, made, last) for i, made, last in _fixed_holds(problem, order)]
+    for v, copies in copies_of(problem, schedule, order).items():
+        held.extend((v, problem.ops[v].size, c.made, c.last) for c in copies)
     return held
 
 
@@ -138,3 +142,68 @@ def steps_of(order, num_ops: int) -> tuple[list[int], dict[int, int]]:
         else:
             first_step[i] = t
     return first_step, recompute_step
+
+
+def _fixed_holds(problem: Problem, order) -> list[tuple[int, int, int]]:
+    """(storage, first step, last step) of what no schedule decides: outputs and backward
+    values. Forward storages are `copies_of`'s."""
+    first_step, _ = steps_of(order, len(problem.ops))
+    end = len(order) - 1
+    held = []
+    for i in range(problem.num_forward, len(problem.ops)):
+        if problem.root[i] != i or problem.ops[i].size == 0 or i in problem.pinned:
+            continue
+        t = tuple_of(problem, i)
+        made = first_step[i] if t is None else first_step[t] + 1
+        held.append((i, made, max((first_step[r] for r in problem.storage_readers[i]),
+                                  default=made)))
+    for i in problem.pinned:
+        if problem.ops[i].size:
+            t = tuple_of(problem, i)
+            held.append((i, first_step[i] if t is None else first_step[t] + 1, end))
+    return held
+
+
+def copies_of(problem: Problem, schedule: Schedule,
+              order: list[tuple[int, StepKind]] | None = None) -> dict[int, list[Copy]]:
+    """Every copy of every forward storage that owns bytes (outputs aside), in the order they
+    are made, each with the reads it serves: every read goes to the latest copy made before it.
+    A load from host is a copy too; the copy it replaces serves only the reads before it."""
+    ops, nf = problem.ops, problem.num_forward
+    order = step_order(problem, schedule) if order is None else order
+    made: dict[int, list[tuple[int, StepKind]]] = {}
+    reads: dict[int, list[int]] = {}
+    tuple_ran: dict[int, int] = {}  # a tuple op's latest step
+    end_of_forward = 0
+    for t, (i, kind) in enumerate(order):
+        if kind is StepKind.RELOAD:  # reads host memory, not a device storage
+            made.setdefault(i, []).append((t, kind))
+            continue
+        if i < nf:
+            if kind is StepKind.FORWARD:
+                end_of_forward = t
+            if ops[i].kind is Kind.TUPLE:
+                tuple_ran[i] = t
+            tp = tuple_of(problem, i)
+            # A getitem's tensor exists from the step after its tuple op's run.
+            made.setdefault(i, []).append((t if tp is None else tuple_ran[tp] + 1, kind))
+        for s in problem.storage_inputs[i]:
+            if s < nf:
+                reads.setdefault(s, []).append(t)
+    for i, op in enumerate(ops):  # a forward output is read when the forward returns
+        if op.forward_output:
+            reads.setdefault(problem.root[i], []).append(end_of_forward)
+    result: dict[int, list[Copy]] = {}
+    for v in range(nf):
+        if problem.root[v] != v or ops[v].size == 0 or v in problem.pinned:
+            continue
+        steps = sorted(made[v])
+        served: list[list[int]] = [[] for _ in steps]
+        starts = [s for s, _ in steps]
+        for r in sorted(reads.get(v, ())):
+            k = bisect.bisect_left(starts, r) - 1
+            if k < 0:
+                raise ValueError(f"{ops[v].name!r} is read at step {r} before any copy of it")
+            served[k].append(r)
+        result[v] = [Copy(s, kind, tuple(rs)) for (s, kind), rs in zip(steps, served)]
+    return result
