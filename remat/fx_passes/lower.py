@@ -33,12 +33,11 @@ import logging
 import operator
 import types
 
-import torch
 from torch import fx
 
 from remat.fx_passes.capture import Captured
 from remat.fx_passes.profile import profile as run_profile
-from remat.fx_passes.rewrite import target_name
+from remat.fx_passes.joint_graph import target_name
 from remat.fx_passes.rng import draws, has_side_effects, rng_state
 from remat.fx_passes.storage import remat_meta
 from remat.solvers.problem import Kind, Op, Phase, Problem, Reason

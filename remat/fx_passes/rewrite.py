@@ -9,6 +9,13 @@ same op in forward order: the step order of `remat.solvers.simulate.step_order`.
 after their last use because fx deletes each local after its last reader, and the boxed calling
 convention lets the backward drop its inputs as it goes.
 
+The richer model (`Schedule.again`, `Schedule.offload_at`): a recomputation placed before a
+forward op is a copy of its node in the forward graph, and every later reader reads the copy
+(the earlier one dies after its last reader); a second backward recomputation likewise. Views of
+a recomputed base are rebuilt from the newest copy. An offloaded value leaves the forward as a
+host copy made right after its last forward reader, and the backward copies it back to the
+device where `offload_at` says (on the CPU both are plain copies: enough to test correctness).
+
 Views are never saved or recomputed on their own: the schedule saves or recomputes their base,
 and the backward copies the view node again, lazily, just before its first reader. A view
 costs no bytes, so where it is rebuilt changes nothing in the timeline; what keeps the storage
@@ -22,7 +29,6 @@ the saved symbolic ints, the saved tensors, the tangents, then seed offsets and 
 from __future__ import annotations
 
 import logging
-import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -31,10 +37,12 @@ import torch.fx as fx
 
 from remat.errors import RematError
 from remat.fx_passes.capture import prepare_joint
-from remat.fx_passes.rng import RandomOp, draws, has_side_effects, rng_state
-from remat.fx_passes.storage import remat_meta, storage_pass
-from remat.solvers.problem import Kind, Phase, Problem
-from remat.solvers.schedule import Schedule, make_schedule
+from remat.fx_passes.joint_graph import (check_schedule, flat_outputs, is_sym, match_problem,
+                                         mutated_inputs, output_descs, placeholder_kind,
+                                         saved_descs, target_name)
+from remat.fx_passes.rng import RandomOp
+from remat.solvers.problem import Kind, Problem
+from remat.solvers.schedule import Schedule
 from remat.solvers.simulate import StepKind, step_order
 
 log = logging.getLogger(__name__)
@@ -44,6 +52,7 @@ __all__ = ["Partition", "partition", "partition_fn", "target_name"]
 # node.meta["remat"]["role"] in the rewritten backward, so tools can tell recomputations apart.
 RECOMPUTE = "recompute"
 REBUILT_VIEW = "rebuilt view"
+OFFLOAD = "host copy"
 
 
 @dataclass(frozen=True)
@@ -55,21 +64,10 @@ class Partition:
     saved: tuple[str, ...]  # ops of the problem the forward hands to the backward, forward order
     saved_inputs: tuple[str, ...]  # graph inputs (parameters, batch) the backward reads
     saved_symints: tuple[str, ...]
-    recomputed: tuple[str, ...]  # in the order the backward runs them
+    recomputed: tuple[str, ...]  # in the order the backward runs them (again: repeated)
     num_fwd_outputs: int
-
-
-def target_name(target: Any) -> str:
-    """The name of an fx node's target as `Op.target` spells it ("aten.mm.default")."""
-    if isinstance(target, (torch._ops.OpOverload, RandomOp)):
-        return str(target)
-    if target is operator.getitem:
-        return "getitem"
-    if isinstance(target, str):
-        return target
-    module = getattr(target, "__module__", "") or ""
-    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
-    return f"{module}.{name}" if module and module != "_operator" else name
+    recomputed_in_forward: tuple[str, ...] = ()  # the forward's recomputations, in order
+    offloaded: tuple[str, ...] = ()  # saved ops handed over as host copies
 
 
 def partition(joint: fx.GraphModule, problem: Problem, schedule: Schedule, *,
@@ -79,23 +77,23 @@ def partition(joint: fx.GraphModule, problem: Problem, schedule: Schedule, *,
     the forward (BatchNorm running statistics). Raises RematError when the graph is not the
     problem's or the schedule cannot run on it."""
     prepare_joint(joint)  # as capture did
-    nodes = _match(joint, problem)
-    _check_schedule(problem, schedule, nodes, frozenset(mutated_inputs))
-    outputs = _flat_outputs(joint)
+    nodes = match_problem(joint, problem)
+    check_schedule(problem, schedule, nodes, frozenset(mutated_inputs))
+    outputs = flat_outputs(joint)
     fwd_outputs, bwd_outputs = outputs[:num_fwd_outputs], outputs[num_fwd_outputs:]
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
-    kind = {n: _placeholder_kind(n) for n in placeholders}
+    kind = {n: placeholder_kind(n) for n in placeholders}
 
     backward_builder = _Backward(joint, problem, schedule, nodes)
     sources = backward_builder.sources(bwd_outputs)
     position = {n: i for i, n in enumerate(joint.graph.nodes)}
     sources.sort(key=position.__getitem__)
-    symints = [n for n in sources if _is_sym(n)]
-    tensors = [n for n in sources if not _is_sym(n)]
+    symints = [n for n in sources if is_sym(n)]
+    tensors = [n for n in sources if not is_sym(n)]
     # AOTAutograd slices the last saved tensors as the ones stashed without a version check.
     tensors.sort(key=lambda n: bool(n.meta.get("saved_tensor_with_no_vc_check", False)))
 
-    forward = _build_forward(joint, problem, nodes, fwd_outputs, tensors, symints,
+    forward = _build_forward(joint, problem, schedule, nodes, fwd_outputs, tensors, symints,
                              [n for n in placeholders if kind[n] in ("primal", "fwd_seed")])
     tail = [n for n in placeholders if kind[n] == "tangent"]
     tail += [n for n in placeholders if kind[n] == "bwd_seed"]
@@ -108,7 +106,9 @@ def partition(joint: fx.GraphModule, problem: Problem, schedule: Schedule, *,
         saved=tuple(n.name for n in tensors if n.name in op_names),
         saved_inputs=tuple(n.name for n in tensors if n.op == "placeholder"),
         saved_symints=tuple(n.name for n in symints),
-        recomputed=tuple(recomputed), num_fwd_outputs=num_fwd_outputs)
+        recomputed=tuple(recomputed), num_fwd_outputs=num_fwd_outputs,
+        recomputed_in_forward=tuple(_recomputed_in_forward(forward)),
+        offloaded=tuple(problem.ops[v].name for v in sorted(schedule.offload_at)))
 
 
 def partition_fn(problem: Problem, schedule: Schedule,
@@ -119,7 +119,7 @@ def partition_fn(problem: Problem, schedule: Schedule,
     def apply(joint_module: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
               **_unused: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         result = partition(joint_module, problem, schedule, num_fwd_outputs=num_fwd_outputs,
-                           mutated_inputs=_mutated_inputs(joint_module))
+                           mutated_inputs=mutated_inputs(joint_module))
         log.debug("partitioned %s: %d saved, %d recomputed", problem.name or "graph",
                   len(result.saved), len(result.recomputed))
         if on_partition is not None:
@@ -127,178 +127,6 @@ def partition_fn(problem: Problem, schedule: Schedule,
         return result.forward, result.backward
 
     return apply
-
-
-# --- matching the joint graph to the problem -------------------------------------------------
-
-def _match(joint: fx.GraphModule, problem: Problem) -> list[fx.Node]:
-    """The joint graph's node for every op of the problem, after checking that the two describe
-    the same computation: the same nodes by name, with the same targets and inputs, forward ops
-    independent of the output gradients."""
-    if not all("bytes" in remat_meta(n) for n in joint.graph.nodes if n.op == "call_function"):
-        storage_pass(joint)
-    by_name = {n.name: n for n in joint.graph.nodes}
-    calls = [n for n in joint.graph.nodes if n.op == "call_function"]
-    where = f"the joint graph does not match problem {problem.name!r}"
-    advice = ("; plan on the graph this model and these input shapes produce (capture and lower "
-              "again after changing the model, its inputs' shapes or dtypes, or torch)")
-    op_names = [op.name for op in problem.ops]
-    # Nodes that no output needs never run (the lowering drops them, fx would too); any other
-    # node the problem lacks means the plan was made for another graph.
-    needed = _ancestors([x for x in _flat_outputs(joint) if isinstance(x, fx.Node)])
-    extra = sorted(n.name for n in calls if n in needed and n.name not in set(op_names))
-    if extra:
-        raise RematError(f"{where}: graph nodes {extra[:5]} are not ops of the problem{advice}")
-    nodes: list[fx.Node] = []
-    for i, op in enumerate(problem.ops):
-        node = by_name.get(op.name)
-        if node is None or node.op != "call_function":
-            raise RematError(f"{where}: op {op.name!r} is not a node of the graph{advice}")
-        if op.target and op.target not in (target_name(node.target), str(node.target)):
-            raise RematError(f"{where}: op {op.name!r} is {op.target!r} in the problem but "
-                             f"{target_name(node.target)!r} in the graph{advice}")
-        graph_inputs = {a.name for a in node.all_input_nodes if a.op == "call_function"}
-        op_inputs = {problem.ops[j].name for j in op.inputs}
-        if graph_inputs != op_inputs:
-            raise RematError(f"{where}: op {op.name!r} reads {sorted(op_inputs)} in the problem "
-                             f"but {sorted(graph_inputs)} in the graph{advice}")
-        graph_bytes = _storage_bytes(node)
-        # A tuple op's temp is its outputs plus its kernel scratch (scratch.py).
-        if graph_bytes is not None and (graph_bytes > op.temp if op.kind is Kind.TUPLE
-                                        else graph_bytes != op.size):
-            raise RematError(f"{where}: op {op.name!r} holds {op.size or op.temp} bytes in the "
-                             f"problem but {graph_bytes} in the graph (different shapes or "
-                             f"dtypes){advice}")
-        if op.phase is Phase.FORWARD:
-            bad = [a.name for a in node.all_input_nodes
-                   if _placeholder_kind(a) in ("tangent", "bwd_seed", "backward_state")]
-            if bad:
-                raise RematError(f"{where}: forward op {op.name!r} reads the backward input "
-                                 f"{bad[0]!r}")
-        nodes.append(node)
-    return nodes
-
-
-def _mutated_inputs(joint: fx.GraphModule) -> list[str]:
-    """Placeholders whose data the step overwrites, from AOTAutograd's output descriptors: an
-    `InputMutationAOTOutput` names the input its value is copied into. Where this torch has no
-    descriptors the version counters still catch such a recomputation, as an error in the
-    backward."""
-    descs = _output_descs(joint, len(_flat_outputs(joint)))
-    mutated = [d.mutated_input for d in descs if type(d).__name__ == "InputMutationAOTOutput"]
-    if all(d is None for d in descs):
-        log.warning("the joint graph has no output descriptors; cannot check that "
-                    "recomputations do not read inputs the step mutates")
-    return [n.name for n in joint.graph.nodes
-            if _placeholder_kind(n) == "primal" and n.meta.get("desc") in mutated]
-
-
-def _storage_bytes(node: fx.Node) -> int | None:
-    """The bytes the lowering gives a node that owns its storage (None for aliases), by the
-    storage pass's own rules (kernel quirks included), so that shapes are compared exactly."""
-    meta = remat_meta(node)
-    if meta.get("alias_of") is not None or meta.get("view_tuple"):
-        return None
-    return meta["tuple_bytes"] if isinstance(node.meta.get("val"), (tuple, list)) \
-        else meta["bytes"]
-
-
-def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = list(roots)
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.all_input_nodes)
-    return seen
-
-
-def _check_schedule(problem: Problem, schedule: Schedule, nodes: list[fx.Node],
-                    mutated_inputs: frozenset[str]) -> None:
-    """The schedule must be one `make_schedule` accepts for this problem, and must not
-    recompute what PyTorch says cannot run twice, whatever the problem says."""
-    try:
-        again = make_schedule(problem, schedule.recomputed, recompute_at=schedule.recompute_at)
-    except (ValueError, KeyError) as e:
-        raise RematError(f"the schedule cannot run on problem {problem.name!r}: {e}") from e
-    if again.saved != schedule.saved:
-        diff = sorted(problem.ops[i].name for i in again.saved ^ schedule.saved)
-        raise RematError(f"the schedule's saved set disagrees with what its recomputations need "
-                         f"(differs at {diff[:5]}); build schedules with make_schedule")
-    for v in schedule.recomputed:
-        node = nodes[v]
-        if draws(node) or node.target is rng_state:
-            raise RematError(f"the schedule recomputes random op {node.name!r} "
-                             f"({target_name(node.target)}) without a snapshot of its "
-                             "generator: the backward would draw fresh randomness and change "
-                             "the gradients; save it instead (the lowering should have marked "
-                             "it not recomputable)")
-        if _is_mutating(node) or has_side_effects(node):
-            raise RematError(f"the schedule recomputes {node.name!r} "
-                             f"({target_name(node.target)}), which mutates or has side effects; "
-                             "it must run exactly once")
-        stale = [a.name for a in node.all_input_nodes if a.name in mutated_inputs]
-        if stale:
-            raise RematError(f"the schedule recomputes {node.name!r} "
-                             f"({target_name(node.target)}), which reads {stale[0]!r}, an input "
-                             "the step overwrites after the forward (such as BatchNorm running "
-                             "statistics): the backward would see the new values; save it "
-                             "instead (the lowering should mark it not recomputable)")
-
-
-def _is_mutating(node: fx.Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
-
-
-def _placeholder_kind(node: fx.Node) -> str | None:
-    """The role of a joint-graph input, by AOTAutograd's naming (see `_is_primal`,
-    `_is_tangent` in torch/_functorch/_aot_autograd/utils.py)."""
-    if node.op != "placeholder":
-        return None
-    name = str(node.target)
-    if type(node.meta.get("val")).__name__ == "BackwardState":
-        return "backward_state"
-    if "tangents" in name:
-        return "tangent"
-    if "bwd_seed" in name or "bwd_base_offset" in name:
-        return "bwd_seed"
-    if "fwd_seed" in name or "fwd_base_offset" in name:
-        return "fwd_seed"
-    return "primal"
-
-
-def _is_sym(node: fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool))
-
-
-def _flat_outputs(joint: fx.GraphModule) -> list[Any]:
-    (out,) = [n for n in joint.graph.nodes if n.op == "output"]
-    return list(torch.utils._pytree.arg_tree_leaves(*out.args))
-
-
-def _output_descs(joint: fx.GraphModule, count: int) -> list[Any]:
-    (out,) = [n for n in joint.graph.nodes if n.op == "output"]
-    descs = out.meta.get("desc")
-    if descs is None:
-        return [None] * count
-    return list(torch.utils._pytree.arg_tree_leaves(descs))
-
-
-def _saved_descs(tensors: list[fx.Node], symints: list[fx.Node]) -> list[Any] | None:
-    """AOTAutograd's output descriptors for saved values, where this torch has them."""
-    try:
-        from torch._functorch._aot_autograd.descriptors import (
-            SavedForBackwardsAOTOutput, SavedForBackwardsNoVcCheckAOTOutput)
-    except ImportError:  # older torch: outputs carry no descriptors
-        return None
-    descs = []
-    for i, n in enumerate(tensors + symints):
-        no_vc = i < len(tensors) and n.meta.get("saved_tensor_with_no_vc_check", False)
-        descs.append((SavedForBackwardsNoVcCheckAOTOutput if no_vc
-                      else SavedForBackwardsAOTOutput)(i))
-    return descs
 
 
 # --- the forward -----------------------------------------------------------------------------
@@ -313,26 +141,109 @@ def _graph_of(inputs: list[fx.Node]) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
     return graph, env
 
 
-def _build_forward(joint: fx.GraphModule, problem: Problem, nodes: list[fx.Node],
-                   fwd_outputs: list[Any], tensors: list[fx.Node], symints: list[fx.Node],
-                   inputs: list[fx.Node]) -> fx.GraphModule:
+def _build_forward(joint: fx.GraphModule, problem: Problem, schedule: Schedule,
+                   nodes: list[fx.Node], fwd_outputs: list[Any], tensors: list[fx.Node],
+                   symints: list[fx.Node], inputs: list[fx.Node]) -> fx.GraphModule:
     graph, env = _graph_of(inputs)
+    views = _views_of(problem, nodes)
+
     def value(n: fx.Node) -> fx.Node:
-        if n not in env and n.op == "get_attr":  # a constant of the module, free to read
-            env[n] = graph.node_copy(n)
+        if n not in env and (n.op == "get_attr" or n in views.rebuildable):
+            # A constant of the module, free to read; or a view whose base was recomputed.
+            env[n] = graph.node_copy(n, value)
+            if n.op != "get_attr":
+                _mark(env[n], REBUILT_VIEW)
         return _lookup(env, n, "forward")
 
-    for i in problem.forward:
+    order = _forward_steps(problem, schedule)
+    offload_after = _offload_points(problem, schedule, order)
+    for t, (i, kind) in enumerate(order):
         env[nodes[i]] = graph.node_copy(nodes[i], value)
+        if kind is StepKind.RECOMPUTE:
+            _recomputation(env[nodes[i]], nodes[i])
+            views.forget(env, i)
+        for v in offload_after.get(t, ()):
+            env[nodes[v]] = _copy_to(graph, env[nodes[v]], torch.device("cpu"))
     values = [value(x) if isinstance(x, fx.Node) else x
               for x in [*fwd_outputs, *tensors, *symints]]
     out = graph.output(tuple(values))
-    descs = _saved_descs(tensors, symints)
+    descs = saved_descs(tensors, symints)
     if descs is not None:
-        joint_descs = _output_descs(joint, len(_flat_outputs(joint)))
+        joint_descs = output_descs(joint, len(flat_outputs(joint)))
         out.meta["desc"] = joint_descs[:len(fwd_outputs)] + descs
     graph.lint()
     return fx.GraphModule(joint, graph)
+
+
+def _forward_steps(problem: Problem, schedule: Schedule) -> list[tuple[int, StepKind]]:
+    """The forward part of the step order: forward ops and the recomputations placed among
+    them."""
+    order = step_order(problem, schedule)
+    end = order.index((problem.num_forward - 1, StepKind.FORWARD)) if problem.num_forward else -1
+    return order[:end + 1]
+
+
+def _offload_points(problem: Problem, schedule: Schedule,
+                    order: list[tuple[int, StepKind]]) -> dict[int, list[int]]:
+    """For each forward step, the offloaded values to copy to host right after it: after the
+    last read of their latest forward copy (or after they are made, if nothing reads it)."""
+    points: dict[int, list[int]] = {}
+    last: dict[int, int] = {}
+    for t, (i, _) in enumerate(order):
+        if i in schedule.offload_at:
+            last[i] = t  # made (or made again) here
+        for s in problem.storage_inputs[i]:
+            if s in schedule.offload_at:
+                last[s] = t
+    for v, t in last.items():
+        points.setdefault(t, []).append(v)
+    return points
+
+
+def _copy_to(graph: fx.Graph, node: fx.Node, device: torch.device) -> fx.Node:
+    """A copy of `node`'s tensor on `device` (a host copy, or one back on the device)."""
+    copy = graph.call_function(torch.ops.aten._to_copy.default, (node,), {"device": device})
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        copy.meta["val"] = torch.ops.aten._to_copy.default(val, device=device)
+    _mark(copy, OFFLOAD)
+    return copy
+
+
+class _Views:
+    """The problem's views by base, so that a recomputation of a base makes its views stale."""
+
+    def __init__(self, by_base: dict[int, list[fx.Node]]):
+        self.by_base = by_base
+        self.rebuildable = {n for ns in by_base.values() for n in ns}
+
+    def forget(self, env: dict[fx.Node, fx.Node], base: int) -> None:
+        for n in self.by_base.get(base, ()):
+            env.pop(n, None)
+
+
+def _views_of(problem: Problem, nodes: list[fx.Node]) -> _Views:
+    """Views of forward storages, forward and backward ops alike: a read through a view made
+    before a recomputation of its base must read the new copy (the simulator serves every read
+    from the latest copy), so such a view is rebuilt, for free, from the new copy."""
+    by_base: dict[int, list[fx.Node]] = {}
+    for i, op in enumerate(problem.ops):
+        if op.kind is Kind.VIEW and problem.root[i] < problem.num_forward:
+            by_base.setdefault(problem.root[i], []).append(nodes[i])
+    return _Views(by_base)
+
+
+def _recomputation(copy: fx.Node, of: fx.Node) -> None:
+    if isinstance(copy.target, RandomOp):
+        copy.target = copy.target.replaying()
+    _mark(copy, RECOMPUTE)
+    copy.meta["remat"]["of"] = of.name
+
+
+def _recomputed_in_forward(forward: fx.GraphModule) -> list[str]:
+    """The joint graph's names of the ops the forward graph runs again, in order."""
+    return [n.meta["remat"]["of"] for n in forward.graph.nodes
+            if n.meta.get("remat", {}).get("role") == RECOMPUTE]
 
 
 def _lookup(env: dict[fx.Node, fx.Node], node: fx.Node, where: str) -> fx.Node:
@@ -360,7 +271,7 @@ class _Backward:
         """How the backward gets a joint node's value."""
         if node.op == "get_attr":
             return "constant"
-        if _placeholder_kind(node) is not None:
+        if placeholder_kind(node) is not None:
             return "input"
         i = self.index[node]
         if i >= self.problem.num_forward:
@@ -388,7 +299,7 @@ class _Backward:
             seen.add(n)
             origin = self._origin(n)
             if origin == "input":
-                if _placeholder_kind(n) in ("primal", "fwd_seed"):
+                if placeholder_kind(n) in ("primal", "fwd_seed"):
                     found[n] = None
             elif origin == "saved":
                 found[n] = None
@@ -402,6 +313,7 @@ class _Backward:
     def build(self, inputs: list[fx.Node], bwd_outputs: list[Any]
               ) -> tuple[fx.GraphModule, list[str]]:
         graph, env = _graph_of(inputs)
+        views = _views_of(self.problem, self.nodes)
 
         def value(n: fx.Node) -> fx.Node:
             if n in env:
@@ -409,7 +321,7 @@ class _Backward:
             if self._origin(n) == "constant":
                 env[n] = graph.node_copy(n)
                 return env[n]
-            if self._origin(n) != "view":
+            if self._origin(n) != "view" and n not in views.rebuildable:
                 raise RematError(f"the backward reads {n.name!r} before the schedule makes it "
                                  "available")
             env[n] = graph.node_copy(n, value)
@@ -417,24 +329,33 @@ class _Backward:
             return env[n]
 
         recomputed: list[str] = []
-        for i, kind in step_order(self.problem, self.schedule):
-            if kind is StepKind.FORWARD:
-                continue
+        # An offloaded value arrives as its host copy, and is copied back where the schedule
+        # says; until then nothing may read it (make_schedule checked).
+        host = {self.nodes[v]: env.pop(self.nodes[v]) for v in self.schedule.offload_at}
+        order = step_order(self.problem, self.schedule)
+        for i, kind in order[len(_forward_steps(self.problem, self.schedule)):]:
             node = self.nodes[i]
+            if kind is StepKind.RELOAD:
+                env[node] = _copy_to(graph, host[node], _device_of(node))
+                continue
             copy = graph.node_copy(node, value)
             if kind is StepKind.RECOMPUTE:
-                if isinstance(copy.target, RandomOp):
-                    copy.target = copy.target.replaying()
-                _mark(copy, RECOMPUTE)
+                _recomputation(copy, node)
                 recomputed.append(node.name)
+                views.forget(env, i)
             copy.meta["autograd_backward"] = True
             env[node] = copy
         outs = tuple(value(x) if isinstance(x, fx.Node) else x for x in bwd_outputs)
         out = graph.output(outs)
-        out.meta["desc"] = _output_descs(self.joint, len(_flat_outputs(self.joint)))[-len(outs):] \
+        out.meta["desc"] = output_descs(self.joint, len(flat_outputs(self.joint)))[-len(outs):] \
             if outs else []
         graph.lint()
         return fx.GraphModule(self.joint, graph), recomputed
+
+
+def _device_of(node: fx.Node) -> torch.device:
+    val = node.meta.get("val")
+    return val.device if isinstance(val, torch.Tensor) else torch.device("cpu")
 
 
 def _mark(node: fx.Node, role: str) -> None:
