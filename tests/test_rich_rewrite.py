@@ -153,3 +153,25 @@ def test_offloaded_values_match_eager(step):
         assert set(module.partition.offloaded) == {problem.ops[v].name
                                                    for v in schedule.offload_at}
         assert schedule.transfer_time == pytest.approx(2 * host / problem.host_bandwidth)
+
+
+def test_the_report_shows_offloaded_bytes_and_further_recomputations(step):
+    from remat.planner.report import _price_table, price
+
+    _, _, problem = step
+    schedule = _schedules(problem, 1, offload=True, seed=1)[0]
+    p = price(problem, schedule, device="H100 SXM", peak_flops=1e15, time_source="predicted")
+    host = sum(problem.ops[v].size for v in schedule.offload_at)
+    assert p.offloaded_bytes == host and p.transfer_time == pytest.approx(2 * host / 1e9)
+    assert p.recomputations == schedule.recomputations > len(schedule.recomputed)
+    assert p.recompute_time == pytest.approx(schedule.cost - schedule.transfer_time)
+    table = _price_table(p)
+    assert "offloaded to host" in table and "recomputations" in table
+
+
+def test_offload_needs_compiled_execution():
+    with pytest.raises(ValueError, match="offload=True needs execution=\"compiled\""):
+        import remat
+
+        remat.optimize(LongSkip(), budget="1GB", example_inputs=(torch.randn(4, 64),),
+                       execution="eager", offload=True)

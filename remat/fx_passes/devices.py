@@ -13,6 +13,10 @@ Peak figures are dense (no 2:4 sparsity), from the vendors' datasheets:
 - GeForce RTX 4090: NVIDIA Ada Lovelace architecture whitepaper: BF16 tensor with FP32
   accumulate 165.2 TFLOPS dense (330.3 with FP16 accumulate), FP32 82.6 TFLOPS, GDDR6X
   1,008 GB/s, 24 GB.
+Host links (`host_link`, bytes/s one way, what an offloaded activation crosses twice): PCIe
+Gen5 x16 for H100/H200 SXM (128 GB/s both ways in their datasheets: 64 GB/s each way), PCIe
+Gen4 x16 for A100, L4 and RTX 4090 (64 GB/s both ways: 32 each way); GH200's NVLink-C2C is
+900 GB/s both ways (450 each way; NVIDIA GH200 Grace Hopper Superchip datasheet).
 Sustained rates are lower than these peaks; `efficiency` scales them (the roofline is a
 lower bound on time, used to rank ops against each other, not to promise a step time).
 """
@@ -31,6 +35,7 @@ class Device:
     bandwidth: float  # memory bandwidth, bytes/s
     memory: int  # bytes
     launch_overhead: float = 4e-6  # seconds per kernel: launch and tail, measured order on CUDA
+    host_link: float = 32e9  # bytes/s one way between device and host memory
     efficiency: float = 1.0  # fraction of peak that the roofline assumes
 
     def peak_flops(self, dtype: str) -> float:
@@ -42,8 +47,10 @@ _T = 1e12
 _GB = 10**9
 
 DEVICES: dict[str, Device] = {
-    "h100": Device("H100 SXM", 989.4 * _T, 67 * _T, 3.35e12, 80 * _GB),
-    "h200": Device("H200 SXM", 989.4 * _T, 67 * _T, 4.8e12, 141 * _GB),
+    "h100": Device("H100 SXM", 989.4 * _T, 67 * _T, 3.35e12, 80 * _GB, host_link=64e9),
+    "h200": Device("H200 SXM", 989.4 * _T, 67 * _T, 4.8e12, 141 * _GB, host_link=64e9),
+    "gh200": Device("GH200 (H100 96GB)", 989.4 * _T, 67 * _T, 4.0e12, 96 * _GB,
+                    host_link=450e9),
     "a100-80gb": Device("A100 SXM 80GB", 312 * _T, 19.5 * _T, 2.039e12, 80 * _GB),
     "a100-40gb": Device("A100 SXM 40GB", 312 * _T, 19.5 * _T, 1.555e12, 40 * _GB),
     "l4": Device("L4", 121 * _T, 30.3 * _T, 300e9, 24 * _GB),

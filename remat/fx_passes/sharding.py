@@ -210,12 +210,18 @@ def project(sharded: Sharded, schedule: Schedule) -> Schedule:
     if sharded.problem is sharded.graph:
         return schedule
     to_graph = sharded.graph_index
-    recomputed = {to_graph[v] for v in schedule.recomputed}
-    at = {}
-    for v, b in schedule.recompute_at.items():
+
+    def place(b: int) -> int:
         # Before a collective or a moved view: before the next graph op in its place.
         while to_graph[b] is None or to_graph[b] in sharded.moved:
             b += 1
-        at[to_graph[v]] = to_graph[b]
-    return make_schedule(sharded.graph, recomputed, recompute_at=at, strategy=schedule.strategy,
+        return to_graph[b]
+
+    recomputed = {to_graph[v] for v in schedule.recomputed}
+    at = {to_graph[v]: place(b) for v, b in schedule.recompute_at.items()}
+    again = {to_graph[v]: tuple(sorted({place(p) for p in ps}))
+             for v, ps in schedule.again.items()}
+    offload_at = {to_graph[v]: place(b) for v, b in schedule.offload_at.items()}
+    return make_schedule(sharded.graph, recomputed, recompute_at=at, again=again,
+                         offload_at=offload_at, strategy=schedule.strategy,
                          status=schedule.status, budget=None)

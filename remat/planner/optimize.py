@@ -11,6 +11,7 @@ from functools import cached_property
 from typing import Any, Callable, Sequence
 
 from remat.errors import BudgetError, RematError
+from remat.fx_passes.devices import device as target_device
 from remat.planner import accounting
 from remat.planner.accounting import StepMemory
 from remat.planner.budget import format_size, parse_size
@@ -198,7 +199,8 @@ def optimize(model: Any, budget: int | str | None = None, *,
              solver: Strategy | str = Strategy.OPTIMAL,
              solver_options: SolverOptions | None = None,
              loss_fn: Callable | None = None, returns: str = "output",
-             execution: str = "compiled", blocks: Sequence[str] | None = None) -> Plan:
+             execution: str = "compiled", blocks: Sequence[str] | None = None,
+             offload: bool = False) -> Plan:
     """The plan of least recompute time (least FLOPs with ``SolverOptions(objective="flops")``)
     whose whole training step fits `budget` ("60GB",
     "60GiB", an int of bytes), or whose activations alone fit `activation_budget`; exactly one
@@ -214,14 +216,23 @@ def optimize(model: Any, budget: int | str | None = None, *,
     `returns`: what `Plan.module` returns ("output": what the model returns, see there).
     `execution="eager"` plans for per-block selective checkpointing in an eager loop
     (FSDP2, DDP): `model = plan.apply(model)` wraps the blocks (the repeated children, or the
-    modules named in `blocks`) in place; see `remat.planner.eager_plan`."""
+    modules named in `blocks`) in place; see `remat.planner.eager_plan`. `offload=True` lets
+    the plan keep saved values in host memory between the forward and the backward, costed by
+    their bytes over the target's host link (`Device.host_link`) both ways (compiled execution;
+    the solver's rich model, `SolverOptions(model="rich"|"auto")`, decides)."""
     if execution not in ("compiled", "eager"):
         raise ValueError(f"execution must be \"compiled\" or \"eager\", not {execution!r}")
     if blocks is not None and execution != "eager":
         raise ValueError("blocks= names the modules to checkpoint in execution=\"eager\"")
     whole, activations = _one_budget(budget, activation_budget)
+    if offload and execution != "compiled":
+        raise ValueError("offload=True needs execution=\"compiled\": checkpoint's eager "
+                         "recomputation has no host copies; plan compiled, or use "
+                         "torch.autograd.graph.save_on_cpu yourself")
     prepared = prepare(model, example_inputs, example_kwargs=example_kwargs, training=training,
                        target=target, loss_fn=loss_fn, returns=returns)
+    if offload:
+        prepared = prepared.with_host_link(target_device(target).host_link)
     if execution == "eager":
         from remat.planner.eager_plan import plan_eager_mode
 

@@ -54,6 +54,19 @@ class Prepared:
     sharded: Any = None
     """remat.fx_passes.sharding.Sharded: `problem` and the graph problem the rewrite runs."""
 
+    def with_host_link(self, bandwidth: float) -> "Prepared":
+        """The same step, with saved values allowed to live in host memory between the forward
+        and the backward, their bytes crossing a link of `bandwidth` bytes/s each way."""
+        import dataclasses
+
+        problem = dataclasses.replace(self.problem, host_bandwidth=bandwidth)
+        sharded = self.sharded
+        if sharded is not None:
+            graph = (problem if sharded.graph is sharded.problem
+                     else dataclasses.replace(sharded.graph, host_bandwidth=bandwidth))
+            sharded = dataclasses.replace(sharded, problem=problem, graph=graph)
+        return dataclasses.replace(self, problem=problem, sharded=sharded)
+
     @cached_property
     def graph_gradients(self) -> int:
         """Bytes of the graph's gradients that the state counts (remat.planner.accounting)."""

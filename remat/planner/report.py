@@ -75,6 +75,12 @@ class Price:
     device: str
     peak_flops: float | None
     time_source: str
+    offloaded_bytes: int = 0
+    """Bytes the plan keeps in host memory between the forward and the backward."""
+    transfer_time: float = 0.0
+    """Predicted seconds of those bytes over the host link, both ways (in `step_time`)."""
+    recomputations: int = 0
+    """Forward ops run again, every copy counted (in the forward too, or twice)."""
 
     @property
     def recompute_pct(self) -> float:
@@ -243,9 +249,14 @@ def kept_tensors(problem: Problem, schedule: Schedule, top: int = 5) -> tuple[Ke
 
 def price(problem: Problem, schedule: Schedule, *, device: str, peak_flops: float | None,
           time_source: str) -> Price:
+    transfer = schedule.transfer_time
     return Price(model_flops=problem.total_flops, recompute_flops=schedule.recompute_flops,
-                 step_time=problem.total_cost + schedule.cost, recompute_time=schedule.cost,
-                 device=device, peak_flops=peak_flops, time_source=time_source)
+                 step_time=problem.total_cost + schedule.cost,
+                 recompute_time=schedule.cost - transfer, device=device, peak_flops=peak_flops,
+                 time_source=time_source,
+                 offloaded_bytes=sum(problem.ops[v].size for v in schedule.offload_at),
+                 transfer_time=transfer,
+                 recomputations=schedule.recomputations if schedule.again else 0)
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -301,6 +312,15 @@ def _price_table(p: Price) -> str:
          "counted"],
         ["step time", f"{p.step_time * 1e3:.3f} ms", f"{p.time_source} ({p.device})"],
         ["recompute time", f"{p.recompute_time * 1e3:.3f} ms", f"{p.time_source} ({p.device})"],
+    ]
+    if p.recomputations:
+        rows.append(["recomputations", f"{p.recomputations} op runs",
+                     "forward ops run again (within the forward, and second ones, counted)"])
+    if p.offloaded_bytes:
+        rows.append(["offloaded to host", format_size(p.offloaded_bytes),
+                     f"transfer {p.transfer_time * 1e3:.3f} ms both ways, predicted, not "
+                     "overlapped with compute"])
+    rows += [
         [f"MFU, {p.time_source}", pct(p.mfu),
          f"counted model FLOPs over the {p.time_source} step time on {p.device}"],
         [f"HFU, {p.time_source}", pct(p.hfu), "as MFU, with the recomputed FLOPs"],
