@@ -201,11 +201,16 @@ def _offload_points(problem: Problem, schedule: Schedule,
 
 
 def _copy_to(graph: fx.Graph, node: fx.Node, device: torch.device) -> fx.Node:
-    """A copy of `node`'s tensor on `device` (a host copy, or one back on the device)."""
-    copy = graph.call_function(torch.ops.aten._to_copy.default, (node,), {"device": device})
+    """A copy of `node`'s tensor on `device` (a host copy, or one back on the device). A host
+    copy of an accelerator's tensor goes to pinned memory, which the link copies fastest. The
+    copies are synchronous, as the cost model assumes (no overlap with compute)."""
     val = node.meta.get("val")
+    kwargs: dict[str, Any] = {"device": device}
+    if device.type == "cpu" and isinstance(val, torch.Tensor) and val.device.type != "cpu":
+        kwargs["pin_memory"] = True
+    copy = graph.call_function(torch.ops.aten._to_copy.default, (node,), kwargs)
     if isinstance(val, torch.Tensor):
-        copy.meta["val"] = torch.ops.aten._to_copy.default(val, device=device)
+        copy.meta["val"] = torch.ops.aten._to_copy.default(val, **kwargs)
     _mark(copy, OFFLOAD)
     return copy
 
