@@ -15,6 +15,18 @@ optimizer state, batch; the backward's seed left out, `remat.fx_passes.allocator
 the check, max_memory_reserved above its baseline, the step time (CUDA events), and MFU / HFU
 against the card's dense bf16 peak. Exits 0 with a message where there is no CUDA, 1 when a
 check is missed. Meant to finish within five minutes on an H100/H200.
+
+Three more checks, each a short table:
+- **the plan's step against eager**: the plain eager step of the same model (no remat), its
+  allocator peak and step time, beside the save-all plan's (a plan that recomputes nothing
+  must not cost more than eager);
+- **op times against the roofline**: every op of the graph timed alone (CUDA events, median of
+  3) against `remat.fx_passes.timing.roofline` for the target: the total, the median ratio,
+  and the ops with the largest measured times;
+- **offload** (issue 15): the save-all schedule with its largest saved tensors offloaded to
+  host (loaded back just before their first backward reader): the allocator's peak against
+  the simulated device peak (the same contract, within [-2 %, 0 %]), and the measured extra
+  step time against the predicted transfer time (`Device.host_link`, synchronous copies).
 """
 from __future__ import annotations
 
@@ -168,9 +180,110 @@ def main(argv=None) -> int:
     print(tabulate(rows, headers=["budget", "recomputed", "simulated GiB", "allocator GiB",
                                   "error", "check", "max reserved GiB", "step ms", "MFU", "HFU"],
                    disable_numparse=True))
-    print(f"# total {time.perf_counter() - begin:.0f} s; {len(rows) - missed}/{len(rows)} "
-          "allocator peaks within [-2 %, 0 %] of the simulated")
+    checked = len(rows)
+
+    eager_seconds, eager_peak = run_eager(model, inputs, args.steps)
+    plan_seconds = float(rows[0][7]) / 1e3
+    slower = plan_seconds > 1.05 * eager_seconds
+    missed += slower
+    print(tabulate([["eager (no remat)", f"{eager_peak / GiB:.3f}", f"{eager_seconds * 1e3:.0f}"],
+                    ["save-all plan", rows[0][3], rows[0][7]]],
+                   headers=["step", "allocator GiB", "step ms"], disable_numparse=True))
+    print(f"# the save-all plan's step is {plan_seconds / eager_seconds:.2f}x eager's "
+          f"({'MISSED: over 1.05x' if slower else 'ok'})", flush=True)
+
+    op_rows, measured_total, roofline_total, ratios = time_ops(captured, target)
+    print(tabulate(op_rows, headers=["op", "target", "measured us", "roofline us", "ratio"],
+                   disable_numparse=True))
+    ratios.sort()
+    print(f"# ops: measured {measured_total * 1e3:.1f} ms in all against a roofline of "
+          f"{roofline_total * 1e3:.1f} ms ({measured_total / roofline_total:.2f}x); median "
+          f"ratio {ratios[len(ratios) // 2]:.2f} over {len(ratios)} timed ops", flush=True)
+
+    offload_row, offload_ok = check_offload(model, inputs, problem, save_all, target, args.steps,
+                                            float(rows[0][7]) / 1e3)
+    missed += not offload_ok
+    checked += 2
+    print(tabulate([offload_row], headers=["offloaded", "simulated GiB", "allocator GiB",
+                                           "error", "check", "extra step ms",
+                                           "predicted transfer ms"], disable_numparse=True))
+    print(f"# total {time.perf_counter() - begin:.0f} s; {checked - missed}/{checked} checks "
+          "passed")
     return 1 if missed else 0
+
+
+def run_eager(model, inputs, steps: int) -> tuple[float, int]:
+    """Median step seconds and the allocator's peak of the plain eager step."""
+    from remat.fx_passes.allocator import step_peak
+
+    times, peak = [], 0
+    for step in range(steps + 1):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step_peak_bytes, loss = step_peak(lambda: model(*inputs),
+                                          lambda out, seed: out.backward(seed), "cuda")
+        end.record()
+        torch.cuda.synchronize()
+        if step:
+            times.append(start.elapsed_time(end) / 1e3)
+            peak = max(peak, step_peak_bytes)
+        del loss
+    model.zero_grad(set_to_none=True)
+    return sorted(times)[len(times) // 2], peak
+
+
+def time_ops(captured, target: str, top: int = 8, on: str = "cuda"):
+    """Every call of the captured graph timed alone against its roofline."""
+    from remat.fx_passes.devices import device
+    from remat.fx_passes.timing import measure_node, roofline
+
+    chip, cuda = device(target), torch.device(on)
+    timed = []
+    for node in captured.graph.nodes:
+        if node.op != "call_function":
+            continue
+        flops = node.meta.get("remat", {}).get("flops", 0)
+        predicted = roofline(node, flops, chip)
+        seconds = measure_node(node, cuda, runs=3, warmup=1)
+        if seconds is not None and predicted > 0:
+            timed.append((seconds, predicted, node))
+    timed.sort(key=lambda t: -t[0])
+    rows = [[n.name, str(n.target), f"{m * 1e6:.1f}", f"{r * 1e6:.1f}", f"{m / r:.2f}"]
+            for m, r, n in timed[:top]]
+    return (rows, sum(m for m, _, _ in timed), sum(r for _, r, _ in timed),
+            [m / r for m, r, _ in timed])
+
+
+def check_offload(model, inputs, problem, save_all, target: str, steps: int,
+                  save_all_seconds: float):
+    """Offload the largest saved tensors of the save-all schedule (up to a quarter of its
+    saved bytes), each loaded back just before its first backward reader."""
+    import dataclasses
+
+    from remat.fx_passes.devices import device
+    from remat.solvers.schedule import make_schedule
+
+    link = device(target).host_link
+    offloadable = dataclasses.replace(problem, host_bandwidth=link)
+    nf = offloadable.num_forward
+    saved = sorted(save_all.saved, key=lambda v: -problem.ops[v].size)
+    limit = sum(problem.ops[v].size for v in saved) // 4
+    chosen, total = {}, 0
+    for v in saved:
+        if problem.ops[v].size == 0 or total + problem.ops[v].size > limit:
+            continue
+        first = min(r for r in problem.storage_readers[v] if r >= nf)
+        chosen[v], total = first, total + problem.ops[v].size
+    schedule = make_schedule(offloadable, (), offload_at=chosen)
+    seconds, allocated, _ = run_plan(model, inputs, offloadable, schedule, steps)
+    predicted = schedule.peak
+    ok = 0.98 * predicted <= allocated <= predicted
+    return ([f"{len(chosen)} tensors, {total / GiB:.3f} GiB", f"{predicted / GiB:.3f}",
+             f"{allocated / GiB:.3f}", f"{(allocated - predicted) / predicted:+.2%}",
+             "ok" if ok else "MISSED", f"{(seconds - save_all_seconds) * 1e3:.1f}",
+             f"{schedule.transfer_time * 1e3:.1f}"], ok)
 
 
 if __name__ == "__main__":
