@@ -87,10 +87,11 @@ def wrap_counting(model, decisions: dict[str, list]):
         module = model.get_submodule(path)
 
         def contexts(chosen=chosen):
-            counter = itertools.count()
+            # One count per pass: torch 2.11 asks again in the recomputation (2.13 does not).
+            counters = {False: itertools.count(), True: itertools.count()}
 
             def policy(ctx, op, *args, **kwargs):
-                k = next(counter)
+                k = next(counters[ctx.is_recompute])
                 save = k < len(chosen) and chosen[k] == 1
                 return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -110,6 +110,33 @@ def test_a_block_whose_ops_differ_at_run_time_is_named(llama):
         step(mine, inputs)
 
 
+def test_policy_answers_the_recomputation_like_the_forward():
+    """torch 2.11 asks the policy again for each op it recomputes (`ctx.is_recompute`); 2.13
+    asks only in the forward. Either way the recomputation gets the forward's answer for the
+    same position, and the forward's count is left alone (it checks the block's op count)."""
+    import itertools
+
+    from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
+
+    from remat.fx_passes.eager_policy import BlockPolicy, _contexts
+
+    ops = ("aten.mm.default", "aten.relu.default", "aten.mm.default")
+    policy = with_cache(BlockPolicy("b", ops, ((0,), (1,), (2,)), (True, True, True)),
+                        frozenset({0, 2}))
+    forward = itertools.count()
+    caching, _ = _contexts(policy, forward)
+    decide = caching.policy_fn
+    aten = torch.ops.aten
+    calls = [aten.mm.default, aten.relu.default, aten.mm.default]
+    first = [decide(SelectiveCheckpointContext(is_recompute=False), op) for op in calls]
+    again = [decide(SelectiveCheckpointContext(is_recompute=True), op) for op in calls[:2]]
+    save, recompute = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+    assert first == [save, recompute, save] and again == first[:2]
+    assert next(forward) == len(ops)
+    with pytest.raises(RematError, match="op 2 of the run is aten.relu"):
+        decide(SelectiveCheckpointContext(is_recompute=True), aten.relu.default)
+
+
 def test_apply_refuses_twice_and_other_models(llama):
     model, _, _ = llama
     plan = plan_at(llama, 10**9)

@@ -304,8 +304,13 @@ def _checkpointed(forward, policy: BlockPolicy, *args, **kwargs):
 def _contexts(policy: BlockPolicy, counter):
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+    # torch 2.13 asks once per op, in the forward, and replays the answers in the
+    # recomputation; 2.11 asks again for each op it recomputes (`ctx.is_recompute`), and
+    # must get the forward's answer for the same position.
+    recomputed = itertools.count()
+
     def decide(ctx, op, *args, **kwargs):
-        k = next(counter)
+        k = next(recomputed if ctx.is_recompute else counter)
         name = canonical(str(op))
         if k >= len(policy.ops) or policy.ops[k] != name:
             expected = policy.ops[k] if k < len(policy.ops) else "nothing more"

@@ -9,6 +9,7 @@ holds what the policy does not cache.
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
 import weakref
@@ -16,6 +17,7 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from remat.fx_passes.eager_policy import BlockPolicy, canonical
@@ -44,18 +46,26 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
                                                 create_selective_checkpoint_contexts)
 
             def record(ctx, op, *args, **kwargs):
-                k = len(seen[path])
                 seen[path].append(canonical(str(op)))
                 freed[path].append(-1)
                 alive[path].append(0)
-                for t in tree_flatten(ctx.op_output)[0]:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+
+            def watch(k, output):
+                for t in tree_flatten(output)[0]:
                     if isinstance(t, torch.Tensor):
                         alive[path][k] += 1
                         weakref.finalize(t.untyped_storage(), _note, freed[path], alive[path],
                                          seen[path], k)
-                return CheckpointPolicy.PREFER_RECOMPUTE
 
-            return create_selective_checkpoint_contexts(record)
+            caching, recompute = create_selective_checkpoint_contexts(record)
+
+            @contextlib.contextmanager
+            def forward_context():  # ours above the caching mode: ops reach ours first
+                with caching, _Outputs(seen[path], watch):
+                    yield
+
+            return forward_context(), recompute
 
         def run(*a, **k):
             out = checkpoint(forward, *a, use_reentrant=False, context_fn=contexts, **k)
@@ -84,6 +94,25 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
             for name, buffer in model.named_buffers():
                 buffer.copy_(saved[name])
     return {p: (seen[p], freed[p]) for p in paths}
+
+
+class _Outputs(TorchDispatchMode):
+    """Hands `watch(k, output)` the output of the k-th op the policy was called for. Entered
+    above the selective-checkpoint mode, each op passes here on its way to the policy and its
+    output comes back here. torch 2.13 also gives the policy the output (`ctx.op_output`), but
+    2.11 calls the policy before the op runs; this works on both. Ops the policy is not
+    called for (checkpoint's own detaches) are passed over."""
+
+    def __init__(self, seen: list[str], watch) -> None:
+        super().__init__()
+        self.seen, self.watch = seen, watch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = len(self.seen)
+        out = func(*args, **(kwargs or {}))
+        if len(self.seen) == before + 1:
+            self.watch(before, out)
+        return out
 
 
 def _note(freed: list[int], alive: list[int], seen: list[str], k: int) -> None:
