@@ -26,11 +26,15 @@ class EagerPlan(Plan):
     """A plan for eager training: `apply(model)` wraps the model's blocks in place with
     checkpoint and a selective policy per block, and returns the model."""
 
-    def __init__(self, *, policies, structure, eager_problem, **fields):
+    def __init__(self, *, policies, structure, eager_problem, to_graph, **fields):
         super().__init__(**fields)
         self.policies = policies
         self.structure = structure
         self.eager_problem = eager_problem
+        """The problem the eager plan was made on: the graph's ops with eager's bytes, and under
+        ZeRO-2/3 the collectives; `schedule` and `structure` number its ops."""
+        self.to_graph = to_graph
+        """For each op of `eager_problem`, the joint-graph op it is (None: a collective)."""
 
     @property
     def block_policies(self) -> dict:
@@ -38,7 +42,7 @@ class EagerPlan(Plan):
         call `remat.fx_passes.eager_policy.apply_eager(model, policies)` there."""
         from remat.fx_passes.eager_policy import with_cache
 
-        cached = frozenset(self.schedule.info["cached"])
+        cached = frozenset(self.to_graph[v] for v in self.schedule.info["cached"])
         return {p: with_cache(pol, cached) for p, pol in self.policies.items()}
 
     def apply(self, model: Any):
@@ -60,14 +64,10 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
     from remat.fx_passes.eager_policy import block_paths, eager_blocks, eager_problem
     from remat.fx_passes.eager_probe import probe
     from remat.fx_passes.lower import op_nodes
+    from remat.fx_passes.sharding import shard
     from remat.planner.optimize import _budget_error
 
-    # The graph's own problem: checkpoint's recomputations run on the graph's ops. FSDP's
-    # collectives (prepared.problem under ZeRO-2/3) are not in the eager timeline yet.
     captured, joint = prepared.captured, prepared.sharded.graph
-    if prepared.sharded.problem is not joint:
-        log.warning("eager: the plan does not yet model ZeRO-2/3's gathered parameters and "
-                    "unsharded gradients (execution=\"compiled\" does); leave room for them")
     paths = block_paths(model, joint, blocks, block_of)
     observed = None
     if example_inputs is not None and not prepared.meta_weights:
@@ -76,7 +76,19 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
         log.info("eager: no weights to run the blocks with; their eager ops are derived from "
                  "the joint graph (plan.apply's run checks them)")
     structure, policies = eager_blocks(captured, joint, paths, observed)
+    # Checkpoint's recomputations run the graph's ops with eager's bytes; under ZeRO-2/3 the
+    # collectives of FSDP2 are inserted among them as in the compiled mode (gathered
+    # parameters, full gradients until their reduce-scatter), and the blocks renumbered.
     problem = eager_problem(joint, op_nodes(captured, joint), captured.device)
+    to_graph = tuple(range(len(problem)))
+    if prepared.sharded.problem is not joint:
+        training = prepared.training
+        sharded = shard(problem, captured, data_parallel=training.data_parallel,
+                        zero_stage=training.zero_stage, prefetch=training.prefetch,
+                        grad_bytes=training.grad_bytes)
+        problem, to_graph = sharded.problem, sharded.graph_index
+        structure = structure.renumbered({g: i for i, g in enumerate(to_graph)
+                                          if g is not None})
     strategy = Strategy(solver)
     allowance = prepared.allowance(budget, activation_budget)
     seeds: list[frozenset[int]] = [frozenset(), structure.cacheable]
@@ -104,7 +116,7 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
     return EagerPlan(model=model, prepared=prepared, schedule=schedule, memory=memory,
                      target=target, solver=strategy, solver_options=solver_options,
                      activation_budget=activation_budget, policies=policies,
-                     structure=structure, eager_problem=problem)
+                     structure=structure, eager_problem=problem, to_graph=to_graph)
 
 
 

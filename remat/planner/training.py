@@ -79,7 +79,8 @@ class Training:
     data_parallel: int = 1
     """Number of data-parallel ranks that ZeRO shards state across."""
     zero_stage: int = 0
-    """ZeRO stage: 0 shards nothing; 1 the optimizer state and master copy; 2 also the
+    """ZeRO stage: 0 shards nothing (with data_parallel > 1: DDP, whose gradient buckets are
+    state, `StateMemory.buckets`); 1 the optimizer state and master copy; 2 also the
     gradients; 3 also the weights (FSDP). From 2 on, the step is planned with FSDP2's
     collectives (remat.fx_passes.sharding): each block's full gradients live until its
     reduce-scatter, and from 3 on its full parameters from its all-gather to its reshard;
@@ -175,16 +176,21 @@ class StateMemory:
     master: int
     gradients: int
     optimizer: int
+    buckets: int = 0
+    """DDP (data_parallel > 1, zero_stage 0): the reducer's flat buckets, one more copy of
+    every trainable gradient, allocated when the model is wrapped and kept all along
+    (`DistributedDataParallel`'s default, gradient_as_bucket_view=False)."""
 
     @property
     def total(self) -> int:
-        return self.weights + self.cast_copies + self.master + self.gradients + self.optimizer
+        return (self.weights + self.cast_copies + self.master + self.gradients + self.optimizer
+                + self.buckets)
 
     def to_dict(self) -> dict:
         return {"parameters": self.parameters, "trainable": self.trainable,
                 "weights": self.weights, "cast_copies": self.cast_copies,
                 "master": self.master, "gradients": self.gradients,
-                "optimizer": self.optimizer, "total": self.total}
+                "optimizer": self.optimizer, "buckets": self.buckets, "total": self.total}
 
 
 def named_shapes(params: Any) -> list[tuple[str, tuple[int, ...], Any]]:
@@ -255,4 +261,6 @@ def state_memory(params: Any, training: Training = Training()) -> StateMemory:
         master=shard(layout.master * trainable, 1),
         gradients=shard(layout.grad * trainable, 2),
         optimizer=shard(opt, 1),
+        buckets=layout.grad * trainable if training.data_parallel > 1
+        and training.zero_stage == 0 else 0,
     )
