@@ -1,7 +1,8 @@
 """Eager plans under FSDP2 and DDP: CPU, gloo, 2 ranks, a tiny Llama with dropout.
 
 Each plan is made once on the unsharded model, with `Training(data_parallel=2, zero_stage=3)`
-for FSDP2 and `zero_stage=0` for DDP, at a whole-step budget per rank that makes it recompute.
+for FSDP2 (also with `reshard_after_forward=False`, FSDP2's ZeRO-2-like mode) and
+`zero_stage=0` for DDP, at a whole-step budget per rank that makes it recompute.
 Its block policies are sent to the ranks and applied before `fully_shard` (or DDP). Judged by
 the same job without remat (parameters after two AdamW steps) and by the allocator: what each
 rank holds when the step starts (parameter shards, optimizer state, DDP's buckets) plus the
@@ -12,6 +13,7 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -29,7 +31,10 @@ CONFIG = TinyLlamaConfig(hidden=32, mlp=88, seq=16, dropout=0.1)
 WORLD = 2
 STEPS = 2
 BATCH = 2  # per rank
-ZERO_STAGE = {"fsdp": 3, "ddp": 0}
+# How each job shards, as fully_shard/DDP do it and as Training describes it.
+JOBS = {"fsdp2": {"zero_stage": 3},
+        "fsdp2 reshard_after_forward=False": {"zero_stage": 3, "reshard_after_forward": False},
+        "ddp": {"zero_stage": 0}}
 
 
 def _batch(rank: int, step: int):
@@ -72,15 +77,15 @@ def _train(model, rank: int, wrap, measure: bool = False):
     return params, {"held": held, "peak": min(peaks)}
 
 
-def _fsdp(model):
+def _fsdp(model, reshard_after_forward: bool = True):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (WORLD,))
     layers = list(model.layers)
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     # One block ahead both ways, as Training(prefetch=1) plans (what FSDP2 overlaps on a GPU;
     # on a CPU nothing runs asynchronously, so the prefetch is made explicit).
     for a, b in zip(layers, layers[1:]):
@@ -100,7 +105,9 @@ def _worker(rank: int, init: str, policies, results: str) -> None:
     try:
         torch.set_num_threads(1)
         out = {}
-        for kind, wrap in (("fsdp", _fsdp), ("ddp", _ddp)):
+        for kind, sharding in JOBS.items():
+            wrap = _ddp if sharding["zero_stage"] == 0 else partial(
+                _fsdp, reshard_after_forward=sharding.get("reshard_after_forward", True))
             base, _ = tiny_llama(CONFIG, batch=BATCH)
             plain, _ = _train(copy.deepcopy(base), rank, wrap)
             planned, memory = _train(apply_eager(copy.deepcopy(base), policies[kind]), rank,
@@ -116,12 +123,12 @@ def _worker(rank: int, init: str, policies, results: str) -> None:
         dist.destroy_process_group()
 
 
-def _plan(zero_stage: int):
+def _plan(sharding: dict):
     """The eager plan at a whole-step budget per rank of the state and 80 % of the
-    activations that caching everything would hold: it recomputes, and caches some."""
+    activations that caching everything would hold (a 1 % margin kept free): it recomputes,
+    and caches some."""
     model, inputs = tiny_llama(CONFIG, batch=BATCH)
-    training = remat.Training(data_parallel=WORLD, zero_stage=zero_stage, reserve=0,
-                              fragmentation=0.0)
+    training = remat.Training(data_parallel=WORLD, reserve=0, fragmentation=0.01, **sharding)
     prepared = prepare(model, inputs, training=training)
 
     def plan(**budget):
@@ -130,7 +137,7 @@ def _plan(zero_stage: int):
                                example_inputs=inputs, **budget)
 
     everything = plan(budget=None, activation_budget=10**9).memory
-    budget = everything.static + int(0.8 * everything.activation_peak)
+    budget = int((everything.static + 0.8 * everything.activation_peak) / 0.99)
     planned = plan(budget=budget, activation_budget=None)
     assert planned.recompute_flops > 0
     assert any(p.cache for p in planned.block_policies.values())
@@ -139,7 +146,7 @@ def _plan(zero_stage: int):
 
 
 def test_eager_plan_under_fsdp2_and_ddp_trains_like_plain_pytorch_within_its_budget():
-    plans = {kind: _plan(stage) for kind, stage in ZERO_STAGE.items()}
+    plans = {kind: _plan(sharding) for kind, sharding in JOBS.items()}
     policies = {kind: plan.block_policies for kind, (plan, _) in plans.items()}
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "result")
@@ -160,7 +167,9 @@ def test_eager_plan_under_fsdp2_and_ddp_trains_like_plain_pytorch_within_its_bud
             expected = state.total - state.gradients + counters
             assert out["held"] == expected, (kind, out, expected)
             whole = out["held"] + out["peak"]
-            print(f"{kind} rank {rank}: budget {budget:,} predicted {plan.peak:,} measured "
-                  f"{whole:,} ({100 * (plan.peak - whole) / whole:+.2f} %)")
+            # What the plan says the step holds: the whole-step peak less the margin.
+            predicted = plan.peak - plan.memory.margin
+            print(f"{kind} rank {rank}: budget {budget:,} predicted {predicted:,} measured "
+                  f"{whole:,} ({100 * (predicted - whole) / whole:+.2f} %)")
             assert whole <= budget, (kind, rank, whole, budget)
-            assert abs(whole - plan.peak) <= 0.02 * whole, (kind, rank, whole, plan.peak)
+            assert abs(whole - predicted) <= 0.02 * whole, (kind, rank, whole, predicted)

@@ -73,11 +73,14 @@ def _nbytes(node: fx.Node) -> tuple[int, int]:
 
 def shard(problem: Problem, captured: Captured, *, data_parallel: int, zero_stage: int,
           prefetch: int = 1, grad_bytes: int | None = None,
-          gather_scratch: bool | None = None) -> Sharded:
+          gather_scratch: bool | None = None, reshard_after_forward: bool = True) -> Sharded:
     """`problem` with the collectives of `zero_stage` over `data_parallel` ranks (module doc).
     `grad_bytes` is the bytes per element of the sharded gradient (the optimizer's dtype;
     default: the graph's). `gather_scratch`: each all-gather also holds a flat copy of its
-    output while it runs (gloo's; default: when the graph was captured on the CPU)."""
+    output while it runs (gloo's; default: when the graph was captured on the CPU).
+    `reshard_after_forward=False` (ZeRO-3 only; FSDP2's option of that name, its ZeRO-2-like
+    mode): each block keeps its gathered parameters from its forward to its post-backward,
+    and the backward gathers nothing."""
     if gather_scratch is None:
         gather_scratch = captured.device.startswith("cpu")
     identity = Sharded(problem, tuple(range(len(problem))), problem)
@@ -128,7 +131,8 @@ def shard(problem: Problem, captured: Captured, *, data_parallel: int, zero_stag
 
     if zero_stage >= 3:
         _gathers(before, after, collective, param_bytes, blocks, reverse, forward, backward,
-                 prefetch=prefetch, scratch=gather_scratch, first_forward=0,
+                 prefetch=prefetch, scratch=gather_scratch, keep=not reshard_after_forward,
+                 first_forward=0,
                  last_forward=problem.num_forward - 1,
                  first_backward=min(problem.backward, default=len(ops)))
     previous = None
@@ -137,7 +141,8 @@ def shard(problem: Problem, captured: Captured, *, data_parallel: int, zero_stag
     for unit in [*posts, *([ROOT] if ROOT in grads else [])]:
         post = []
         if zero_stage >= 3 and unit != ROOT:
-            post.append(collective(f"reshard_bwd.{unit}", B, [f"copy_out_bwd.{unit}"]))
+            gathered = "copy_out_bwd" if reshard_after_forward else "copy_out"
+            post.append(collective(f"reshard_bwd.{unit}", B, [f"{gathered}.{unit}"]))
         if previous is not None:
             post.append(collective(f"rs_wait.{previous}", B, [f"reduce_scatter.{previous}"]))
         gs = [ops[g].name for g in grads.get(unit, [])]
@@ -186,7 +191,7 @@ def shard(problem: Problem, captured: Captured, *, data_parallel: int, zero_stag
 
 def _gathers(before: dict, after: dict, collective, param_bytes: dict[str, int],
              blocks: list[str], reverse: list[str], forward: dict, backward: dict, *,
-             prefetch: int, scratch: bool, first_forward: int, last_forward: int,
+             prefetch: int, scratch: bool, keep: bool, first_forward: int, last_forward: int,
              first_backward: int) -> None:
     """ZeRO-3's all-gathers, copy-outs and reshards, as FSDP2 runs them synchronously
     (gloo; module doc): `before[i]`/`after[i]` get the collectives to insert around graph op
@@ -200,13 +205,15 @@ def _gathers(before: dict, after: dict, collective, param_bytes: dict[str, int],
     units = ([ROOT] if ROOT in param_bytes else []) + blocks
     pre = {ROOT: first_forward, **{u: forward[u][0] for u in blocks}}
     for i, unit in enumerate(units):
-        gathered_at = pre[units[max(0, i - prefetch)]] if unit != ROOT else first_forward
+        # Only blocks prefetch blocks in the forward (FSDP2 prefetches nothing by itself there).
+        k = blocks.index(unit) if unit != ROOT else None
+        gathered_at = first_forward if k is None else pre[blocks[max(0, k - prefetch)]]
         before.setdefault(gathered_at, []).append(collective(
             f"all_gather.{unit}", F, size=param_bytes[unit], temp=temp(unit)))
         freed = [f"all_gather.{unit}"] + ([f"all_gather.{units[i - 1]}"] if i else [])
         before.setdefault(pre[unit], []).append(collective(
             f"copy_out.{unit}", F, freed, size=param_bytes[unit], is_output=unit == ROOT))
-        if unit != ROOT:
+        if unit != ROOT and not keep:  # kept: to the post-backward's reshard_bwd
             after.setdefault(forward[unit][1], []).append(
                 collective(f"reshard.{unit}", F, [f"copy_out.{unit}"]))
     if units:
@@ -215,7 +222,7 @@ def _gathers(before: dict, after: dict, collective, param_bytes: dict[str, int],
     # Backward: the root's pre-backward runs first and prefetches the first blocks; each
     # block's flat output is freed at its copy-out. The root keeps its parameters (is_output).
     start = first_backward if ROOT in param_bytes else None
-    for j, unit in enumerate(reverse):
+    for j, unit in enumerate([] if keep else reverse):
         if j >= prefetch or start is None:
             at = backward[reverse[max(0, j - prefetch)]][0]
         else:

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from remat.errors import BudgetError, RematError, SolverError
 from remat.planner.budget import format_size
 from remat.planner.optimize import Plan, check_same_parameters, has_meta_weights
+from remat.planner.prepare import shard_step
 from remat.solvers import SolverOptions, Strategy, solve
 from remat.solvers.baselines import block_of
 from remat.solvers.eager import eager_schedule, plan_eager
@@ -64,7 +65,6 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
     from remat.fx_passes.eager_policy import block_paths, eager_blocks, eager_problem
     from remat.fx_passes.eager_probe import probe
     from remat.fx_passes.lower import op_nodes
-    from remat.fx_passes.sharding import shard
     from remat.planner.optimize import _budget_error
 
     captured, joint = prepared.captured, prepared.sharded.graph
@@ -82,10 +82,7 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
     problem = eager_problem(joint, op_nodes(captured, joint), captured.device)
     to_graph = tuple(range(len(problem)))
     if prepared.sharded.problem is not joint:
-        training = prepared.training
-        sharded = shard(problem, captured, data_parallel=training.data_parallel,
-                        zero_stage=training.zero_stage, prefetch=training.prefetch,
-                        grad_bytes=training.grad_bytes)
+        sharded = shard_step(problem, captured, prepared.training)
         problem, to_graph = sharded.problem, sharded.graph_index
         structure = structure.renumbered({g: i for i, g in enumerate(to_graph)
                                           if g is not None})

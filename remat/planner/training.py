@@ -88,6 +88,11 @@ class Training:
     prefetch: int = 1
     """ZeRO-3/FSDP: how many blocks ahead a block's parameters are all-gathered, in the forward
     and in the backward (1, as FSDP2 overlaps communication by default)."""
+    reshard_after_forward: bool = True
+    """ZeRO-3/FSDP: whether a block's gathered parameters are freed after its forward and
+    gathered again for its backward (FSDP2's `fully_shard(reshard_after_forward=...)`); False
+    keeps them from the forward to the block's backward (FSDP2's ZeRO-2-like mode: weights
+    sharded between steps, whole during it)."""
     frozen: frozenset[str] | Callable[[str], bool] = frozenset()
     """Parameters that are not trained (no gradients, no master copy, no optimizer state): names
     or fnmatch patterns ("model.embed_tokens.*"), or a predicate on the name. Parameters whose
@@ -113,6 +118,9 @@ class Training:
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) \
                 or self.prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, not {self.prefetch!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError("reshard_after_forward must be True or False, not "
+                             f"{self.reshard_after_forward!r}")
         if not (isinstance(self.fragmentation, (int, float)) and 0 <= self.fragmentation < 1):
             raise ValueError(f"fragmentation must be a fraction in [0, 1), "
                              f"not {self.fragmentation!r}")
@@ -146,7 +154,7 @@ class Training:
     def to_dict(self) -> dict:
         return {"precision": self.precision.value, "optimizer": self.optimizer.value,
                 "data_parallel": self.data_parallel, "zero_stage": self.zero_stage,
-                "prefetch": self.prefetch,
+                "prefetch": self.prefetch, "reshard_after_forward": self.reshard_after_forward,
                 "frozen": "<predicate>" if callable(self.frozen) else sorted(self.frozen),
                 "reserve": self.reserve, "fragmentation": self.fragmentation}
 
