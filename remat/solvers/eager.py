@@ -76,7 +76,7 @@ class EagerBlocks:
         """The same blocks over another numbering of the same ops (`index`: old -> new), such
         as the problem with sharding's collectives inserted (`remat.fx_passes.sharding`),
         which keeps the forward ops in order."""
-        at = lambda v: index[v]  # noqa: E731
+        at = lambda v: index[v] if v >= 0 else v  # noqa: E731  (-1: before the first op)
 
         def moved(p: float) -> float:  # a position between two ops stays between them
             whole = int(p)
