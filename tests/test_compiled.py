@@ -198,11 +198,24 @@ def test_an_outer_torch_compile_keeps_the_plan(backend):
         assert torch.allclose(a.grad, b.grad, rtol=1e-6, atol=1e-7)
 
 
-def test_an_outer_fullgraph_compile_says_what_to_do():
-    """fullgraph=True cannot keep the plan opaque: the error names the remedy."""
+@pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
+def test_an_outer_fullgraph_compile_says_what_to_do(how):
+    """fullgraph=True cannot keep the plan opaque: a RematError names the cause and the
+    remedy (torch's own Unsupported is its cause), and nothing ran."""
+    from torch._dynamo.exc import Unsupported
+
+    from remat.errors import RematError
+
+    torch._dynamo.reset()  # a module compiled earlier without fullgraph would skip tracing
     _, inputs, plan = tiny_plan()
     module = plan.module
-    compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
-    with pytest.raises(Exception, match=r"planned_module\(\.\.\., compile=True\)"):
+    if how == "torch.compile":
+        compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
+    else:
+        module.compile(backend="aot_eager", fullgraph=True)
+        compiled = module
+    with pytest.raises(RematError, match=r"fullgraph=True.*opaque.*plan\.module directly.*"
+                                         r"planned_module\(\.\.\., compile=True\)") as e:
         compiled(*inputs)
+    assert isinstance(e.value.__cause__, Unsupported)
     assert not module.partitions

@@ -188,3 +188,21 @@ def test_hugging_face_gpt2_trains_like_eager_and_refuses_a_kv_cache():
     mine(*inputs).loss.backward()
     for (name, a), (_, b) in zip(ref.named_parameters(), mine.named_parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_blocks_renumbered_onto_a_sharded_problem_keep_their_order():
+    """Sharding inserts collectives among the graph's ops: the blocks' fields follow their ops
+    (a position between two ops stays between them, -1 stays before the first)."""
+    from remat.solvers.eager import EagerBlocks
+
+    blocks = EagerBlocks(ops={"layers.0": (1, 2, 3)}, owner={5: "layers.0"},
+                         packer={5: 3, 6: -1}, cacheable=frozenset({2}), node_end={5: 6},
+                         position={2: 3.5}, forward_life={1: 3}, state_bytes=7,
+                         groups=((2, 3),))
+    index = {0: 0, 1: 2, 2: 3, 3: 4, 4: 6, 5: 8, 6: 9}  # collectives at 1, 5 and 7
+    moved = blocks.renumbered(index)
+    assert moved.ops == {"layers.0": (2, 3, 4)}
+    assert moved.owner == {8: "layers.0"} and moved.packer == {8: 4, 9: -1}
+    assert moved.cacheable == {3} and moved.node_end == {8: 9} and moved.groups == ((3, 4),)
+    assert moved.position == {3: 4.5} and moved.forward_life == {2: 4}
+    assert moved.state_bytes == 7

@@ -15,7 +15,9 @@ test can prove that the compiled graphs really ran.
 Compiling: `compile=True` hands the partitioned graphs to Inductor (`remat.fx_passes.inductor`).
 An outer `torch.compile(planned)` would trace into the step and partition the model again with
 its own partitioner, silently dropping the plan (TORCH-NOTES.md); the step is therefore opaque
-to dynamo: the outer compile runs it as one call, under remat's own compile.
+to dynamo: the outer compile runs it as one call, under remat's own compile. With
+``fullgraph=True`` dynamo refuses the opaque call; `PlannedModule.__call__`, a frame dynamo
+skips, turns that refusal into a RematError that names the remedy.
 """
 from __future__ import annotations
 
@@ -120,6 +122,17 @@ class PlannedModule(nn.Module):
         self.training_mode = training
         """The mode (``model.training``) the plan was made in, None if unknown."""
 
+    @torch.compiler.disable(recursive=False)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Dynamo skips this frame (not the calls it makes), so an outer torch.compile's
+        # refusal to trace the opaque step surfaces here, where it can be explained.
+        from torch._dynamo.exc import Unsupported
+
+        try:
+            return super().__call__(*args, **kwargs)
+        except Unsupported as e:
+            raise RematError(_FULLGRAPH_REFUSED) from e
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_mode()
         try:
@@ -187,6 +200,15 @@ _OPAQUE_REASON = ("remat's planned step is compiled with its own partitioner, an
                   "plan; so the step is opaque to it. Without fullgraph=True the outer compile "
                   "runs the step as one call, plan kept; to compile the step itself with "
                   "Inductor, use planned_module(..., compile=True)")
+
+
+_FULLGRAPH_REFUSED = (
+    "torch.compile(..., fullgraph=True) of a planned module: the planned step is compiled "
+    "with remat's own partitioner and is opaque to an outer torch.compile (tracing into it "
+    "would partition the model again and drop the plan), so it cannot be one full graph. "
+    "Call plan.module directly (it is already compiled, the plan kept), compile it without "
+    "fullgraph=True (the step then runs as one call, plan kept), or build the step with "
+    "planned_module(..., compile=True) to have Inductor compile the planned graphs")
 
 
 def _opaque_to_dynamo(step: Callable) -> Callable:

@@ -18,13 +18,22 @@ What is modelled (torch.distributed.fsdp.fully_shard, 2.13, read in _fsdp_param_
   (``grad_shard.<unit>``, is_output: the state's gradients). The full gradients die there.
   FSDP2 keeps the last buffer until the next unit's post-backward (``rs_wait.<unit>`` frees it;
   `reduce_scatter_max_input_buffers` = 1). The root's post-backward is the backward's end.
-- ``zero_stage == 3``: a unit's full parameters (``all_gather.<unit>``, the bytes the graph
-  computes with) live from its all-gather to its reshard (``reshard.<unit>``). Forward: block
-  i is gathered at block i - prefetch's pre-forward, resharded after its last forward op.
-  Backward (blocks in reverse): gathered at the pre-backward of the block `prefetch` earlier in
-  backward order, resharded at its post-backward, before the reduce-scatter. The root unit is
-  not resharded after the forward (FSDP2's root keeps its parameters for the backward): it
-  lives to the end of the step.
+- ``zero_stage == 3``: each unit's parameters are all-gathered into one flat buffer
+  (``all_gather.<unit>``, the bytes the graph computes with; on gloo the collective also holds
+  a flat copy of its output while it runs: its `temp`), then copied out into the unit's
+  unsharded parameters (``copy_out.<unit>``, the same bytes again) at the unit's pre-forward,
+  which live to its reshard (``reshard.<unit>``, after its last forward op). Forward: block i is
+  gathered at block i - prefetch's pre-forward (the root at the first op); a flat buffer is
+  freed only at the next unit's copy-out, the last one at the forward's end
+  (``free_gather.<unit>``): FSDP2 defers that free in the forward. The root unit is not
+  resharded after the forward (FSDP2's root keeps its parameters for the backward): they live
+  to the end of the step. Backward (blocks in reverse): the root's pre-backward, at the
+  backward's start, gathers the first `prefetch` blocks, each later block is gathered at the
+  pre-backward of the block `prefetch` earlier; a block's flat buffer dies at its copy-out
+  (``copy_out_bwd.<unit>``, its pre-backward) and its parameters at its post-backward
+  (``reshard_bwd.<unit>``), before the reduce-scatter.
+  Checked against the allocator's events of FSDP2 (torch 2.13, gloo, synchronous), in
+  tests/test_sharded_memory.py and tests/test_distributed.py.
 - With ``zero_stage < 2`` the problem is returned unchanged.
 """
 from __future__ import annotations
@@ -63,10 +72,17 @@ def _nbytes(node: fx.Node) -> tuple[int, int]:
 
 
 def shard(problem: Problem, captured: Captured, *, data_parallel: int, zero_stage: int,
-          prefetch: int = 1, grad_bytes: int | None = None) -> Sharded:
+          prefetch: int = 1, grad_bytes: int | None = None,
+          gather_scratch: bool | None = None, reshard_after_forward: bool = True) -> Sharded:
     """`problem` with the collectives of `zero_stage` over `data_parallel` ranks (module doc).
     `grad_bytes` is the bytes per element of the sharded gradient (the optimizer's dtype;
-    default: the graph's)."""
+    default: the graph's). `gather_scratch`: each all-gather also holds a flat copy of its
+    output while it runs (gloo's; default: when the graph was captured on the CPU).
+    `reshard_after_forward=False` (ZeRO-3 only; FSDP2's option of that name, its ZeRO-2-like
+    mode): each block keeps its gathered parameters from its forward to its post-backward,
+    and the backward gathers nothing."""
+    if gather_scratch is None:
+        gather_scratch = captured.device.startswith("cpu")
     identity = Sharded(problem, tuple(range(len(problem))), problem)
     if zero_stage < 2:
         return identity
@@ -114,26 +130,19 @@ def shard(problem: Problem, captured: Captured, *, data_parallel: int, zero_stag
     F, B = Phase.FORWARD, Phase.BACKWARD
 
     if zero_stage >= 3:
-        if ROOT in param_bytes and ops:
-            before.setdefault(0, []).append(collective(
-                f"all_gather.{ROOT}", F, size=param_bytes[ROOT], is_output=True))
-        for i, unit in enumerate(blocks):
-            at = forward[blocks[max(0, i - prefetch)]][0]
-            before.setdefault(at, []).append(
-                collective(f"all_gather.{unit}", F, size=param_bytes[unit]))
-            after.setdefault(forward[unit][1], []).append(
-                collective(f"reshard.{unit}", F, [f"all_gather.{unit}"]))
-        for j, unit in enumerate(reverse):
-            at = backward[reverse[max(0, j - prefetch)]][0]
-            before.setdefault(at, []).append(
-                collective(f"all_gather_bwd.{unit}", B, size=param_bytes[unit]))
+        _gathers(before, after, collective, param_bytes, blocks, reverse, forward, backward,
+                 prefetch=prefetch, scratch=gather_scratch, keep=not reshard_after_forward,
+                 first_forward=0,
+                 last_forward=problem.num_forward - 1,
+                 first_backward=min(problem.backward, default=len(ops)))
     previous = None
     tail = max(problem.backward, default=len(ops) - 1)
     posts = sorted((u for u in reverse if u in backward), key=lambda u: backward[u][1])
     for unit in [*posts, *([ROOT] if ROOT in grads else [])]:
         post = []
         if zero_stage >= 3 and unit != ROOT:
-            post.append(collective(f"reshard_bwd.{unit}", B, [f"all_gather_bwd.{unit}"]))
+            gathered = "copy_out_bwd" if reshard_after_forward else "copy_out"
+            post.append(collective(f"reshard_bwd.{unit}", B, [f"{gathered}.{unit}"]))
         if previous is not None:
             post.append(collective(f"rs_wait.{previous}", B, [f"reduce_scatter.{previous}"]))
         gs = [ops[g].name for g in grads.get(unit, [])]
@@ -179,6 +188,50 @@ def shard(problem: Problem, captured: Captured, *, data_parallel: int, zero_stag
                       host_bandwidth=problem.host_bandwidth)
     return Sharded(sharded, tuple(graph_index), problem,
                    frozenset(k for k in moved if isinstance(k, int)))
+
+
+def _gathers(before: dict, after: dict, collective, param_bytes: dict[str, int],
+             blocks: list[str], reverse: list[str], forward: dict, backward: dict, *,
+             prefetch: int, scratch: bool, keep: bool, first_forward: int, last_forward: int,
+             first_backward: int) -> None:
+    """ZeRO-3's all-gathers, copy-outs and reshards, as FSDP2 runs them synchronously
+    (gloo; module doc): `before[i]`/`after[i]` get the collectives to insert around graph op
+    i, in the order FSDP2's hooks run them."""
+    F, B = Phase.FORWARD, Phase.BACKWARD
+    temp = (lambda unit: param_bytes[unit]) if scratch else (lambda unit: 0)  # noqa: E731
+    # Forward: units in the order their pre-forward hooks run, the root's first (the model's
+    # forward starts it). A unit's flat all-gather output is freed only at the next unit's
+    # copy-out (FSDP2 defers the free to overlap the copy with the next all-gather), the last
+    # one's at the root's post-forward, the forward's end.
+    units = ([ROOT] if ROOT in param_bytes else []) + blocks
+    pre = {ROOT: first_forward, **{u: forward[u][0] for u in blocks}}
+    for i, unit in enumerate(units):
+        # Only blocks prefetch blocks in the forward (FSDP2 prefetches nothing by itself there).
+        k = blocks.index(unit) if unit != ROOT else None
+        gathered_at = first_forward if k is None else pre[blocks[max(0, k - prefetch)]]
+        before.setdefault(gathered_at, []).append(collective(
+            f"all_gather.{unit}", F, size=param_bytes[unit], temp=temp(unit)))
+        freed = [f"all_gather.{unit}"] + ([f"all_gather.{units[i - 1]}"] if i else [])
+        before.setdefault(pre[unit], []).append(collective(
+            f"copy_out.{unit}", F, freed, size=param_bytes[unit], is_output=unit == ROOT))
+        if unit != ROOT and not keep:  # kept: to the post-backward's reshard_bwd
+            after.setdefault(forward[unit][1], []).append(
+                collective(f"reshard.{unit}", F, [f"copy_out.{unit}"]))
+    if units:
+        after.setdefault(last_forward, []).append(
+            collective(f"free_gather.{units[-1]}", F, [f"all_gather.{units[-1]}"]))
+    # Backward: the root's pre-backward runs first and prefetches the first blocks; each
+    # block's flat output is freed at its copy-out. The root keeps its parameters (is_output).
+    start = first_backward if ROOT in param_bytes else None
+    for j, unit in enumerate([] if keep else reverse):
+        if j >= prefetch or start is None:
+            at = backward[reverse[max(0, j - prefetch)]][0]
+        else:
+            at = start
+        before.setdefault(at, []).append(collective(
+            f"all_gather_bwd.{unit}", B, size=param_bytes[unit], temp=temp(unit)))
+        before.setdefault(backward[unit][0], []).append(collective(
+            f"copy_out_bwd.{unit}", B, [f"all_gather_bwd.{unit}"], size=param_bytes[unit]))
 
 
 def _gradient_views(problem: Problem, grads: list[int]) -> dict:

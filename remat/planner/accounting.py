@@ -102,6 +102,8 @@ class StepMemory:
             ("gradients", s.gradients, True, grads_note),
             ("master weights", s.master, True, "fp32 copy of trainable parameters"),
             ("optimizer state", s.optimizer, True, ""),
+            *([("gradient buckets", s.buckets, True, "DDP's all-reduce buckets: one more copy "
+                "of the gradients")] if s.buckets else []),
             ("activation peak", self.activation_peak, True,
              "simulated; the step's peak less the state"),
             ("reserve", self.reserve, self.budget is not None,
@@ -167,6 +169,8 @@ REMEDIES = {
     "master weights": ("shard them with the optimizer state (ZeRO-1 or higher); a smaller batch "
                        "does not help"),
     "gradients": "shard them across data-parallel ranks (ZeRO-2 or higher)",
+    "gradient buckets": ("DistributedDataParallel(..., gradient_as_bucket_view=True) makes the "
+                         ".grad views of the buckets, or shard the gradients (ZeRO-2/FSDP)"),
     "activations": ("recompute more (the optimal strategy recomputes all it may), or use a "
                     "smaller micro-batch with gradient accumulation to keep the global batch"),
     "reserve": ("lower Training(reserve=...) (1 GiB by default: CUDA context and library "
@@ -189,6 +193,7 @@ def budget_error(budget: int, *, smallest_activations: int | None, state: StateM
         "master weights": state.master,
         "optimizer state": state.optimizer,
         "gradients": state.gradients,
+        "gradient buckets": state.buckets,
     }
     overhead = {"reserve": training.reserve, "fragmentation margin": margin}
     state_alone = fixed_bytes(state, training) + margin

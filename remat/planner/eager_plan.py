@@ -14,6 +14,7 @@ from typing import Any, Sequence
 from remat.errors import BudgetError, RematError, SolverError
 from remat.planner.budget import format_size
 from remat.planner.optimize import Plan, check_same_parameters, has_meta_weights
+from remat.planner.prepare import shard_step
 from remat.solvers import SolverOptions, Strategy, solve
 from remat.solvers.baselines import block_of
 from remat.solvers.eager import eager_schedule, plan_eager
@@ -26,11 +27,15 @@ class EagerPlan(Plan):
     """A plan for eager training: `apply(model)` wraps the model's blocks in place with
     checkpoint and a selective policy per block, and returns the model."""
 
-    def __init__(self, *, policies, structure, eager_problem, **fields):
+    def __init__(self, *, policies, structure, eager_problem, to_graph, **fields):
         super().__init__(**fields)
         self.policies = policies
         self.structure = structure
         self.eager_problem = eager_problem
+        """The problem the eager plan was made on: the graph's ops with eager's bytes, and under
+        ZeRO-2/3 the collectives; `schedule` and `structure` number its ops."""
+        self.to_graph = to_graph
+        """For each op of `eager_problem`, the joint-graph op it is (None: a collective)."""
 
     @property
     def block_policies(self) -> dict:
@@ -38,7 +43,7 @@ class EagerPlan(Plan):
         call `remat.fx_passes.eager_policy.apply_eager(model, policies)` there."""
         from remat.fx_passes.eager_policy import with_cache
 
-        cached = frozenset(self.schedule.info["cached"])
+        cached = frozenset(self.to_graph[v] for v in self.schedule.info["cached"])
         return {p: with_cache(pol, cached) for p, pol in self.policies.items()}
 
     def apply(self, model: Any):
@@ -62,12 +67,7 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
     from remat.fx_passes.lower import op_nodes
     from remat.planner.optimize import _budget_error
 
-    # The graph's own problem: checkpoint's recomputations run on the graph's ops. FSDP's
-    # collectives (prepared.problem under ZeRO-2/3) are not in the eager timeline yet.
     captured, joint = prepared.captured, prepared.sharded.graph
-    if prepared.sharded.problem is not joint:
-        log.warning("eager: the plan does not yet model ZeRO-2/3's gathered parameters and "
-                    "unsharded gradients (execution=\"compiled\" does); leave room for them")
     paths = block_paths(model, joint, blocks, block_of)
     observed = None
     if example_inputs is not None and not prepared.meta_weights:
@@ -76,7 +76,16 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
         log.info("eager: no weights to run the blocks with; their eager ops are derived from "
                  "the joint graph (plan.apply's run checks them)")
     structure, policies = eager_blocks(captured, joint, paths, observed)
+    # Checkpoint's recomputations run the graph's ops with eager's bytes; under ZeRO-2/3 the
+    # collectives of FSDP2 are inserted among them as in the compiled mode (gathered
+    # parameters, full gradients until their reduce-scatter), and the blocks renumbered.
     problem = eager_problem(joint, op_nodes(captured, joint), captured.device)
+    to_graph = tuple(range(len(problem)))
+    if prepared.sharded.problem is not joint:
+        sharded = shard_step(problem, captured, prepared.training)
+        problem, to_graph = sharded.problem, sharded.graph_index
+        structure = structure.renumbered({g: i for i, g in enumerate(to_graph)
+                                          if g is not None})
     strategy = Strategy(solver)
     allowance = prepared.allowance(budget, activation_budget)
     seeds: list[frozenset[int]] = [frozenset(), structure.cacheable]
@@ -104,7 +113,7 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
     return EagerPlan(model=model, prepared=prepared, schedule=schedule, memory=memory,
                      target=target, solver=strategy, solver_options=solver_options,
                      activation_budget=activation_budget, policies=policies,
-                     structure=structure, eager_problem=problem)
+                     structure=structure, eager_problem=problem, to_graph=to_graph)
 
 
 

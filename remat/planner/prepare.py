@@ -111,7 +111,6 @@ def prepare(model: Any, example_inputs: Sequence[Any] = (), *,
     from remat.fx_passes.replicate import capture_replicated
     from remat.fx_passes.lower import lower
     from remat.fx_passes.profile import profile
-    from remat.fx_passes.sharding import shard
 
     start = time.perf_counter()
     log.info("capturing the training step of %s", type(model).__name__)
@@ -125,9 +124,7 @@ def prepare(model: Any, example_inputs: Sequence[Any] = (), *,
     profiled = profile(captured, target=target)
     done("profile", profiled.profile_time)
     lowering = time.perf_counter()
-    sharded = shard(lower(captured), captured, data_parallel=training.data_parallel,
-                    zero_stage=training.zero_stage, prefetch=training.prefetch,
-                    grad_bytes=training.grad_bytes)
+    sharded = shard_step(lower(captured), captured, training)
     problem = sharded.problem
     done("lower", time.perf_counter() - lowering)
     log.info("lowered to %d ops (%d forward), %d candidates", len(problem),
@@ -142,6 +139,16 @@ def prepare(model: Any, example_inputs: Sequence[Any] = (), *,
                     meta_weights=has_meta_weights(model), inputs=_input_specs(example_inputs),
                     kwargs={k: _input_specs((v,))[0] for k, v in (example_kwargs or {}).items()},
                     returns=returns, prepare_time=time.perf_counter() - start)
+
+
+def shard_step(problem: Any, captured: Any, training: Training):
+    """`remat.fx_passes.sharding.shard` of `problem` for `training`'s data parallelism."""
+    from remat.fx_passes.sharding import shard
+
+    return shard(problem, captured, data_parallel=training.data_parallel,
+                 zero_stage=training.zero_stage, prefetch=training.prefetch,
+                 grad_bytes=training.grad_bytes,
+                 reshard_after_forward=training.reshard_after_forward)
 
 
 # ----------------------------------------------------------------------------- parameters

@@ -79,7 +79,8 @@ class Training:
     data_parallel: int = 1
     """Number of data-parallel ranks that ZeRO shards state across."""
     zero_stage: int = 0
-    """ZeRO stage: 0 shards nothing; 1 the optimizer state and master copy; 2 also the
+    """ZeRO stage: 0 shards nothing (with data_parallel > 1: DDP, whose gradient buckets are
+    state, `StateMemory.buckets`); 1 the optimizer state and master copy; 2 also the
     gradients; 3 also the weights (FSDP). From 2 on, the step is planned with FSDP2's
     collectives (remat.fx_passes.sharding): each block's full gradients live until its
     reduce-scatter, and from 3 on its full parameters from its all-gather to its reshard;
@@ -87,6 +88,11 @@ class Training:
     prefetch: int = 1
     """ZeRO-3/FSDP: how many blocks ahead a block's parameters are all-gathered, in the forward
     and in the backward (1, as FSDP2 overlaps communication by default)."""
+    reshard_after_forward: bool = True
+    """ZeRO-3/FSDP: whether a block's gathered parameters are freed after its forward and
+    gathered again for its backward (FSDP2's `fully_shard(reshard_after_forward=...)`); False
+    keeps them from the forward to the block's backward (FSDP2's ZeRO-2-like mode: weights
+    sharded between steps, whole during it)."""
     frozen: frozenset[str] | Callable[[str], bool] = frozenset()
     """Parameters that are not trained (no gradients, no master copy, no optimizer state): names
     or fnmatch patterns ("model.embed_tokens.*"), or a predicate on the name. Parameters whose
@@ -112,6 +118,9 @@ class Training:
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) \
                 or self.prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, not {self.prefetch!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError("reshard_after_forward must be True or False, not "
+                             f"{self.reshard_after_forward!r}")
         if not (isinstance(self.fragmentation, (int, float)) and 0 <= self.fragmentation < 1):
             raise ValueError(f"fragmentation must be a fraction in [0, 1), "
                              f"not {self.fragmentation!r}")
@@ -145,7 +154,7 @@ class Training:
     def to_dict(self) -> dict:
         return {"precision": self.precision.value, "optimizer": self.optimizer.value,
                 "data_parallel": self.data_parallel, "zero_stage": self.zero_stage,
-                "prefetch": self.prefetch,
+                "prefetch": self.prefetch, "reshard_after_forward": self.reshard_after_forward,
                 "frozen": "<predicate>" if callable(self.frozen) else sorted(self.frozen),
                 "reserve": self.reserve, "fragmentation": self.fragmentation}
 
@@ -175,16 +184,21 @@ class StateMemory:
     master: int
     gradients: int
     optimizer: int
+    buckets: int = 0
+    """DDP (data_parallel > 1, zero_stage 0): the reducer's flat buckets, one more copy of
+    every trainable gradient, allocated when the model is wrapped and kept all along
+    (`DistributedDataParallel`'s default, gradient_as_bucket_view=False)."""
 
     @property
     def total(self) -> int:
-        return self.weights + self.cast_copies + self.master + self.gradients + self.optimizer
+        return (self.weights + self.cast_copies + self.master + self.gradients + self.optimizer
+                + self.buckets)
 
     def to_dict(self) -> dict:
         return {"parameters": self.parameters, "trainable": self.trainable,
                 "weights": self.weights, "cast_copies": self.cast_copies,
                 "master": self.master, "gradients": self.gradients,
-                "optimizer": self.optimizer, "total": self.total}
+                "optimizer": self.optimizer, "buckets": self.buckets, "total": self.total}
 
 
 def named_shapes(params: Any) -> list[tuple[str, tuple[int, ...], Any]]:
@@ -255,4 +269,6 @@ def state_memory(params: Any, training: Training = Training()) -> StateMemory:
         master=shard(layout.master * trainable, 1),
         gradients=shard(layout.grad * trainable, 2),
         optimizer=shard(opt, 1),
+        buckets=layout.grad * trainable if training.data_parallel > 1
+        and training.zero_stage == 0 else 0,
     )

@@ -72,6 +72,27 @@ class EagerBlocks:
     def block_of(self) -> dict[int, str]:
         return {v: name for name, ops in self.ops.items() for v in ops}
 
+    def renumbered(self, index: Mapping[int, int]) -> "EagerBlocks":
+        """The same blocks over another numbering of the same ops (`index`: old -> new), such
+        as the problem with sharding's collectives inserted (`remat.fx_passes.sharding`),
+        which keeps the forward ops in order."""
+        at = lambda v: index[v] if v >= 0 else v  # noqa: E731  (-1: before the first op)
+
+        def moved(p: float) -> float:  # a position between two ops stays between them
+            whole = int(p)
+            return at(whole) + (p - whole)
+
+        return EagerBlocks(
+            ops={n: tuple(map(at, ops)) for n, ops in self.ops.items()},
+            owner={at(b): n for b, n in self.owner.items()},
+            packer={at(b): at(v) for b, v in self.packer.items()},
+            cacheable=frozenset(map(at, self.cacheable)),
+            node_end={at(b): at(e) for b, e in self.node_end.items()},
+            position={at(v): moved(p) for v, p in self.position.items()},
+            forward_life={at(v): at(e) for v, e in self.forward_life.items()},
+            state_bytes=self.state_bytes,
+            groups=tuple(tuple(map(at, g)) for g in self.groups))
+
 
 @dataclass(frozen=True)
 class BlockRun:
