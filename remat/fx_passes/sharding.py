@@ -127,7 +127,7 @@ def shard(problem: Problem, captured: Captured, *, data_parallel: int, zero_stag
         name=name, phase=phase, inputs=tuple(inputs), size=int(size), kind=Kind.TENSOR,
         not_recomputable=Reason.COLLECTIVE, module="" if ROOT in name else name.split(".", 1)[1],
         target=f"remat.{name.split('.', 1)[0]}", **kw)
-    F, B = Phase.FORWARD, Phase.BACKWARD
+    B = Phase.BACKWARD
 
     if zero_stage >= 3:
         _gathers(before, after, collective, param_bytes, blocks, reverse, forward, backward,

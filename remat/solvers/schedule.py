@@ -104,7 +104,6 @@ def make_schedule(problem: Problem, recomputed: Iterable[int], *,
     (strategy, status, budget, ...). `again` and `offload_at` are the richer model's (see the
     module's docstring; `Schedule`'s fields), checked here the same way."""
     ops = problem.ops
-    nf = problem.num_forward
     recomputed = set(recomputed)
     pinned = problem.pinned
     again_sets = {v: set(ps) for v, ps in (again or {}).items() if ps}
