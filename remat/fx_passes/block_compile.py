@@ -81,18 +81,22 @@ def block_partition_fn(plan: BlockPlan, on_partition: Callable[[Partition], None
 
 
 def compile_block(module: torch.nn.Module, plan: BlockPlan,
-                  partitions: dict[str, list[Partition]]) -> None:
-    """Replace `module.forward` by its compilation under `plan` (op by op, `boxed_nop`: each
-    value freed after its last use); every partition made is appended to
-    `partitions[plan.path]`. The module's hooks (FSDP2's) stay outside the compiled call."""
+                  partitions: dict[str, list[Partition]], *, inductor: bool = False) -> None:
+    """Replace `module.forward` by its compilation under `plan`: op by op (`boxed_nop`: each
+    value freed after its last use) or, with `inductor`, by Inductor; every partition made is
+    appended to `partitions[plan.path]`. The module's hooks (FSDP2's) stay outside the
+    compiled call."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
+
+    from remat.fx_passes.inductor import inductor_compilers
 
     if getattr(module, "_remat_policy", None) is not None or hasattr(module, "_remat_block"):
         raise RematError(f"block {plan.path!r} is already wrapped by a remat plan; apply or "
                          "compile a plan once, to a fresh model")
     made = partitions.setdefault(plan.path, [])
-    backend = aot_autograd(fw_compiler=boxed_nop, bw_compiler=boxed_nop,
+    fw, bw = inductor_compilers() if inductor else (boxed_nop, boxed_nop)
+    backend = aot_autograd(fw_compiler=fw, bw_compiler=bw,
                            partition_fn=block_partition_fn(plan, made.append))
     compiled = torch.compile(module.forward, backend=backend)
 
@@ -118,11 +122,12 @@ def compile_block(module: torch.nn.Module, plan: BlockPlan,
 
 
 
-def compile_model_blocks(model: torch.nn.Module, plans: dict[str, BlockPlan]) -> torch.nn.Module:
+def compile_model_blocks(model: torch.nn.Module, plans: dict[str, BlockPlan], *,
+                         inductor: bool = False) -> torch.nn.Module:
     """`compile_block` for every block in `plans`; `model.remat_partitions` collects the
     partitions. Returns `model`."""
     partitions: dict[str, list[Partition]] = {}
     for path, plan in plans.items():
-        compile_block(model.get_submodule(path), plan, partitions)
+        compile_block(model.get_submodule(path), plan, partitions, inductor=inductor)
     model.remat_partitions = partitions
     return model

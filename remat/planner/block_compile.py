@@ -13,10 +13,11 @@ from remat.solvers.problem import Phase
 __all__ = ["block_plans", "compile_blocks"]
 
 
-def compile_blocks(plan: Any, model: Any) -> Any:
+def compile_blocks(plan: Any, model: Any, *, inductor: bool = False) -> Any:
     """Compile each block of `model` that `plan` (made with ``execution="eager"``) names, in
     place: its forward keeps what the plan caches of the block, its backward recomputes the
-    rest it needs (op by op, in the order the backward needs it). Then `fully_shard` the
+    rest it needs, each just before its first use; op by op, or by Inductor with `inductor`
+    (Inductor schedules and fuses the ops itself, saved tensors unchanged). Then `fully_shard` the
     blocks and the model as usual. Returns `model`; `model.remat_partitions[path]` lists each
     block's compiled forward and backward graphs once it has run."""
     from remat.fx_passes.block_compile import compile_model_blocks
@@ -29,7 +30,7 @@ def compile_blocks(plan: Any, model: Any) -> Any:
         raise RematError("compile_blocks(plan, model) needs real weights; load or initialize "
                          "them first")
     check_eager_device(model, plan.prepared.captured.device)
-    return compile_model_blocks(model, plans)
+    return compile_model_blocks(model, plans, inductor=inductor)
 
 
 def block_plans(plan: Any) -> dict[str, BlockPlan]:
