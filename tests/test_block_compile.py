@@ -16,34 +16,9 @@ import remat
 from remat.fx_passes.block_compile import compile_model_blocks
 from remat.planner.block_compile import block_plans
 from remat.solvers import SolverOptions
-from tests.llama_tiny import TinyLlamaConfig, tiny_llama
-
-CONFIG = TinyLlamaConfig(hidden=32, mlp=88, seq=16, dropout=0.1)
-WORLD = 2
-STEPS = 2
-
-
-def _batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(100 * rank + step)
-    return (torch.randint(0, CONFIG.vocab, (2, CONFIG.seq), generator=g),
-            torch.randint(0, CONFIG.vocab, (2, CONFIG.seq), generator=g))
-
-
-def _train(model, rank: int) -> dict[str, torch.Tensor]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (WORLD,))
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(STEPS):
-        torch.manual_seed(1000 * rank + step)  # the same dropout masks in both jobs
-        model(*_batch(rank, step)).backward()
-        opt.step()
-        opt.zero_grad()
-    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+from tests.llama_tiny import tiny_llama
+# The same model, batches, seeds and training loop as the eager plan's FSDP2 test.
+from tests.test_distributed import CONFIG, WORLD, _fsdp, _train
 
 
 def _worker(rank: int, init: str, plans, results: str) -> None:
@@ -51,9 +26,9 @@ def _worker(rank: int, init: str, plans, results: str) -> None:
     try:
         torch.set_num_threads(1)
         base, _ = tiny_llama(CONFIG)
-        plain = _train(copy.deepcopy(base), rank)
+        plain = _train(copy.deepcopy(base), rank, _fsdp)
         compiled = compile_model_blocks(copy.deepcopy(base), plans)
-        planned = _train(compiled, rank)
+        planned = _train(compiled, rank, _fsdp)
         torch.save({
             "worst": max(((planned[n] - plain[n]).norm() / plain[n].norm()).item()
                          for n in plain),
