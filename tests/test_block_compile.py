@@ -81,12 +81,17 @@ def test_a_block_whose_ops_differ_from_the_plan_is_refused(plan):
         model(*inputs).backward()
 
 
-def test_a_block_that_dynamo_does_not_compile_is_an_error_not_a_silent_drop(plan):
-    # Past its recompile limit dynamo runs a function's later callers uncompiled: here the
-    # second block (the same code as the first, another backend) would run without the plan.
-    torch._dynamo.reset()  # the count starts from here, whatever ran before
+def test_each_block_compiles_on_its_own_and_an_uncompiled_run_is_an_error(plan):
+    torch._dynamo.reset()  # the recompile counts start from here, whatever ran before
     model, inputs = tiny_llama(CONFIG)
     remat.compile_blocks(plan, model)  # the public name
     with torch._dynamo.config.patch(recompile_limit=1):
-        with pytest.raises(remat.RematError, match="'layers.1' ran without remat's partitioner"):
-            model(*inputs).backward()
+        # Every block runs the same forward code: each is compiled all the same, once.
+        model(*inputs).backward()
+        assert {p: len(made) for p, made in model.remat_partitions.items()} == \
+            {"layers.0": 1, "layers.1": 1}
+        # Another sequence length needs a recompilation, past the limit: dynamo would run
+        # the block's Python code, without the plan.
+        shorter = tuple(x[:, : CONFIG.seq // 2] for x in inputs)
+        with pytest.raises(remat.RematError, match="'layers.0' ran without remat's partitioner"):
+            model(*shorter).backward()

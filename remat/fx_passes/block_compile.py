@@ -13,7 +13,9 @@ dynamo-disabled in torch 2.13.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -23,6 +25,7 @@ from torch import fx
 from remat.errors import RematError
 from remat.fx_passes.capture import Captured, prepare_joint
 from remat.fx_passes.lower import lower
+from remat.fx_passes.planned import _Hooks, _instrumented
 from remat.fx_passes.rewrite import Partition, partition
 from remat.fx_passes.step_io import remat_error
 from remat.solvers.problem import Phase
@@ -95,12 +98,16 @@ def compile_block(module: torch.nn.Module, plan: BlockPlan,
         raise RematError(f"block {plan.path!r} is already wrapped by a remat plan; apply or "
                          "compile a plan once, to a fresh model")
     made = partitions.setdefault(plan.path, [])
+    # Counting the forward graph's calls proves that the compiled block, not its Python
+    # code, ran (an instrument that does nothing, entered at each call, counts them).
+    hooks = _Hooks(instruments=[contextlib.nullcontext()])
     fw, bw = inductor_compilers() if inductor else (boxed_nop, boxed_nop)
-    backend = aot_autograd(fw_compiler=fw, bw_compiler=bw,
+    backend = aot_autograd(fw_compiler=_instrumented(fw, "forward", hooks), bw_compiler=bw,
                            partition_fn=block_partition_fn(plan, made.append))
-    compiled = torch.compile(module.forward, backend=backend)
+    compiled = torch.compile(_own_code(module.forward, plan.path), backend=backend)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        before = hooks.calls.forward
         try:
             out = compiled(*args, **kwargs)
         except Exception as e:  # dynamo wraps the partitioner's RematError: raise that
@@ -108,18 +115,32 @@ def compile_block(module: torch.nn.Module, plan: BlockPlan,
             if inner is not None and inner is not e:
                 raise inner from e
             raise
-        if not made and torch.is_grad_enabled():
-            # dynamo ran the block without compiling it (recompile limit, a graph break
-            # before any op): the plan would be silently dropped.
+        if hooks.calls.forward == before and torch.is_grad_enabled():
+            # dynamo ran the block's Python code instead (past its recompile limit, or under
+            # a dispatch mode): the plan would be silently dropped.
             raise RematError(
                 f"compile_blocks: block {plan.path!r} ran without remat's partitioner "
-                "(torch.compile did not compile its forward: see TORCH_LOGS=recompiles); use "
-                "plan.apply(model) (eager checkpointing) instead")
+                "(torch.compile ran its forward uncompiled: see TORCH_LOGS=recompiles; a "
+                "dispatch mode around the call does it too); use plan.apply(model) (eager "
+                "checkpointing) instead")
         return out
 
     module._remat_block = plan
     module.forward = forward
 
+
+def _own_code(forward: Callable, path: str) -> Callable:
+    """A call of `forward` through a function with a code object of its own. Dynamo caches
+    compilations per code object, and every block runs the same `forward` code: compiled with
+    a backend per block, all blocks would share one cache and its recompile limit (8 by
+    default), and the ninth block would run uncompiled."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+
+    code = call.__code__.replace(co_name=f"remat_block_{path.replace('.', '_')}")
+    return types.FunctionType(code, call.__globals__, code.co_name, call.__defaults__,
+                              call.__closure__)
 
 
 def compile_model_blocks(model: torch.nn.Module, plans: dict[str, BlockPlan], *,
