@@ -23,8 +23,10 @@ Per configuration and rank, under `fully_shard` on every block and the root (one
 explicit prefetch, as FSDP2 overlaps on a GPU):
 - rank peak: the bytes held before the step (each rank's parameter shards and batch) plus the
   allocator's peak above them during forward and backward (torch.profiler memory events,
-  every free counted, tests/allocator.py), the least of three steps (gloo's own buffers
-  add up to ~200 KB in some steps);
+  every free counted, tests/allocator.py), the least of five steps. It moves between runs
+  on a loaded machine by up to ~0.5 MB here (one to two blocks' unsharded parameters: when
+  gloo's all-gathers complete against the frees of the previous block depends, we think, on
+  timing);
 - FSDPMemTracker: `torch.distributed._tools.fsdp2_mem_tracker`'s peak of the same step, per rank;
 - gradients: each rank's gradient shards against the same rank's step without checkpointing
   (rel 1e-5), dropout drawn from the same seed;
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import io
 import os
 import sys
@@ -131,9 +134,10 @@ def _step_on_rank(config, batch, wrapping, rank, mesh):
         model(*inputs).backward()
 
     step()  # FSDP2's lazy initialization, outside the measurement
+    gc.collect()  # the previous configuration's model, freed now rather than mid-step
     held = storage_bytes([p.to_local() for p in model.parameters()] + list(inputs))
     peaks = []
-    for _ in range(3):
+    for _ in range(5):
         model.zero_grad(set_to_none=True)
         peaks.append(allocator_peak(step)[0])
     grads = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
