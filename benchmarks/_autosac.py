@@ -49,7 +49,9 @@ def roofline(func, args, kwargs):
     flops = 0
     formula = flop_registry.get(func._overloadpacket)
     if formula is not None:
-        shape = lambda x: tree_map(lambda t: t.shape if isinstance(t, torch.Tensor) else t, x)  # noqa: E731
+        def shape(x):
+            return tree_map(lambda t: t.shape if isinstance(t, torch.Tensor) else t, x)
+
         flops = formula(*shape(args), **shape(kwargs or {}), out_val=shape(out))
     outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     dtype = str(outs[0].dtype) if outs else "torch.float32"

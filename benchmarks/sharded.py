@@ -10,11 +10,12 @@ configurations: no checkpointing; `torch.utils.checkpoint` on every block; PyTor
 GiB per rank, `get_optimal_checkpointing_policy_per_module`, applied with checkpoint and
 `create_selective_checkpoint_contexts`) at three budgets; and remat
 (`remat.optimize(..., budget=, training=Training(data_parallel=2, zero_stage=3),
-execution="eager")`, then `plan.apply`) at the same three budgets.
+execution="eager")`, then what `plan.apply` runs after its checks:
+`apply_eager(model, plan.block_policies)`, on each rank) at the same three budgets.
 
-The budgets: `sac_milp`'s smallest solvable budget plus 10, 50 and 90 % of the way to its
-own estimate of the step without checkpointing (`--fractions`). Both planners are given the same bytes: the
-per-rank step of forward and backward, sharded parameters and gradients included, no
+The budgets: `sac_milp`'s smallest solvable budget plus 10, 50 and 90 % of the way to its own
+estimate of the step without checkpointing (`--fractions`). Both planners are given the same
+bytes: the per-rank step of forward and backward, sharded parameters and gradients included, no
 optimizer state (SGD, which keeps none, and nothing reserved or left for fragmentation).
 remat's eager mode may not yet model FSDP2's gathered parameters (it then logs a warning);
 sac_milp never does (its memory model leaves them out).

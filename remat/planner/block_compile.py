@@ -17,9 +17,13 @@ def compile_blocks(plan: Any, model: Any, *, inductor: bool = False) -> Any:
     """Compile each block of `model` that `plan` (made with ``execution="eager"``) names, in
     place: its forward keeps what the plan caches of the block, its backward recomputes the
     rest it needs, each just before its first use; op by op, or by Inductor with `inductor`
-    (Inductor schedules and fuses the ops itself, saved tensors unchanged). Then `fully_shard` the
-    blocks and the model as usual. Returns `model`; `model.remat_partitions[path]` lists each
-    block's compiled forward and backward graphs once it has run."""
+    (which schedules and fuses the ops itself; the saved tensors stay the plan's). Then
+    `fully_shard` the blocks and the model as usual. Returns `model`;
+    `model.remat_partitions[path]` lists each block's compiled graphs once it has run.
+
+    The plan's peak (`plan.peak`) is the eager mode's, where checkpoint recomputes a block's
+    uncached ops all at once; the compiled blocks recompute the same values one at a time,
+    and that timeline is not simulated separately."""
     from remat.fx_passes.block_compile import compile_model_blocks
     from remat.planner.eager_plan import check_eager_device
     from remat.planner.optimize import check_same_parameters, has_meta_weights
