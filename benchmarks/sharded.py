@@ -24,10 +24,11 @@ Per configuration and rank, under `fully_shard` on every block and the root (one
 explicit prefetch, as FSDP2 overlaps on a GPU):
 - rank peak: the bytes held before the step (each rank's parameter shards and batch) plus the
   allocator's peak above them during forward and backward (torch.profiler memory events,
-  every free counted, tests/allocator.py), the least of five steps. It moves between runs
-  on a loaded machine by up to ~0.5 MB here (one to two blocks' unsharded parameters: when
-  gloo's all-gathers complete against the frees of the previous block depends, we think, on
-  timing);
+  every free counted, tests/allocator.py), the least of five steps. Between runs on a loaded
+  machine one rank's reading moved once by 166 KB (checkpoint every block); AutoSAC's rows
+  move more, because sac_milp (CBC, 5 % gap) picks among equally cheap blocks differently
+  from run to run (which blocks the notes list), and remat's lowest budget moves with what
+  CP-SAT finds in its time limit;
 - FSDPMemTracker: `torch.distributed._tools.fsdp2_mem_tracker`'s peak of the same step, per rank;
 - gradients: each rank's gradient shards against the same rank's step without checkpointing
   (rel 1e-5), dropout drawn from the same seed;
