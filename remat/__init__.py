@@ -12,6 +12,7 @@ _LAZY = {
     "sweep": "remat.planner.sweep",
     "max_batch": "remat.planner.sweep",
     "parse_size": "remat.planner.budget",
+    "compile_blocks": "remat.planner.block_compile",
 }
 
 __all__ = ["BudgetError", "CaptureError", "RematError", "SolverError", *_LAZY]

@@ -1,0 +1,154 @@
+"""Compile each block of a model with remat's partitioner, as torchtitan compiles the blocks
+of a model it then shards with FSDP2 (`fully_shard` after `torch.compile` per block).
+
+The plan is made on the whole model's joint graph; a block compiled on its own gives
+AOTAutograd another joint graph: the block's parameters and inputs as primals, the gradient
+of its output as tangent. Its forward ops are the plan's ops of that block, in the same order
+(both are the same code traced the same way); `block_partition_fn` checks that op by op,
+lowers the block's graph to a problem of its own, and partitions it so that the forward
+keeps what the plan keeps of that block (`kept`, by forward position) and the backward
+recomputes the rest that it needs, each just before its first use. FSDP2's hooks stay outside
+the compiled region (only the block's `forward` is compiled), as they must: they are
+dynamo-disabled in torch 2.13.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import types
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import fx
+
+from remat.errors import RematError
+from remat.fx_passes.capture import Captured, prepare_joint
+from remat.fx_passes.lower import lower
+from remat.fx_passes.planned import _Hooks, _instrumented
+from remat.fx_passes.rewrite import Partition, partition
+from remat.fx_passes.step_io import remat_error
+from remat.solvers.problem import Phase
+from remat.solvers.schedule import drop_unneeded, make_schedule, recomputable
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BlockPlan", "block_partition_fn", "compile_block", "compile_model_blocks"]
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """What the plan decided for one block: `targets[k]` is the k-th forward op of the block
+    (as `Op.target` spells it) and `kept` the positions whose values the forward keeps for the
+    backward; every other value the backward needs is recomputed."""
+
+    path: str
+    targets: tuple[str, ...]
+    kept: frozenset[int]
+
+
+def block_partition_fn(plan: BlockPlan, on_partition: Callable[[Partition], None]) -> Callable:
+    """A `partition_fn` for `aot_autograd` that runs `plan` on the block's joint graph."""
+
+    def apply(joint: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_unused: Any):
+        prepare_joint(joint)  # generator snapshots, as the plan's capture made them
+        captured = Captured(graph_module=joint, num_fwd_outputs=num_fwd_outputs,
+                            model_name=plan.path, device="meta")  # meta: no scratch runs
+        problem = lower(captured)
+        forward = [v for v, op in enumerate(problem.ops) if op.phase is Phase.FORWARD]
+        targets = tuple(problem.ops[v].target for v in forward)
+        if targets != plan.targets:
+            k = next((k for k, (a, b) in enumerate(zip(targets, plan.targets)) if a != b),
+                     min(len(targets), len(plan.targets)))
+            got = targets[k] if k < len(targets) else "nothing more"
+            want = plan.targets[k] if k < len(plan.targets) else "nothing more"
+            raise RematError(
+                f"compile_blocks: block {plan.path!r} compiled to {len(targets)} forward ops "
+                f"where the plan has {len(plan.targets)}; op {k} is {got} where the plan has "
+                f"{want}: plan with the inputs and settings you train with")
+        candidates = set(recomputable(problem))
+        recomputed = drop_unneeded(problem, {v for k, v in enumerate(forward)
+                                             if k not in plan.kept and v in candidates})
+        try:
+            schedule = make_schedule(problem, recomputed)
+        except ValueError as e:
+            raise RematError(f"compile_blocks: block {plan.path!r}: the plan cannot run on the "
+                             f"block's compiled graph: {e}") from None
+        result = partition(joint, problem, schedule, num_fwd_outputs=num_fwd_outputs)
+        log.info("compiled block %s: %d saved, %d recomputed", plan.path, len(result.saved),
+                 len(result.recomputed))
+        on_partition(result)
+        return result.forward, result.backward
+
+    return apply
+
+
+def compile_block(module: torch.nn.Module, plan: BlockPlan,
+                  partitions: dict[str, list[Partition]], *, inductor: bool = False) -> None:
+    """Replace `module.forward` by its compilation under `plan`: op by op (`boxed_nop`: each
+    value freed after its last use) or, with `inductor`, by Inductor; every partition made is
+    appended to `partitions[plan.path]`. The module's hooks (FSDP2's) stay outside the
+    compiled call."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    from remat.fx_passes.inductor import inductor_compilers
+
+    if getattr(module, "_remat_policy", None) is not None or hasattr(module, "_remat_block"):
+        raise RematError(f"block {plan.path!r} is already wrapped by a remat plan; apply or "
+                         "compile a plan once, to a fresh model")
+    made = partitions.setdefault(plan.path, [])
+    # Counting the forward graph's calls proves that the compiled block, not its Python
+    # code, ran (an instrument that does nothing, entered at each call, counts them).
+    hooks = _Hooks(instruments=[contextlib.nullcontext()])
+    fw, bw = inductor_compilers() if inductor else (boxed_nop, boxed_nop)
+    backend = aot_autograd(fw_compiler=_instrumented(fw, "forward", hooks), bw_compiler=bw,
+                           partition_fn=block_partition_fn(plan, made.append))
+    compiled = torch.compile(_own_code(module.forward, plan.path), backend=backend)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        before = hooks.calls.forward
+        try:
+            out = compiled(*args, **kwargs)
+        except Exception as e:  # dynamo wraps the partitioner's RematError: raise that
+            inner = remat_error(e)
+            if inner is not None and inner is not e:
+                raise inner from e
+            raise
+        if hooks.calls.forward == before and torch.is_grad_enabled():
+            # dynamo ran the block's Python code instead (past its recompile limit, or under
+            # a dispatch mode): the plan would be silently dropped.
+            raise RematError(
+                f"compile_blocks: block {plan.path!r} ran without remat's partitioner "
+                "(torch.compile ran its forward uncompiled: see TORCH_LOGS=recompiles; a "
+                "dispatch mode around the call does it too); use plan.apply(model) (eager "
+                "checkpointing) instead")
+        return out
+
+    module._remat_block = plan
+    module.forward = forward
+
+
+def _own_code(forward: Callable, path: str) -> Callable:
+    """A call of `forward` through a function with a code object of its own. Dynamo caches
+    compilations per code object, and every block runs the same `forward` code: compiled with
+    a backend per block, all blocks would share one cache and its recompile limit (8 by
+    default), and the ninth block would run uncompiled."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+
+    code = call.__code__.replace(co_name=f"remat_block_{path.replace('.', '_')}")
+    return types.FunctionType(code, call.__globals__, code.co_name, call.__defaults__,
+                              call.__closure__)
+
+
+def compile_model_blocks(model: torch.nn.Module, plans: dict[str, BlockPlan], *,
+                         inductor: bool = False) -> torch.nn.Module:
+    """`compile_block` for every block in `plans`; `model.remat_partitions` collects the
+    partitions. Returns `model`."""
+    partitions: dict[str, list[Partition]] = {}
+    for path, plan in plans.items():
+        compile_block(model.get_submodule(path), plan, partitions, inductor=inductor)
+    model.remat_partitions = partitions
+    return model

@@ -1,0 +1,57 @@
+"""`compile_blocks(plan, model)`: an eager plan's blocks compiled with remat's partitioner,
+for training loops that compile each block and then shard it (torchtitan: `torch.compile`
+per block, then `fully_shard`). The alternative to `plan.apply(model)`, which wraps the
+blocks with eager checkpointing; see `remat.fx_passes.block_compile`."""
+from __future__ import annotations
+
+from typing import Any
+
+from remat.errors import RematError
+from remat.fx_passes.block_compile import BlockPlan
+from remat.solvers.problem import Phase
+
+__all__ = ["block_plans", "compile_blocks"]
+
+
+def compile_blocks(plan: Any, model: Any, *, inductor: bool = False) -> Any:
+    """Compile each block of `model` that `plan` (made with ``execution="eager"``) names, in
+    place: its forward keeps what the plan caches of the block, its backward recomputes the
+    rest it needs, each just before its first use; op by op, or by Inductor with `inductor`
+    (which schedules and fuses the ops itself; the saved tensors stay the plan's). Then
+    `fully_shard` the blocks and the model as usual. Returns `model`;
+    `model.remat_partitions[path]` lists each block's compiled graphs once it has run.
+
+    The plan's peak (`plan.peak`) is the eager mode's, where checkpoint recomputes a block's
+    uncached ops all at once; the compiled blocks recompute the same values one at a time,
+    and that timeline is not simulated separately."""
+    from remat.fx_passes.block_compile import compile_model_blocks
+    from remat.planner.eager_plan import check_eager_device
+    from remat.planner.optimize import check_same_parameters, has_meta_weights
+
+    plans = block_plans(plan)
+    check_same_parameters(model, plan.prepared.param_shapes)
+    if has_meta_weights(model):
+        raise RematError("compile_blocks(plan, model) needs real weights; load or initialize "
+                         "them first")
+    check_eager_device(model, plan.prepared.captured.device)
+    return compile_model_blocks(model, plans, inductor=inductor)
+
+
+def block_plans(plan: Any) -> dict[str, BlockPlan]:
+    """Each block's decisions (picklable): plan on one rank, send these to the others and call
+    `remat.fx_passes.block_compile.compile_model_blocks(model, plans)` there."""
+    from remat.planner.eager_plan import EagerPlan
+
+    if not isinstance(plan, EagerPlan):
+        raise RematError("compile_blocks needs a plan made with execution=\"eager\" (its "
+                         "decisions are per block); a compiled plan runs the whole step: use "
+                         "plan.module")
+    problem = plan.eager_problem
+    cached = frozenset(plan.schedule.info["cached"])
+    plans = {}
+    for path in plan.policies:
+        members = [v for v, op in enumerate(problem.ops) if op.phase is Phase.FORWARD
+                   and (op.module == path or op.module.startswith(path + "."))]
+        plans[path] = BlockPlan(path, tuple(problem.ops[v].target for v in members),
+                                frozenset(k for k, v in enumerate(members) if v in cached))
+    return plans
