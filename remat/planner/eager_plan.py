@@ -57,6 +57,14 @@ class EagerPlan(Plan):
         check_no_cache(model)
         return apply_eager(model, self.block_policies)
 
+    def compile_blocks(self, model: Any, *, inductor: bool = False):
+        """The plan applied by compiling each block with remat's partitioner (torchtitan's
+        per-block compile) instead of wrapping it in checkpoint: see
+        `remat.planner.block_compile.compile_blocks`."""
+        from remat.planner.block_compile import compile_blocks
+
+        return compile_blocks(self, model, inductor=inductor)
+
 
 def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budget: int | None,
                     target: str, solver: Strategy | str, solver_options: SolverOptions | None,
