@@ -37,13 +37,16 @@ def wide_mlp():
 
 
 def measured_step(plan, model, inputs) -> int:
-    """The whole step's peak as the allocator sees it: the parameters (allocated before) and
-    the step's allocations; gradients start as None, as after zero_grad()."""
+    """The whole step's peak as the allocator sees it: the parameters, buffers and batch
+    (allocated before) and the step's allocations; gradients start as None, as after
+    zero_grad()."""
     module = plan.module
     module(*inputs).backward()  # compile outside the measurement
     model.zero_grad(set_to_none=True)
     peak, _ = allocator_peak(lambda: module(*inputs).backward())
-    return storage_bytes(model.parameters()) + peak
+    held = [*model.parameters(), *model.buffers(),
+            *(x for x in inputs if isinstance(x, torch.Tensor))]
+    return storage_bytes(held) + peak
 
 
 def test_gradients_larger_than_the_activations_plan_below_their_bytes():

@@ -61,14 +61,15 @@ def _train(model, rank: int, wrap, measure: bool = False):
     if not measure:
         return params, None
     # What the rank holds as the step starts: its parameters (or their shards), the
-    # optimizer's state and DDP's buckets (the sizes of the reducer's own); .grad is None.
+    # optimizer's state, DDP's buckets (the sizes of the reducer's own) and the batch; .grad
+    # is None.
     reducer = getattr(model, "reducer", None)
     buckets = [] if reducer is None else reducer._get_zeros_like_grad_buckets()
+    inputs = _batch(rank, STEPS)
     held = (storage_bytes(_local(p) for p in model.parameters())
             + storage_bytes(_local(t) for s in opt.state.values() for t in s.values()
                             if isinstance(t, torch.Tensor))
-            + sum(b.buffer().nbytes for b in buckets))
-    inputs = _batch(rank, STEPS)
+            + sum(b.buffer().nbytes for b in buckets) + storage_bytes(inputs))
     peaks = []
     for _ in range(3):  # the least of three: gloo's own buffers come and go by timing
         torch.manual_seed(7)

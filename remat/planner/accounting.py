@@ -104,6 +104,8 @@ class StepMemory:
             ("optimizer state", s.optimizer, True, ""),
             *([("gradient buckets", s.buckets, True, "DDP's all-reduce buckets: one more copy "
                 "of the gradients")] if s.buckets else []),
+            *([("batch and buffers", s.batch + s.buffers, True, "the micro-batch's tensors and "
+                "the modules' buffers, held all step")] if s.batch + s.buffers else []),
             ("activation peak", self.activation_peak, True,
              "simulated; the step's peak less the state"),
             ("reserve", self.reserve, self.budget is not None,

@@ -7,6 +7,8 @@ The checks of the model's parameters that planning and applying share live here 
 """
 from __future__ import annotations
 
+import dataclasses
+
 import inspect
 import logging
 import time
@@ -57,8 +59,6 @@ class Prepared:
     def with_host_link(self, bandwidth: float) -> "Prepared":
         """The same step, with saved values allowed to live in host memory between the forward
         and the backward, their bytes crossing a link of `bandwidth` bytes/s each way."""
-        import dataclasses
-
         problem = dataclasses.replace(self.problem, host_bandwidth=bandwidth)
         sharded = self.sharded
         if sharded is not None:
@@ -129,7 +129,8 @@ def prepare(model: Any, example_inputs: Sequence[Any] = (), *,
     done("lower", time.perf_counter() - lowering)
     log.info("lowered to %d ops (%d forward), %d candidates", len(problem),
              problem.num_forward, len(problem.candidates))
-    state = state_memory(model, training)
+    state = dataclasses.replace(state_memory(model, training), batch=captured.input_bytes,
+                                buffers=captured.buffer_bytes)
     _warn_on_mismatch(model, training)
     # Sharded gradients are made in the optimizer's dtype (remat.fx_passes.sharding).
     in_graph = training.zero_stage >= 2 or _gradients_in_graph(model, training)

@@ -188,17 +188,23 @@ class StateMemory:
     """DDP (data_parallel > 1, zero_stage 0): the reducer's flat buckets, one more copy of
     every trainable gradient, allocated when the model is wrapped and kept all along
     (`DistributedDataParallel`'s default, gradient_as_bucket_view=False)."""
+    batch: int = 0
+    """The micro-batch's tensors (inputs, labels) on the device all step: graph inputs, held
+    whatever the plan, so not activations."""
+    buffers: int = 0
+    """The modules' buffers (BatchNorm statistics, rotary tables), likewise."""
 
     @property
     def total(self) -> int:
         return (self.weights + self.cast_copies + self.master + self.gradients + self.optimizer
-                + self.buckets)
+                + self.buckets + self.batch + self.buffers)
 
     def to_dict(self) -> dict:
         return {"parameters": self.parameters, "trainable": self.trainable,
                 "weights": self.weights, "cast_copies": self.cast_copies,
                 "master": self.master, "gradients": self.gradients,
-                "optimizer": self.optimizer, "buckets": self.buckets, "total": self.total}
+                "optimizer": self.optimizer, "buckets": self.buckets, "batch": self.batch,
+                "buffers": self.buffers, "total": self.total}
 
 
 def named_shapes(params: Any) -> list[tuple[str, tuple[int, ...], Any]]:
