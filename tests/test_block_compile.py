@@ -26,9 +26,9 @@ def _worker(rank: int, init: str, plans, results: str) -> None:
     try:
         torch.set_num_threads(1)
         base, _ = tiny_llama(CONFIG)
-        plain = _train(copy.deepcopy(base), rank, _fsdp)
+        plain, _ = _train(copy.deepcopy(base), rank, _fsdp)
         compiled = compile_model_blocks(copy.deepcopy(base), plans)
-        planned = _train(compiled, rank, _fsdp)
+        planned, _ = _train(compiled, rank, _fsdp)
         torch.save({
             "worst": max(((planned[n] - plain[n]).norm() / plain[n].norm()).item()
                          for n in plain),

@@ -50,7 +50,9 @@ def block_plans(plan: Any) -> dict[str, BlockPlan]:
     cached = frozenset(plan.schedule.info["cached"])
     plans = {}
     for path in plan.policies:
+        # The graph's own ops: FSDP2's collectives (to_graph None) are not in a block's code.
         members = [v for v, op in enumerate(problem.ops) if op.phase is Phase.FORWARD
+                   and plan.to_graph[v] is not None
                    and (op.module == path or op.module.startswith(path + "."))]
         plans[path] = BlockPlan(path, tuple(problem.ops[v].target for v in members),
                                 frozenset(k for k, v in enumerate(members) if v in cached))
