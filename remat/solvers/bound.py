@@ -96,10 +96,14 @@ def fixed_bytes(problem: Problem) -> list[int]:
 
 def recompute_bound(problem: Problem, budget: int, *, time_limit: float = 10.0,
                     steps: Iterable[int] = (), cost: Callable | None = None,
-                    workers: int = 0) -> Bound:
+                    workers: int = 0, rich: bool = False) -> Bound:
     """A lower bound on the recompute cost (`Op.cost`, or `cost(op)`) of every schedule whose
     simulated activation peak is at most `budget`; math.inf when none can fit. `steps` adds
-    backward ops to try (the peak step of a known schedule is a good one)."""
+    backward ops to try (the peak step of a known schedule is a good one). `rich`: a bound over
+    the richer execution model too (`Schedule.again`, `offload_at`): single steps only (the
+    joint model's one decision per value does not hold where a value is recomputed twice), and
+    a value the step does not hold may also come back from host (`Problem.host_bandwidth`),
+    for its transfers' cost."""
     cost = cost or (lambda op: op.cost)
     nf = problem.num_forward
     fixed = fixed_bytes(problem)
@@ -113,6 +117,9 @@ def recompute_bound(problem: Problem, budget: int, *, time_limit: float = 10.0,
         rooms = {b: budget - fixed[b - nf] for b in relaxation.keep}
         return relaxation.least_cost(rooms, cost, seconds, workers)
 
+    if rich:
+        return _best(problem, tried, least_cost, time_limit, joint=False,
+                     host_bandwidth=problem.host_bandwidth)
     return _best(problem, tried, least_cost, time_limit, pairs=list(steps))
 
 
@@ -130,7 +137,8 @@ def peak_bound(problem: Problem, *, time_limit: float = 10.0, steps: Iterable[in
 
 
 def _best(problem: Problem, tried: list[int], solve: Callable, time_limit: float,
-          pairs: Sequence[int] = ()) -> Bound:
+          pairs: Sequence[int] = (), joint: bool = True,
+          host_bandwidth: float | None = None) -> Bound:
     """The best bound `solve(relaxation, seconds)` proves: the first backward step with each of
     `pairs`; each of `tried` alone, with half the time left, in two turns (first an equal share
     each; then the steps that did not prove their optimum share what the quick ones left: on
@@ -168,7 +176,7 @@ def _best(problem: Problem, tried: list[int], solve: Callable, time_limit: float
             if left <= build:
                 break
             began = time.perf_counter()
-            relaxation = Relaxation(problem, [b])
+            relaxation = Relaxation(problem, [b], host_bandwidth)
             build = time.perf_counter() - began
             value, exact = solve(relaxation, left / (len(pending) - i) - build)
             if value > best.value or not best.steps:
@@ -178,7 +186,7 @@ def _best(problem: Problem, tried: list[int], solve: Callable, time_limit: float
             if not exact:
                 unproven.append(b)
         pending = unproven
-    joint = _spread(problem, tried)
+    joint = _spread(problem, tried) if joint else []
     if len(joint) > 1 and deadline - time.perf_counter() > 2 * build * len(joint):
         relaxation = Relaxation(problem, joint)
         value, exact = solve(relaxation, deadline - time.perf_counter())
@@ -211,9 +219,11 @@ def _spread(problem: Problem, tried: list[int]) -> list[int]:
 class Relaxation:
     """The joint model over backward ops `steps`: per forward storage that the backward may
     need, save[v] or recompute[v] once; per step b, keep[b, v] (v live at b's step) and
-    after[b, v] (v recomputed after it)."""
+    after[b, v] (v recomputed after it). With `host_bandwidth` (one step only), off[v]: v is
+    loaded back from host after the step, at its transfers' cost."""
 
-    def __init__(self, problem: Problem, steps: Sequence[int]):
+    def __init__(self, problem: Problem, steps: Sequence[int],
+                 host_bandwidth: float | None = None):
         nf = problem.num_forward
         pinned = problem.pinned
         inputs = problem.storage_inputs
@@ -256,6 +266,7 @@ class Relaxation:
                     m.Add(save[s] + self.redo[s] >= self.redo[u])
 
         self.keep: dict[int, dict[int, cp_model.IntVar]] = {}
+        self.off: dict[int, tuple[cp_model.IntVar, float]] = {}
         earlier: dict[int, cp_model.IntVar] | None = None
         for b in sorted(steps):
             ahead = {s for r in range(b, len(problem.ops)) for s in forward(inputs[r])}
@@ -273,13 +284,20 @@ class Relaxation:
                     m.AddImplication(save[v], keep[v])
                 if earlier is not None:  # recomputed after b: after every earlier step too
                     m.AddImplication(after[v], earlier[v])
+            # A saved tensor loaded back from host after b (the richer model): not held at b.
+            off = {v: m.NewBoolVar(f"o{b}_{v}") for v in keep
+                   if host_bandwidth and not joint and problem.ops[v].kind is Kind.TENSOR
+                   and problem.ops[v].size}
+            self.off = {v: (x, 2 * problem.ops[v].size / host_bandwidth) for v, x in off.items()}
+            for v, x in off.items():
+                m.Add(x + after[v] <= 1)  # an offloaded value is saved, never recomputed
             for v in ahead:
-                m.AddBoolOr([keep[v], after[v]])
+                m.AddBoolOr([keep[v], after[v], *([off[v]] if v in off else [])])
             for s in forward(inputs[b]):
                 m.Add(keep[s] == 1)
             for u in after:
                 for s in forward(inputs[u]):
-                    m.Add(keep[s] + after[s] >= after[u])
+                    m.Add(keep[s] + after[s] + (off[s] if s in off else 0) >= after[u])
             self.keep[b], earlier = keep, after
         if not joint:  # the step's own recomputations after it are all there is to pay
             self.redo = earlier or {}
@@ -296,13 +314,13 @@ class Relaxation:
         for b, room in rooms.items():
             if self.keep[b]:
                 self.model.Add(self._bytes(b) <= room)
-        weights = {v: cost(ops[v]) for v in self.redo}
-        total = sum(weights.values())
+        terms = [(self.redo[v], cost(ops[v])) for v in self.redo]
+        terms += list(self.off.values())
+        total = sum(w for _, w in terms)
         if total <= 0:
             return self._solve(1.0, seconds, workers, costless=True)
         unit = total * COST_RESOLUTION
-        self.model.Minimize(sum(math.floor(w / unit) * self.redo[v]
-                                for v, w in weights.items() if w >= unit))
+        self.model.Minimize(sum(math.floor(w / unit) * x for x, w in terms if w >= unit))
         return self._solve(unit, seconds, workers, gap=gap)
 
     def least_peak(self, fixed: dict[int, int], seconds: float,

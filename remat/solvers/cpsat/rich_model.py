@@ -1,0 +1,370 @@
+"""The CP-SAT model of the richer execution model (`SolverOptions.model` "rich").
+
+Per forward op v that may run again, up to `max_copies` further copies, each an optional
+recomputation with its own position (the op it runs before: a forward op after v, or a
+backward op), ordered and used as a prefix (symmetry breaking); a tuple op and the tensors
+taken out of it get at most one, in the backward, together (the one-recomputation model's
+rule). Per saved tensor, where the problem has a host link, an optional load from host at a
+chosen backward position. Every read of a forward storage (its forward and backward readers,
+and every copy of a reader that runs again) is assigned to one copy of the storage that is made
+before it and lives until it; each copy is an optional interval from the step that makes it to
+an end at least every read assigned to it. One cumulative constraint bounds the memory.
+
+Exactness, the free model's argument: `simulate` serves every read from the latest copy made
+before it, so at most one copy of a storage is live at any step, and where one is, the model
+has one too (the copy the model assigned that read to); every copy is the same size. So the
+model's profile is at least simulate's for the same copies, and equal for the assignment by
+latest copy with tight ends, which the model may choose: its least cost is the least cost of
+its space, and its least peak at that cost is simulate's.
+
+Time: op i owns a block of nf + 2 slots starting at i * (nf + 2): slot 0 for loads from host,
+slot 1 + v for a recomputation of forward op v placed before i, slot nf + 1 for op i itself
+(`simulate.step_order`'s order).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from remat.solvers.cpsat.units import Units
+from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
+from remat.solvers.schedule import Schedule
+from remat.solvers.simulate import StepKind, copies_of, holds, step_order
+
+
+@dataclass
+class _Copy:
+    """One copy of a forward value in the model: made at `made`, live to `end`; `active`,
+    `backward` (placed before a backward op) and `pos` are None for the original."""
+
+    made: object
+    active: object = None
+    backward: object = None
+    pos: object = None
+    end: object = None
+    length: object = None
+    low: int = 0  # the least position (an inactive copy's)
+    free: bool = False  # `backward` is a variable of its own
+
+
+@dataclass
+class _Read:
+    time: object  # the slot of the read
+    active: object = None  # the literal that makes the read happen (None: always)
+    backward: object = False  # True, or a literal: the read is in the backward
+
+
+class RichModel:
+    """The richer model without capacity or objective (the stages add those): `cost`, `peak`,
+    `fixed_peak`, `terms` (how many cost terms round down), `decision`, `hint`."""
+
+    def __init__(self, problem: Problem, units: Units, max_copies: int, offload: bool):
+        self.problem, self.units = problem, units
+        ops, nf, n = problem.ops, problem.num_forward, len(problem)
+        self.width = nf + 2
+        self.horizon = self.op_time(n - 1) + 1
+        m = self.model = cp_model.CpModel()
+        size, temp = units.sizes(problem)
+        pinned, root, readers = problem.pinned, problem.root, problem.storage_readers
+        candidates = set(problem.candidates)
+        self.complete = True  # the model spans the whole rich space with max_copies
+
+        # --- Which forward ops may run again, and how often.
+        limit: dict[int, int] = {}
+        for v in range(nf):
+            op = ops[v]
+            if (recompute_blocker(problem, v) is not None or root[v] != v or v in pinned
+                    or (op.kind is Kind.TENSOR and op.size == 0) or not problem.users[v]):
+                continue
+            grouped = op.kind is Kind.TUPLE or tuple_of(problem, v) is not None
+            if grouped and v not in candidates:
+                continue
+            if grouped and max_copies > 1:
+                self.complete = False  # a tuple's tensors: at most one recomputation
+            limit[v] = 1 if grouped else max_copies
+        self.further: dict[int, list[_Copy]] = {}
+        self.grouped = {v for v in limit if ops[v].kind is Kind.TUPLE
+                        or tuple_of(problem, v) is not None}
+        for v, k in limit.items():
+            backward_only = v in self.grouped
+            low = nf if backward_only else v + 1
+            high = n - 1 if v in candidates else nf - 1
+            if low > high:
+                continue
+            copies = []
+            for j in range(k):
+                a = m.NewBoolVar(f"a{v}_{j}")
+                b = a if backward_only else (m.NewBoolVar(f"b{v}_{j}") if v in candidates
+                                             else m.NewConstant(0))
+                pos = m.NewIntVar(low, high, f"p{v}_{j}")
+                copies.append(_Copy(made=None, active=a, backward=b, pos=pos, low=low,
+                                    free=not backward_only and v in candidates))
+                m.Add(pos == low).OnlyEnforceIf(a.Not())
+                if not backward_only:
+                    m.AddImplication(b, a)
+                    if v in candidates:
+                        m.Add(pos >= nf).OnlyEnforceIf(b)
+                        m.Add(pos <= nf - 1).OnlyEnforceIf([a, b.Not()])
+                if j:  # a prefix, in order of position
+                    prev = copies[j - 1]
+                    m.AddImplication(a, prev.active)
+                    m.Add(pos >= prev.pos + 1).OnlyEnforceIf(a)
+            self.further[v] = copies
+        self.grouped &= self.further.keys()
+        for v in self.grouped:
+            t = tuple_of(problem, v)
+            if t is None:
+                continue
+            mine, theirs = self.further[v][0], self.further.get(t)
+            if theirs is None:
+                m.Add(mine.active == 0)
+                continue
+            m.AddImplication(mine.active, theirs[0].active)
+            m.Add(mine.pos == theirs[0].pos).OnlyEnforceIf(mine.active)
+        for t in self.grouped:
+            if ops[t].kind is Kind.TUPLE:  # the tuple runs again only for a tensor of it
+                outs = [self.further[g][0].active for g in problem.users[t] if g in self.further]
+                if outs:
+                    m.AddBoolOr(outs).OnlyEnforceIf(self.further[t][0].active)
+                else:
+                    m.Add(self.further[t][0].active == 0)
+        for v, copies in self.further.items():
+            t = tuple_of(problem, v)
+            for c in copies:  # a getitem's tensor exists from the step after its tuple's
+                c.made = (self.rec_time(c.pos, v) if t is None
+                          else self.rec_time(c.pos, t) + 1)
+
+        # --- Loads from host: a saved tensor's backward reads, served by one load.
+        self.load: dict[int, _Copy] = {}
+        if offload:
+            for u in sorted(candidates):
+                if ops[u].kind is Kind.TENSOR and ops[u].size and u not in pinned:
+                    off = m.NewBoolVar(f"off{u}")
+                    at = m.NewIntVar(nf, n - 1, f"load{u}")
+                    m.Add(at == nf).OnlyEnforceIf(off.Not())
+                    self.load[u] = _Copy(made=at * self.width, active=off,
+                                         backward=m.NewConstant(1), pos=at)
+                    for c in self.further.get(u, ()):
+                        m.AddImplication(off, c.backward.Not())  # a saved value only
+
+        # --- The reads of every storage that a decision touches.
+        reads: dict[int, list[_Read]] = {}
+        for r, copies in self.further.items():
+            for s in problem.storage_inputs[r]:
+                if s < nf:
+                    reads.setdefault(s, []).extend(_Read(self.rec_time(c.pos, r), c.active,
+                                                         c.backward) for c in copies)
+        self.x: dict[tuple[int, int, int], cp_model.IntVar] = {}  # (storage, read, copy)
+        self.storages: dict[int, list[_Copy]] = {}
+        self.reads: dict[int, list[tuple]] = {}  # the key of each read, for hints
+        intervals, demands = [], []
+        delta: dict[int, int] = {}
+
+        def hold(amount: int, first: int, last: int) -> None:
+            if amount:
+                delta[first] = delta.get(first, 0) + amount
+                delta[last + 1] = delta.get(last + 1, 0) - amount
+
+        for i, op in enumerate(ops):
+            hold(temp[i], self.op_time(i), self.op_time(i))
+            if root[i] != i or not size[i]:
+                continue
+            t = tuple_of(problem, i)
+            made = self.op_time(i) if t is None else self.op_time(t) + 1
+            if i in pinned:
+                hold(size[i], made, self.horizon - 1)
+                continue
+            last = max((self.op_time(r) for r in readers[i]), default=made)
+            if i >= nf or (i not in reads and i not in self.further and i not in self.load):
+                hold(size[i], made, last)  # nothing decided about it
+                continue
+            copies = [_Copy(made=made), *self.further.get(i, ())]
+            if i in self.load:
+                copies.append(self.load[i])
+            keys = [(r, None) for r in readers[i]]
+            all_reads = [_Read(self.op_time(r), None, r >= nf) for r in readers[i]]
+            for r, copies_r in self.further.items():
+                if i in problem.storage_inputs[r]:
+                    keys.extend((r, j) for j in range(len(copies_r)))
+            all_reads += reads.get(i, [])
+            self.storages[i], self.reads[i] = copies, keys
+            for k, c in enumerate(copies):
+                c.end = m.NewIntVar(0, self.horizon - 1, f"e{i}_{k}")
+            self._serve(i, copies, all_reads)
+            for k, c in enumerate(copies):
+                length = c.length = m.NewIntVar(1, self.horizon, f"l{i}_{k}")
+                if c.active is None:
+                    m.Add(c.end >= made)
+                    intervals.append(m.NewIntervalVar(made, length, c.end + 1, f"c{i}_{k}"))
+                else:
+                    intervals.append(m.NewOptionalIntervalVar(c.made, length, c.end + 1,
+                                                              c.active, f"c{i}_{k}"))
+                demands.append(size[i])
+        for v, copies in self.further.items():
+            for c in copies:
+                if temp[v]:
+                    intervals.append(m.NewOptionalFixedSizeIntervalVar(
+                        self.rec_time(c.pos, v), 1, c.active, f"t{v}_{c.pos.Name()}"))
+                    demands.append(temp[v])
+
+        level, self.fixed_peak = 0, 0
+        points = sorted(delta)
+        for t, nxt in zip(points, points[1:]):
+            level += delta[t]
+            self.fixed_peak = max(self.fixed_peak, level)
+            if level:
+                intervals.append(m.NewFixedSizeIntervalVar(t, nxt - t, f"fixed{t}"))
+                demands.append(level)
+        self.peak = m.NewIntVar(self.fixed_peak, max(sum(demands), self.fixed_peak), "peak")
+        m.AddCumulative(intervals, demands, self.peak)
+
+        terms = [(c.active, units.cost_of(ops[v].cost))
+                 for v, copies in self.further.items() for c in copies]
+        if problem.host_bandwidth:
+            terms += [(c.active, units.cost_of(2 * ops[u].size / problem.host_bandwidth))
+                      for u, c in self.load.items()]
+        self.terms = len(terms)
+        self.cost = cp_model.LinearExpr.WeightedSum([x for x, _ in terms], [w for _, w in terms])
+
+    def op_time(self, i: int) -> int:
+        return i * self.width + self.problem.num_forward + 1
+
+    def rec_time(self, pos, v: int):
+        return pos * self.width + 1 + v
+
+    def _serve(self, u: int, copies: list[_Copy], reads: list[_Read]) -> None:
+        """Each read to one copy made before it and live until it. A value recomputed in the
+        backward or loaded from host serves no backward read from a forward copy (a schedule's
+        `recompute_at` precedes every backward reader; a load serves every backward read)."""
+        m = self.model
+        served: list[list] = [[] for _ in copies]
+        moved = [c.backward for c in self.further.get(u, ())]
+        if u in self.load:
+            moved.append(self.load[u].active)
+        for i, read in enumerate(reads):
+            options = []
+            for k, c in enumerate(copies):
+                if c is self.load.get(u) and read.backward is False:
+                    continue  # a load comes after the whole forward
+                x = m.NewBoolVar(f"x{u}_{i}_{k}")
+                self.x[u, i, k] = x
+                options.append(x)
+                served[k].append(x)
+                if c.active is not None:
+                    m.AddImplication(x, c.active)
+                    m.Add(c.made + 1 <= read.time).OnlyEnforceIf(x)
+                m.Add(c.end >= read.time).OnlyEnforceIf(x)
+                if read.backward is False or c is self.load.get(u):
+                    continue
+                # A forward copy serving a backward read: the value is neither recomputed in
+                # the backward nor loaded (c itself being a backward copy aside).
+                when = [x] if read.backward is True else [x, read.backward]
+                for moving in moved:
+                    if c.backward is not None and moving is c.backward:
+                        continue
+                    clause = [moving.Not()] + ([c.backward] if c.backward is not None else [])
+                    m.AddBoolOr(clause).OnlyEnforceIf(when)
+            m.Add(sum(options) == (1 if read.active is None else read.active))
+        for c, xs in zip(copies, served):  # a further copy that serves nothing is not made
+            if c.active is not None:
+                m.Add(sum(xs) >= 1).OnlyEnforceIf(c.active)
+
+    # --- Reading and hinting solutions.
+
+    def decision(self, value) -> tuple[dict[int, list[int]], dict[int, int]]:
+        """The positions of each value's further copies, and each offloaded value's load."""
+        positions = {v: sorted(int(value(c.pos)) for c in copies if value(c.active))
+                     for v, copies in self.further.items()}
+        return ({v: ps for v, ps in positions.items() if ps},
+                {u: int(value(c.pos)) for u, c in self.load.items() if value(c.active)})
+
+    def hint(self, schedule: Schedule) -> bool:
+        """Hint every variable from `schedule` (reads assigned by `simulate`'s rule, ends
+        tight); False, hinting nothing, when the schedule is outside the model's space."""
+        m, problem = self.model, self.problem
+        m.ClearHints()
+        positions = copy_positions(schedule)
+        if any(v not in self.further or len(ps) > len(self.further[v])
+               for v, ps in positions.items()) or not schedule.offload_at.keys() <= self.load.keys():
+            return False
+        for v, copies in self.further.items():
+            ps = positions.get(v, [])
+            for j, c in enumerate(copies):
+                on = j < len(ps)
+                m.AddHint(c.active, on)
+                m.AddHint(c.pos, ps[j] if on else c.low)
+                if c.free:
+                    m.AddHint(c.backward, on and ps[j] >= problem.num_forward)
+        for u, c in self.load.items():
+            m.AddHint(c.active, u in schedule.offload_at)
+            m.AddHint(c.pos, schedule.offload_at.get(u, problem.num_forward))
+        order = step_order(problem, schedule)
+        slot, key = [], []
+        runs: dict[int, int] = {}
+        for i, kind in order:
+            if kind is StepKind.RECOMPUTE:
+                j = runs[i] = runs.get(i, -1) + 1
+                slot.append(self.rec_time(positions[i][j], i))
+                key.append((i, j))
+            elif kind is StepKind.RELOAD:
+                slot.append(schedule.offload_at[i] * self.width)
+                key.append(None)
+            else:
+                slot.append(self.op_time(i))
+                key.append((i, None))
+        found = copies_of(problem, schedule, order)
+        for u, copies in self.storages.items():
+            index = {k: i for i, k in enumerate(self.reads[u])}
+            by_made = [0] + [j + 1 for j in range(len(positions.get(u, [])))]
+            if u in schedule.offload_at:
+                by_made.append(len(copies) - 1)
+            recomputes = iter(by_made[1:])
+            assigned: dict[int, int] = {}
+            t_of = tuple_of(problem, u)
+            for c in found[u]:
+                if c.kind is StepKind.FORWARD:
+                    k, made = 0, copies[0].made
+                elif c.kind is StepKind.RELOAD:
+                    k, made = len(copies) - 1, schedule.offload_at[u] * self.width
+                else:
+                    k = next(recomputes)
+                    p = positions[u][k - 1]
+                    made = self.rec_time(p, u) if t_of is None else self.rec_time(p, t_of) + 1
+                for t in c.reads:
+                    assigned[index[key[t]]] = k
+                end = max([slot[t] for t in c.reads] + [made])
+                m.AddHint(copies[k].end, end)
+                m.AddHint(copies[k].length, end + 1 - made)
+            for k, c in enumerate(copies):
+                if c.active is not None and k not in assigned.values():
+                    m.AddHint(c.end, self.horizon - 1)
+                    m.AddHint(c.length, 1)
+            for (s, i, k), x in self.x.items():
+                if s == u:
+                    m.AddHint(x, assigned.get(i) == k)
+        m.AddHint(self.peak, max(self.fixed_peak, self._peak_of(schedule, order)))
+        return True
+
+    def _peak_of(self, schedule: Schedule, order) -> int:
+        """The schedule's simulated peak in the model's units (sizes rounded up)."""
+        up = self.units.bytes_up
+        delta = [0] * (len(order) + 1)
+        for _, size, first, last in holds(self.problem, schedule, order):
+            delta[first] += up(size)
+            delta[last + 1] -= up(size)
+        level, peak = 0, 0
+        for t, (i, _) in enumerate(order):
+            level += delta[t]
+            peak = max(peak, level + up(self.problem.ops[i].temp))
+        return peak
+
+
+def copy_positions(schedule: Schedule) -> dict[int, list[int]]:
+    """Each value's further copies' positions, in order: `again` and `recompute_at` together."""
+    positions: dict[int, list[int]] = {}
+    for v, b in schedule.recompute_at.items():
+        positions.setdefault(v, []).append(b)
+    for v, ps in schedule.again.items():
+        positions.setdefault(v, []).extend(ps)
+    return {v: sorted(ps) for v, ps in positions.items()}
