@@ -38,7 +38,8 @@ class SolverOptions:
     "auto" (the single model first; the rich one only where a bound proven over the rich space
     leaves room to gain, started from the single model's plan, so never worse)."""
     max_copies: int = 2
-    """Recomputations per value the rich model allows (the forward's own run aside)."""
+    """Further recomputations per value the rich model allows (`Schedule.again`: within the
+    forward, or in the backward after the first backward recomputation)."""
     hint: Any = None
     """A Schedule to start the search from (the best baseline when None)."""
     on_solution: Callable[[dict], None] | None = field(default=None, compare=False)
@@ -49,8 +50,8 @@ class SolverOptions:
     def __post_init__(self) -> None:
         if self.model not in MODELS:
             raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
-        if not (isinstance(self.max_copies, int) and self.max_copies >= 1):
-            raise ValueError(f"max_copies must be an int of at least 1, not {self.max_copies!r}")
+        if not (isinstance(self.max_copies, int) and self.max_copies >= 0):
+            raise ValueError(f"max_copies must be a non-negative int, not {self.max_copies!r}")
 
 
 MODELS = ("single", "rich", "auto")

@@ -1,7 +1,7 @@
 """The CP-SAT model of the richer execution model (`SolverOptions.model` "rich").
 
-Per forward op v that may run again, up to `max_copies` further copies, each an optional
-recomputation with its own position (the op it runs before: a forward op after v, or a
+Per forward op v that may run again, up to `max_copies` further copies (`Schedule.again`)
+beside a first backward recomputation, each an optional recomputation with its own position (the op it runs before: a forward op after v, or a
 backward op), ordered and used as a prefix (symmetry breaking); a tuple op and the tensors
 taken out of it get at most one, in the backward, together (the one-recomputation model's
 rule). Per saved tensor, where the problem has a host link, an optional load from host at a
@@ -80,9 +80,10 @@ class RichModel:
             grouped = op.kind is Kind.TUPLE or tuple_of(problem, v) is not None
             if grouped and v not in candidates:
                 continue
-            if grouped and max_copies > 1:
+            if grouped and max_copies > 0:
                 self.complete = False  # a tuple's tensors: at most one recomputation
-            limit[v] = 1 if grouped else max_copies
+            # `max_copies` further copies (Schedule.again) beside a first backward one.
+            limit[v] = 1 if grouped else max_copies + (v in candidates)
         self.further: dict[int, list[_Copy]] = {}
         self.grouped = {v for v in limit if ops[v].kind is Kind.TUPLE
                         or tuple_of(problem, v) is not None}
@@ -90,7 +91,7 @@ class RichModel:
             backward_only = v in self.grouped
             low = nf if backward_only else v + 1
             high = n - 1 if v in candidates else nf - 1
-            if low > high:
+            if low > high or not k:
                 continue
             copies = []
             for j in range(k):
@@ -111,6 +112,10 @@ class RichModel:
                     m.AddImplication(a, prev.active)
                     m.Add(pos >= prev.pos + 1).OnlyEnforceIf(a)
             self.further[v] = copies
+            if not backward_only and v in candidates:  # the first backward one is no `again`
+                moved = m.NewBoolVar(f"r{v}")
+                m.AddMaxEquality(moved, [c.backward for c in copies])
+                m.Add(sum(c.active for c in copies) <= max_copies + moved)
         self.grouped &= self.further.keys()
         for v in self.grouped:
             t = tuple_of(problem, v)
