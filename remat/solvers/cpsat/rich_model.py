@@ -46,6 +46,7 @@ class _Copy:
     length: object = None
     low: int = 0  # the least position (an inactive copy's)
     free: bool = False  # `backward` is a variable of its own
+    shared: bool = False  # `pos` is the tuple op's run's
 
 
 @dataclass
@@ -68,72 +69,40 @@ class RichModel:
         size, temp = units.sizes(problem)
         pinned, root, readers = problem.pinned, problem.root, problem.storage_readers
         candidates = set(problem.candidates)
-        self.complete = True  # the model spans the whole rich space with max_copies
+        # The model spans the whole rich space of `max_copies` (CP-SAT's bound holds there).
+        self.complete = True
 
-        # --- Which forward ops may run again, and how often.
-        limit: dict[int, int] = {}
-        for v in range(nf):
+        # --- Which forward ops may run again, and how often: `max_copies` further copies
+        # (Schedule.again) beside a first backward one; a tuple op as often as its tensors
+        # together, each tensor at some of its tuple's positions (make_schedule's rule).
+        def may_run(v: int) -> bool:
             op = ops[v]
-            if (recompute_blocker(problem, v) is not None or root[v] != v or v in pinned
-                    or (op.kind is Kind.TENSOR and op.size == 0) or not problem.users[v]):
-                continue
-            grouped = op.kind is Kind.TUPLE or tuple_of(problem, v) is not None
-            if grouped and v not in candidates:
-                continue
-            if grouped and max_copies > 0:
-                self.complete = False  # a tuple's tensors: at most one recomputation
-            # `max_copies` further copies (Schedule.again) beside a first backward one.
-            limit[v] = 1 if grouped else max_copies + (v in candidates)
+            return (recompute_blocker(problem, v) is None and root[v] == v and v not in pinned
+                    and not (op.kind is Kind.TENSOR and op.size == 0) and bool(problem.users[v]))
+
         self.further: dict[int, list[_Copy]] = {}
-        self.grouped = {v for v in limit if ops[v].kind is Kind.TUPLE
-                        or tuple_of(problem, v) is not None}
-        for v, k in limit.items():
-            backward_only = v in self.grouped
-            low = nf if backward_only else v + 1
-            high = n - 1 if v in candidates else nf - 1
-            if low > high or not k:
+        for v in range(nf):
+            if not may_run(v) or tuple_of(problem, v) is not None:
                 continue
-            copies = []
-            for j in range(k):
-                a = m.NewBoolVar(f"a{v}_{j}")
-                b = a if backward_only else (m.NewBoolVar(f"b{v}_{j}") if v in candidates
-                                             else m.NewConstant(0))
-                pos = m.NewIntVar(low, high, f"p{v}_{j}")
-                copies.append(_Copy(made=None, active=a, backward=b, pos=pos, low=low,
-                                    free=not backward_only and v in candidates))
-                m.Add(pos == low).OnlyEnforceIf(a.Not())
-                if not backward_only:
-                    m.AddImplication(b, a)
-                    if v in candidates:
-                        m.Add(pos >= nf).OnlyEnforceIf(b)
-                        m.Add(pos <= nf - 1).OnlyEnforceIf([a, b.Not()])
-                if j:  # a prefix, in order of position
-                    prev = copies[j - 1]
-                    m.AddImplication(a, prev.active)
-                    m.Add(pos >= prev.pos + 1).OnlyEnforceIf(a)
-            self.further[v] = copies
-            if not backward_only and v in candidates:  # the first backward one is no `again`
-                moved = m.NewBoolVar(f"r{v}")
-                m.AddMaxEquality(moved, [c.backward for c in copies])
-                m.Add(sum(c.active for c in copies) <= max_copies + moved)
-        self.grouped &= self.further.keys()
-        for v in self.grouped:
-            t = tuple_of(problem, v)
-            if t is None:
-                continue
-            mine, theirs = self.further[v][0], self.further.get(t)
-            if theirs is None:
-                m.Add(mine.active == 0)
-                continue
-            m.AddImplication(mine.active, theirs[0].active)
-            m.Add(mine.pos == theirs[0].pos).OnlyEnforceIf(mine.active)
-        for t in self.grouped:
+            if ops[v].kind is Kind.TUPLE:
+                outs = [g for g in problem.users[v] if may_run(g)]
+                needed = any(g in candidates for g in outs)
+                count = (max_copies + needed) * len(outs)
+            else:
+                needed = v in candidates
+                count = max_copies + needed
+            if count and v + 1 <= (n - 1 if needed else nf - 1):
+                self.further[v] = self._runs(v, count, needed, max_copies)
+        for g in range(nf):
+            t = tuple_of(problem, g)
+            if t in self.further and may_run(g):
+                self.further[g] = self._runs_of_tuple(g, t, g in candidates, max_copies)
+        for t in self.further:
             if ops[t].kind is Kind.TUPLE:  # the tuple runs again only for a tensor of it
-                outs = [self.further[g][0].active for g in problem.users[t] if g in self.further]
-                if outs:
-                    m.AddBoolOr(outs).OnlyEnforceIf(self.further[t][0].active)
-                else:
-                    m.Add(self.further[t][0].active == 0)
+                for k, c in enumerate(self.further[t]):
+                    outs = [self.further[g][k].active for g in problem.users[t]
+                            if g in self.further]
+                    m.AddBoolOr(outs).OnlyEnforceIf(c.active)
         for v, copies in self.further.items():
             t = tuple_of(problem, v)
             for c in copies:  # a getitem's tensor exists from the step after its tuple's
@@ -232,6 +201,69 @@ class RichModel:
         self.terms = len(terms)
         self.cost = cp_model.LinearExpr.WeightedSum([x for x, _ in terms], [w for _, w in terms])
 
+    def _runs(self, v: int, count: int, needed: bool, max_copies: int) -> list[_Copy]:
+        """`count` optional runs of v, a prefix in order of position; in the backward only
+        where the backward may need v."""
+        m, nf, n = self.model, self.problem.num_forward, len(self.problem)
+        low, high = v + 1, n - 1 if needed else nf - 1
+        copies: list[_Copy] = []
+        for j in range(count):
+            a = m.NewBoolVar(f"a{v}_{j}")
+            b = m.NewBoolVar(f"b{v}_{j}") if needed else m.NewConstant(0)
+            pos = m.NewIntVar(low, high, f"p{v}_{j}")
+            copies.append(_Copy(made=None, active=a, backward=b, pos=pos, low=low, free=needed))
+            m.Add(pos == low).OnlyEnforceIf(a.Not())
+            if needed:
+                m.AddImplication(b, a)
+                m.Add(pos >= nf).OnlyEnforceIf(b)
+                m.Add(pos <= nf - 1).OnlyEnforceIf([a, b.Not()])
+            if j:  # a prefix, in order of position
+                prev = copies[j - 1]
+                m.AddImplication(a, prev.active)
+                m.Add(pos >= prev.pos + 1).OnlyEnforceIf(a)
+        if self.problem.ops[v].kind is not Kind.TUPLE:
+            self._at_most(v, copies, max_copies)
+        return copies
+
+    def _runs_of_tuple(self, g: int, t: int, needed: bool, max_copies: int) -> list[_Copy]:
+        """The runs of a tensor taken out of tuple op t: one optional copy per run of t, at its
+        position; its first backward copy at t's first (make_schedule: a recomputed getitem's
+        `recompute_at` is its tuple's)."""
+        m = self.model
+        copies: list[_Copy] = []
+        for k, c in enumerate(self.further[t]):
+            a = m.NewBoolVar(f"a{g}_{k}")
+            m.AddImplication(a, c.active)
+            if needed and c.free:
+                b = m.NewBoolVar(f"b{g}_{k}")
+                m.AddImplication(b, a)
+                m.AddImplication(b, c.backward)
+                m.AddBoolOr([b]).OnlyEnforceIf([a, c.backward])
+            else:
+                b = m.NewConstant(0)
+                if c.free:
+                    m.AddImplication(a, c.backward.Not())
+            copies.append(_Copy(made=None, active=a, backward=b, pos=c.pos, low=c.low,
+                                free=needed and c.free, shared=True))
+        moved = self._at_most(g, copies, max_copies)
+        theirs = self.further[t]
+        for k, c in enumerate(copies):
+            if theirs[k].free and moved is not None:
+                earlier = [theirs[k - 1].backward] if k else []
+                m.AddBoolOr(earlier + [c.active]).OnlyEnforceIf([theirs[k].backward, moved])
+        return copies
+
+    def _at_most(self, v: int, copies: list[_Copy], max_copies: int):
+        """At most `max_copies` runs besides the first backward one; that one's literal."""
+        m = self.model
+        if not any(c.free for c in copies):
+            m.Add(sum(c.active for c in copies) <= max_copies)
+            return None
+        moved = m.NewBoolVar(f"r{v}")
+        m.AddMaxEquality(moved, [c.backward for c in copies])
+        m.Add(sum(c.active for c in copies) <= max_copies + moved)
+        return moved
+
     def op_time(self, i: int) -> int:
         return i * self.width + self.problem.num_forward + 1
 
@@ -260,6 +292,11 @@ class RichModel:
                     m.AddImplication(x, c.active)
                     m.Add(c.made + 1 <= read.time).OnlyEnforceIf(x)
                 m.Add(c.end >= read.time).OnlyEnforceIf(x)
+                # simulate's rule: the latest copy made before the read serves it (a prefix
+                # of runs: the next one is the only one to check; a tuple's tensor: each).
+                later = [d for d in copies[k + 1:] if d is not self.load.get(u)]
+                for d in later if later and later[0].shared else later[:1]:
+                    m.Add(d.made >= read.time).OnlyEnforceIf([x, d.active])
                 if read.backward is False or c is self.load.get(u):
                     continue
                 # A forward copy serving a backward read: the value is neither recomputed in
@@ -290,17 +327,25 @@ class RichModel:
         m, problem = self.model, self.problem
         m.ClearHints()
         positions = copy_positions(schedule)
-        if any(v not in self.further or len(ps) > len(self.further[v])
-               for v, ps in positions.items()) or not schedule.offload_at.keys() <= self.load.keys():
-            return False
+        chosen: dict[int, dict[int, int]] = {}  # the model's copy index of each position
         for v, copies in self.further.items():
             ps = positions.get(v, [])
-            for j, c in enumerate(copies):
-                on = j < len(ps)
+            t = tuple_of(problem, v)
+            slots = positions.get(t, []) if copies[0].shared else ps
+            if len(slots) > len(copies) or not set(ps) <= set(slots):
+                return False
+            chosen[v] = {k: p for k, p in enumerate(slots) if p in ps}
+        if not (positions.keys() <= self.further.keys()
+                and schedule.offload_at.keys() <= self.load.keys()):
+            return False
+        for v, copies in self.further.items():
+            for k, c in enumerate(copies):
+                on = k in chosen[v]
                 m.AddHint(c.active, on)
-                m.AddHint(c.pos, ps[j] if on else c.low)
+                if not c.shared:
+                    m.AddHint(c.pos, chosen[v].get(k, c.low))
                 if c.free:
-                    m.AddHint(c.backward, on and ps[j] >= problem.num_forward)
+                    m.AddHint(c.backward, on and chosen[v][k] >= problem.num_forward)
         for u, c in self.load.items():
             m.AddHint(c.active, u in schedule.offload_at)
             m.AddHint(c.pos, schedule.offload_at.get(u, problem.num_forward))
@@ -321,10 +366,7 @@ class RichModel:
         found = copies_of(problem, schedule, order)
         for u, copies in self.storages.items():
             index = {k: i for i, k in enumerate(self.reads[u])}
-            by_made = [0] + [j + 1 for j in range(len(positions.get(u, [])))]
-            if u in schedule.offload_at:
-                by_made.append(len(copies) - 1)
-            recomputes = iter(by_made[1:])
+            recomputes = iter(sorted(chosen.get(u, {})))
             assigned: dict[int, int] = {}
             t_of = tuple_of(problem, u)
             for c in found[u]:
@@ -333,8 +375,8 @@ class RichModel:
                 elif c.kind is StepKind.RELOAD:
                     k, made = len(copies) - 1, schedule.offload_at[u] * self.width
                 else:
-                    k = next(recomputes)
-                    p = positions[u][k - 1]
+                    j = next(recomputes)
+                    k, p = j + 1, chosen[u][j]
                     made = self.rec_time(p, u) if t_of is None else self.rec_time(p, t_of) + 1
                 for t in c.reads:
                     assigned[index[key[t]]] = k

@@ -29,7 +29,6 @@ from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Problem
 from remat.solvers.relaxed import binding_step
 from remat.solvers.schedule import Schedule, Status, evaluate, make_schedule
-from remat.solvers.simulate import StepKind, copies_of, step_order
 
 # Shares of the time limit: the single model's whole call ("auto"), the rich bound, the rich
 # model's least-peak stage.
@@ -161,27 +160,14 @@ def search_rich(problem: Problem, budget: int, options: SolverOptions, units: Un
 
 def rich_schedule(problem: Problem, positions: dict[int, list[int]],
                   offload: dict[int, int], **fields) -> Schedule:
-    """The schedule of the rich model's copies: the first backward position of each value is
-    its `recompute_at`, the others `again`. A further copy that no read is served by under
-    `simulate`'s latest-copy rule (the model lets any live copy serve) is dropped: that only
-    lowers the cost and the memory."""
-    positions = {v: sorted(ps) for v, ps in positions.items() if ps}
+    """The schedule of the rich model's runs: each value's first backward position is its
+    `recompute_at`, the others are `again` (the model assigns reads by simulate's rule, so
+    every run it makes serves a read, as make_schedule requires)."""
     nf = problem.num_forward
-    while True:
-        recompute_at = {v: next(p for p in ps if p >= nf) for v, ps in positions.items()
-                        if ps[-1] >= nf}
-        again = {v: tuple(p for p in ps if p != recompute_at.get(v)) for v, ps in positions.items()}
-        raw = Schedule(saved=frozenset(), recomputed=frozenset(recompute_at),
-                       recompute_at=recompute_at, again=again, offload_at=offload)
-        order = step_order(problem, raw)
-        unread = {}
-        for v, copies in copies_of(problem, raw, order).items():
-            runs = [c for c in copies if c.kind is StepKind.RECOMPUTE]
-            unread[v] = {p for p, c in zip(positions.get(v, ()), runs) if not c.reads}
-        if not any(unread.values()):
-            break
-        positions = {v: [p for p in ps if p not in unread.get(v, ())] for v, ps in positions.items()}
-        positions = {v: ps for v, ps in positions.items() if ps}
+    recompute_at = {v: min(p for p in ps if p >= nf) for v, ps in positions.items()
+                    if max(ps) >= nf}
+    again = {v: tuple(sorted(p for p in ps if p != recompute_at.get(v)))
+             for v, ps in positions.items()}
     return make_schedule(problem, set(recompute_at), recompute_at=recompute_at,
                          again={v: ps for v, ps in again.items() if ps}, offload_at=offload,
                          **fields)
