@@ -36,7 +36,8 @@ class SolverOptions:
     once, in the backward), "rich" (up to `max_copies` recomputations per value, within the
     forward or the backward, and offload to host where the problem has `host_bandwidth`), or
     "auto" (the single model first; the rich one only where a bound proven over the rich space
-    leaves room to gain, started from the single model's plan, so never worse)."""
+    leaves room to gain, started from the single model's plan, so never worse). The rich model
+    places copies freely: with `free_positions=False`, "auto" is the single model."""
     max_copies: int = 2
     """Further recomputations per value the rich model allows (`Schedule.again`: within the
     forward, or in the backward after the first backward recomputation)."""

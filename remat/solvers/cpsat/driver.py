@@ -64,7 +64,8 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
     Raises BudgetError when no schedule fits (or none was found and the least peak found is
     above the budget: the message says which), SolverError when the time allowed nothing."""
     with Progress(options.time_limit) as progress:
-        if options.model == "single":
+        if options.model == "single" or (options.model == "auto" and not options.free_positions):
+            # Just-in-time positions are the single model's space (the rich model's are free).
             return _Call(problem, budget, options, progress).run()
         # The richer model ("rich"), or the single model first and the richer one where a
         # bound over its space leaves room ("auto"): `remat.solvers.cpsat.rich_search`.
