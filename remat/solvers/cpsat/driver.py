@@ -280,7 +280,7 @@ class _Call:
         schedule evaluation takes) fits in the time left; else None."""
         expected = BUILD_EVALUATIONS * self.evaluation()
         if expected + self.finish() > self.left():
-            self.info["model"] = f"not built: would take about {expected:.1f} s"
+            self.info["model_build"] = f"not built: would take about {expected:.1f} s"
             return None
         self.progress.update(stage="building the model")
         began = time.perf_counter()
