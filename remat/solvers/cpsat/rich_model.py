@@ -234,6 +234,7 @@ class RichModel:
         for k, c in enumerate(self.further[t]):
             a = m.NewBoolVar(f"a{g}_{k}")
             m.AddImplication(a, c.active)
+            m.Add(c.pos >= g + 1).OnlyEnforceIf(a)  # after the tensor's own op
             if needed and c.free:
                 b = m.NewBoolVar(f"b{g}_{k}")
                 m.AddImplication(b, a)

@@ -32,7 +32,7 @@ from remat.solvers.schedule import Schedule, Status, evaluate, make_schedule
 
 # Shares of the time limit: the single model's whole call ("auto"), the rich bound, the rich
 # model's least-peak stage.
-SINGLE_SHARE = 0.5
+SINGLE_SHARE = 0.85
 BOUND_SHARE = 0.1
 PEAK_STAGE_SHARE = 0.1
 BASELINE_SHARE = 0.1
@@ -65,6 +65,9 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
             pool = Pool(problem, options)
             hint = pool.best(budget, time.perf_counter() + BASELINE_SHARE * options.time_limit)
     fits = hint is not None and hint.peak <= budget
+    # Who made the plan when the hint stands: the single model ("auto"), else a baseline or the
+    # caller, left as the rich model's answer (it searched from there).
+    fallback = "single" if options.model == "auto" else "rich"
 
     def done(schedule: Schedule, bound: float, model: str) -> Schedule:
         cost = full_cost(problem, schedule)
@@ -76,7 +79,12 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
 
     if fits and hint.cost == 0:  # nothing to gain: no schedule costs less than nothing
         info["rich_bound"] = 0.0
-        return done(hint, 0.0, "single" if options.model == "auto" else "baseline")
+        return done(hint, 0.0, fallback)
+    if options.model == "auto" and fits and hint.status is not Status.OPTIMAL:
+        # The single model did not prove its plan in its share; the rich model, several times
+        # its size, would do no better in what is left. Its status over the rich space stands
+        # on the rich bound alone.
+        info["rich"] = "not searched: the single model's plan is unproven in its own space"
     progress.update(stage="proving a bound over the rich space")
     seconds = max(0.0, min(BOUND_SHARE * options.time_limit, deadline - time.perf_counter()))
     steps = [b for b in [binding_step(problem, hint) if hint is not None else None]
@@ -91,14 +99,16 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
             options.relative_gap > 0 and hint.cost - rich.value
             <= options.relative_gap * hint.cost)):
         info["rich"] = "not searched: the plan meets the bound over the rich space"
-        return done(hint, rich.value, "single" if options.model == "auto" else "baseline")
+        return done(hint, rich.value, fallback)
 
+    if "rich" in info:
+        return done(hint, rich.value, "single")
     began = time.perf_counter()
     evaluate(problem, hint if hint is not None else make_schedule(problem, ()))
     expected = BUILD_EVALUATIONS * (time.perf_counter() - began)
     if fits and expected > BUILD_SHARE_OF_LEFT * (deadline - time.perf_counter()):
         info["rich"] = f"not built: would take about {expected:.1f} s"
-        return done(hint, rich.value, "single" if options.model == "auto" else "baseline")
+        return done(hint, rich.value, fallback)
     progress.update(stage="searching the rich model")
     units = Units.of(problem, options)
     found, searched = search_rich(problem, budget, options, units, hint if fits else None,
@@ -111,7 +121,7 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
     if found is not None and (not fits or (found.cost, found.peak) < (hint.cost, hint.peak)):
         return done(found, bound, "rich")
     if fits:
-        return done(hint, bound, "single" if options.model == "auto" else "baseline")
+        return done(hint, bound, fallback)
     raise SolverError(f"optimal: the rich model found no schedule within the time limit of "
                       f"{options.time_limit} s and no baseline fits; raise time_limit or the "
                       "budget")
