@@ -68,11 +68,14 @@ def test_a_forward_recomputation_fits_where_the_single_model_cannot():
     problem, budget = long_skip(skip=20, layer=5, grad=1), 27
     with pytest.raises(BudgetError):
         solve(problem, budget, "optimal", options("single"))
-    rich = checked(problem, solve(problem, budget, "optimal", options("rich")), budget)
     x, c = problem.index("x"), problem.index("c")
-    assert c in rich.again[x]  # recomputed within the forward, before the skip's reader
-    assert rich.status is Status.OPTIMAL
-    assert rich.cost == rich_brute_force(problem, budget).cost
+    for model in ("rich", "auto"):  # "auto" tries the rich model where the single one fails
+        rich = checked(problem, solve(problem, budget, "optimal", options(model)), budget)
+        assert c in rich.again[x]  # recomputed within the forward, before the skip's reader
+        assert rich.status is Status.OPTIMAL and rich.info["model"] == "rich"
+        assert rich.cost == rich_brute_force(problem, budget).cost
+    with pytest.raises(BudgetError):  # below what even the rich space reaches
+        solve(problem, rich_smallest_peak(problem) - 1, "optimal", options("auto"))
 
 
 def test_auto_keeps_the_single_plan_where_the_rich_bound_meets_it():

@@ -78,7 +78,8 @@ class RichModel:
         def may_run(v: int) -> bool:
             op = ops[v]
             return (recompute_blocker(problem, v) is None and root[v] == v and v not in pinned
-                    and not (op.kind is Kind.TENSOR and op.size == 0) and bool(problem.users[v]))
+                    and not (op.kind is Kind.TENSOR and op.size == 0)
+                    and bool(problem.users[v] or readers[v]))  # a forward output is read too
 
         self.further: dict[int, list[_Copy]] = {}
         for v in range(nf):

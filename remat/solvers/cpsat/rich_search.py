@@ -54,10 +54,16 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
     deadline = start + options.time_limit
     info: dict = {}
     hint = options.hint
+    below: BudgetError | None = None  # the single model's, where nothing of its space fits
     if options.model == "auto":
-        hint = single(replace(options, time_limit=SINGLE_SHARE * options.time_limit))
-        info.update(single={"cost": hint.cost, "status": hint.status.value, "bound": hint.bound},
-                    **{k: v for k, v in hint.info.items() if k not in ("model",)})
+        try:
+            hint = single(replace(options, time_limit=SINGLE_SHARE * options.time_limit))
+        except BudgetError as error:  # the rich space may fit below the single's least peak
+            below = error
+        else:
+            info.update(single={"cost": hint.cost, "status": hint.status.value,
+                                "bound": hint.bound},
+                        **{k: v for k, v in hint.info.items() if k not in ("model",)})
     else:
         if hint is not None:
             hint = evaluate(problem, hint)
@@ -91,6 +97,8 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
              if b is not None]
     rich = recompute_bound(problem, budget, time_limit=seconds, steps=steps, rich=True)
     info["rich_bound"] = rich.value
+    if rich.value == math.inf and below is not None:
+        raise below
     if rich.value == math.inf:
         raise BudgetError(f"no schedule fits the budget of {budget} bytes, even recomputing "
                           "values several times or offloading them (a single backward step "
@@ -106,14 +114,25 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
     began = time.perf_counter()
     evaluate(problem, hint if hint is not None else make_schedule(problem, ()))
     expected = BUILD_EVALUATIONS * (time.perf_counter() - began)
-    if fits and expected > BUILD_SHARE_OF_LEFT * (deadline - time.perf_counter()):
+    if expected > BUILD_SHARE_OF_LEFT * (deadline - time.perf_counter()):
         info["rich"] = f"not built: would take about {expected:.1f} s"
-        return done(hint, rich.value, fallback)
+        if fits:
+            return done(hint, rich.value, fallback)
+        if below is not None:
+            raise below
+        raise SolverError(f"optimal: no time left to build the rich model (about {expected:.1f}"
+                          " s) and no baseline fits; raise time_limit or the budget")
     progress.update(stage="searching the rich model")
     units = Units.of(problem, options)
     found, searched = search_rich(problem, budget, options, units, hint if fits else None,
                                   deadline, rich.value, progress, info)
     bound = max(rich.value, searched)
+    if found is None and below is not None:
+        if searched == math.inf:  # proven: nothing fits in the rich space either
+            raise below
+        raise BudgetError(f"{below} (nor did the rich model find a schedule in the time left)",
+                          budget=budget, smallest=below.smallest, dominant=below.dominant,
+                          remedy=below.remedy, schedule=below.schedule)
     if searched == math.inf and not fits:
         raise BudgetError(f"no schedule fits the budget of {budget} bytes in the rich model "
                           f"(up to {options.max_copies} recomputations per value)",
