@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from remat.solvers.cpsat.units import Units
+from remat.solvers.cpsat.units import Profile, Units
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
 from remat.solvers.schedule import Schedule
 from remat.solvers.simulate import StepKind, copies_of, holds, step_order
@@ -134,13 +134,8 @@ class RichModel:
         self.storages: dict[int, list[_Copy]] = {}
         self.reads: dict[int, list[tuple]] = {}  # the key of each read, for hints
         intervals, demands = [], []
-        delta: dict[int, int] = {}
-
-        def hold(amount: int, first: int, last: int) -> None:
-            if amount:
-                delta[first] = delta.get(first, 0) + amount
-                delta[last + 1] = delta.get(last + 1, 0) - amount
-
+        fixed = Profile()
+        hold = fixed.hold
         for i, op in enumerate(ops):
             hold(temp[i], self.op_time(i), self.op_time(i))
             if root[i] != i or not size[i]:
@@ -183,14 +178,7 @@ class RichModel:
                         self.rec_time(c.pos, v), 1, c.active, f"t{v}_{c.pos.Name()}"))
                     demands.append(temp[v])
 
-        level, self.fixed_peak = 0, 0
-        points = sorted(delta)
-        for t, nxt in zip(points, points[1:]):
-            level += delta[t]
-            self.fixed_peak = max(self.fixed_peak, level)
-            if level:
-                intervals.append(m.NewFixedSizeIntervalVar(t, nxt - t, f"fixed{t}"))
-                demands.append(level)
+        self.fixed_peak = fixed.add_to(m, intervals, demands)
         self.peak = m.NewIntVar(self.fixed_peak, max(sum(demands), self.fixed_peak), "peak")
         m.AddCumulative(intervals, demands, self.peak)
 
