@@ -1,21 +1,22 @@
 """The CP-SAT model of the richer execution model (`SolverOptions.model` "rich").
 
 Per forward op v that may run again, up to `max_copies` further copies (`Schedule.again`)
-beside a first backward recomputation, each an optional recomputation with its own position (the op it runs before: a forward op after v, or a
-backward op), ordered and used as a prefix (symmetry breaking); a tuple op and the tensors
-taken out of it get at most one, in the backward, together (the one-recomputation model's
-rule). Per saved tensor, where the problem has a host link, an optional load from host at a
-chosen backward position. Every read of a forward storage (its forward and backward readers,
-and every copy of a reader that runs again) is assigned to one copy of the storage that is made
-before it and lives until it; each copy is an optional interval from the step that makes it to
-an end at least every read assigned to it. One cumulative constraint bounds the memory.
+beside a first backward recomputation, each an optional run with its own position (the op it
+runs before: a forward op after v, or a backward op where the backward may need v), used as a
+prefix in order of position (symmetry breaking). A tuple op runs as often as its tensors need,
+each tensor taken out at some of its runs. Per saved tensor, where the problem has a host
+link, an optional load from host at a chosen backward position. Every read of a forward
+storage (its forward and backward readers, and every run of a reader) is assigned to the copy
+`simulate` serves it from: the latest made before it; a value recomputed in the backward or
+loaded serves no backward read from a forward copy (make_schedule's rules). Each copy is an
+optional interval from the step that makes it to an end at least its reads; one cumulative
+constraint bounds the memory. O(n * copies) variables, plus the reads' assignments.
 
-Exactness, the free model's argument: `simulate` serves every read from the latest copy made
-before it, so at most one copy of a storage is live at any step, and where one is, the model
-has one too (the copy the model assigned that read to); every copy is the same size. So the
-model's profile is at least simulate's for the same copies, and equal for the assignment by
-latest copy with tight ends, which the model may choose: its least cost is the least cost of
-its space, and its least peak at that cost is simulate's.
+Exactness, the free model's argument: with tight ends, the model's profile is simulate's for
+the same copies; ends are only bounded below, and looser ends only overstate memory, so the
+least cost is exact, and the least peak at that cost (the driver's second stage) is
+simulate's. The model spans the whole rich space of `max_copies` (what
+`remat.solvers.rich_brute` enumerates), so CP-SAT's bound holds over it.
 
 Time: op i owns a block of nf + 2 slots starting at i * (nf + 2): slot 0 for loads from host,
 slot 1 + v for a recomputation of forward op v placed before i, slot nf + 1 for op i itself
@@ -69,8 +70,6 @@ class RichModel:
         size, temp = units.sizes(problem)
         pinned, root, readers = problem.pinned, problem.root, problem.storage_readers
         candidates = set(problem.candidates)
-        # The model spans the whole rich space of `max_copies` (CP-SAT's bound holds there).
-        self.complete = True
 
         # --- Which forward ops may run again, and how often: `max_copies` further copies
         # (Schedule.again) beside a first backward one; a tuple op as often as its tensors

@@ -6,8 +6,8 @@ meets it, that plan is the rich optimum too and is returned; else the rest of th
 the rich model (`RichModel`) started from the single plan, whose answer is taken only when it
 costs less. "rich": the rich model alone, started from the caller's hint or the best baseline.
 One deadline bounds the whole call. Statuses use only bounds valid over the rich space: the
-rich bound, and CP-SAT's own bound where the model spans that space (`RichModel.complete`) and
-counts bytes exactly.
+rich bound, and CP-SAT's own bound on the rich model (which spans that space) where it counts
+bytes exactly.
 """
 from __future__ import annotations
 
@@ -156,8 +156,8 @@ def search_rich(problem: Problem, budget: int, options: SolverOptions, units: Un
     model = RichModel(problem, units, options.max_copies, problem.host_bandwidth is not None)
     m = model.model
     info.update(rich_variables=len(m.Proto().variables),
-                rich_build_time=time.perf_counter() - began, rich_complete=model.complete)
-    valid = model.complete and units.exact_bytes
+                rich_build_time=time.perf_counter() - began)
+    valid = units.exact_bytes  # the model spans the rich space: its bound holds there
     capacity = units.capacity(budget)
     if model.fixed_peak > capacity:
         return None, math.inf if valid else 0.0
