@@ -46,6 +46,7 @@ class _Copy:
     end: object = None
     length: object = None
     low: int = 0  # the least position (an inactive copy's)
+    high: int = 0  # the greatest
     free: bool = False  # `backward` is a variable of its own
     shared: bool = False  # `pos` is the tuple op's run's
 
@@ -81,6 +82,8 @@ class RichModel:
                     and bool(problem.users[v] or readers[v]))  # a forward output is read too
 
         self.further: dict[int, list[_Copy]] = {}
+        self._first: dict[int, cp_model.IntVar] = {}
+        self._here: dict[int, list] = {}
         for v in range(nf):
             if not may_run(v) or tuple_of(problem, v) is not None:
                 continue
@@ -145,7 +148,11 @@ class RichModel:
                 hold(size[i], made, self.horizon - 1)
                 continue
             last = max((self.op_time(r) for r in readers[i]), default=made)
-            if i >= nf or (i not in reads and i not in self.further and i not in self.load):
+            # A getitem's tensor that no read may hold lives at the step after its tuple op's
+            # (simulate), which a recomputation placed there may be: `_first_after`.
+            bare = t is not None and (i in self.further or not readers[i])
+            if i >= nf or (i not in reads and i not in self.further and i not in self.load
+                           and not bare):
                 hold(size[i], made, last)  # nothing decided about it
                 continue
             copies = [_Copy(made=made), *self.further.get(i, ())]
@@ -161,6 +168,8 @@ class RichModel:
             for k, c in enumerate(copies):
                 c.end = m.NewIntVar(0, self.horizon - 1, f"e{i}_{k}")
             self._serve(i, copies, all_reads)
+            if bare:
+                m.Add(copies[0].end >= self._first_after(t))
             for k, c in enumerate(copies):
                 length = c.length = m.NewIntVar(1, self.horizon, f"l{i}_{k}")
                 if c.active is None:
@@ -199,7 +208,8 @@ class RichModel:
             a = m.NewBoolVar(f"a{v}_{j}")
             b = m.NewBoolVar(f"b{v}_{j}") if needed else m.NewConstant(0)
             pos = m.NewIntVar(low, high, f"p{v}_{j}")
-            copies.append(_Copy(made=None, active=a, backward=b, pos=pos, low=low, free=needed))
+            copies.append(_Copy(made=None, active=a, backward=b, pos=pos, low=low, high=high,
+                                free=needed))
             m.Add(pos == low).OnlyEnforceIf(a.Not())
             if needed:
                 m.AddImplication(b, a)
@@ -232,7 +242,7 @@ class RichModel:
                 b = m.NewConstant(0)
                 if c.free:
                     m.AddImplication(a, c.backward.Not())
-            copies.append(_Copy(made=None, active=a, backward=b, pos=c.pos, low=c.low,
+            copies.append(_Copy(made=None, active=a, backward=b, pos=c.pos, low=c.low, high=c.high,
                                 free=needed and c.free, shared=True))
         moved = self._at_most(g, copies, max_copies)
         theirs = self.further[t]
@@ -252,6 +262,29 @@ class RichModel:
         m.AddMaxEquality(moved, [c.backward for c in copies])
         m.Add(sum(c.active for c in copies) <= max_copies + moved)
         return moved
+
+    def _first_after(self, t: int):
+        """The slot of the first step after forward op t: a recomputation placed before op
+        t + 1 (of an op up to t), else op t + 1 itself."""
+        if t in self._first:
+            return self._first[t]
+        m, p = self.model, t + 1
+        latest = self.op_time(p)
+        slots = [latest]
+        self._here[t] = []
+        for v, copies in self.further.items():
+            for k, c in enumerate(copies):
+                if v > t or not c.low <= p <= c.high:
+                    continue
+                here = m.NewBoolVar(f"at{p}_{v}_{c.pos.Name()}")  # run before op t + 1
+                m.Add(c.pos == p).OnlyEnforceIf(here)
+                m.Add(c.pos != p).OnlyEnforceIf([here.Not(), c.active])
+                m.AddImplication(here, c.active)
+                slots.append(latest - (latest - self.rec_time(p, v)) * here)
+                self._here[t].append((here, v, k))
+        first = self._first[t] = m.NewIntVar(p * self.width + 1, latest, f"first{p}")
+        m.AddMinEquality(first, slots)
+        return first
 
     def op_time(self, i: int) -> int:
         return i * self.width + self.problem.num_forward + 1
@@ -335,6 +368,12 @@ class RichModel:
                     m.AddHint(c.pos, chosen[v].get(k, c.low))
                 if c.free:
                     m.AddHint(c.backward, on and chosen[v][k] >= problem.num_forward)
+        for t, first in self._first.items():
+            here = [(x, chosen[v].get(k) == t + 1, v) for x, v, k in self._here[t]]
+            for x, on, _ in here:
+                m.AddHint(x, on)
+            m.AddHint(first, min([self.op_time(t + 1)]
+                                 + [self.rec_time(t + 1, v) for _, on, v in here if on]))
         for u, c in self.load.items():
             m.AddHint(c.active, u in schedule.offload_at)
             m.AddHint(c.pos, schedule.offload_at.get(u, problem.num_forward))
