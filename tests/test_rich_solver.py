@@ -133,6 +133,9 @@ def test_rich_optimum_matches_brute_force_and_beats_single(seed, where, bandwidt
     assert rich.cost == pytest.approx(oracle.cost, rel=1e-6, abs=1e-9)
     assert all(len(ps) <= copies for v, ps in rich.again.items()
                if problem.ops[v].kind is Kind.TENSOR)  # a tuple op runs for each tensor
+    auto = checked(problem, solve(problem, budget, "optimal",
+                                  options("auto", max_copies=copies)), budget)
+    assert auto.cost == pytest.approx(oracle.cost, rel=1e-6, abs=1e-9)
     try:
         single = solve(problem, budget, "optimal", options("single"))
     except BudgetError:
