@@ -21,21 +21,26 @@ So every position is enumerated. What is left out, with the proof that nothing i
   the value's inputs once more and adds its temp, so dropping it never raises any step's live
   bytes and never adds cost. Views are rebuilt from their base and never copied themselves.
 
-The search visits "shapes" (per value: how many forward copies, whether the backward recomputes
-it, how many further backward copies, whether it is offloaded) in nondecreasing order of a lower
+The search is over "shapes" (per value: how many forward copies, whether the backward
+recomputes it, how many further backward copies, whether it is offloaded), best first by a lower
 bound of their cost (a tuple op's cost is shared among its getitems, so two getitems copied at
-one position, which run it once, are not overcounted). It prunes soundly:
-- cost: once a schedule fits, no shape whose cost bound exceeds its cost is visited, and the
-  heap order means none is left;
-- memory: a shape whose position-free lower bound on the peak (`_Bounds`: what every placement
-  of that shape must hold at each op's step) exceeds the budget is not placed.
+one position, which run it once, are not overcounted), and then over every placement of a
+shape. It prunes soundly:
+- cost: once a schedule fits, no node whose cost bound exceeds its cost can hold a better one,
+  and best-first order leaves none unvisited below it;
+- memory: `_Bounds` gives, for a shape, bytes that every placement of it holds at each op's
+  step. A node (a shape, some values frozen, the rest at option 0: saved, no copy) whose bound
+  exceeds the budget at a step is split on the free values holding bytes there: the first
+  changed, or the first kept and the second changed, ...; a shape that keeps all of them holds
+  the same bytes at that step, so nothing that fits is lost, and each shape lies below one
+  child only. Other nodes are placed, then split on every free value.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import MappingProxyType
 
 from remat.errors import BudgetError
@@ -63,15 +68,13 @@ def rich_brute_force(problem: Problem, budget: int, *, max_copies: int = 2,
                      offload: bool | None = None) -> Schedule:
     """The least-cost, then least-peak, schedule over the richer space that fits `budget`
     (status OPTIMAL). `offload` None: offload iff the problem has a host link. Raises
-    BudgetError (with the smallest peak of the space) when nothing fits, ValueError beyond
-    MAX_SHAPES shapes or MAX_SCHEDULES schedules."""
-    search = _Search(problem, max_copies, offload)
-    best = search.run(budget)
-    if best is None:
-        smallest = rich_smallest_peak(problem, max_copies=max_copies, offload=offload)
-        raise BudgetError(f"rich_brute_force: no schedule fits a budget of {budget:,} bytes; "
-                          f"the smallest activation peak any schedule of the richer model "
-                          f"reaches is {smallest:,} bytes", budget=budget, smallest=smallest)
+    BudgetError (smallest None) when nothing fits, ValueError beyond MAX_SHAPES shapes or
+    MAX_SCHEDULES schedules."""
+    best = _Search(problem, max_copies, offload).run(budget)
+    if best is None:  # the least peak is a search of its own (rich_smallest_peak), often longer
+        raise BudgetError(f"rich_brute_force: no schedule of the richer model fits a budget of "
+                          f"{budget:,} bytes; rich_smallest_peak gives the least peak any "
+                          "reaches", budget=budget, smallest=None)
     return best
 
 
