@@ -399,55 +399,70 @@ def _jitter(rng: random.Random, value: int, spread: float = 0.25) -> int:
     return max(1, round(value * rng.uniform(1 - spread, 1 + spread)))
 
 
-def unet_problem(levels: int = 2, width: int = 16, seed: int = 0, *, side: int = 64,
-                 batch: int = 8) -> Problem:
-    """A small U-Net training step with long skip connections: per level a conv and an
-    average pool on the way down, a bottleneck conv, per level an upsample, a concatenation
-    with the skip and a conv on the way up, a 1x1 head and an MSE loss. Channels double and
-    sides halve with depth (channel counts jittered by `seed`). About 5 * levels + 3 forward
-    ops: levels = 2 is small enough for `rich_brute_force`."""
+def unet_problem(levels: int = 2, width: int = 16, seed: int = 0, *, convs: int = 1,
+                 side: int = 64, batch: int = 8) -> Problem:
+    """A small U-Net training step with long skip connections: per level `convs` convs and an
+    average pool on the way down, `convs` bottleneck convs, per level an upsample, a
+    concatenation with the skip (the level's last conv) and `convs` convs on the way up, a 1x1
+    head and an MSE loss. Channels double and sides halve with depth (channel counts jittered
+    by `seed`). (3 * levels + 1) * convs + 2 * levels + 2 forward ops: (1, convs=1 or 2) and
+    (2, convs=1) are small enough for `rich_brute_force`."""
     rng = random.Random(seed)
     net = _ConvNet(batch)
     g = net.g
-    x, c, s, skips = None, 3, side, []
+
+    def block(name, x, c_in, c_out, side):
+        outs = []
+        for k in range(convs):
+            x = net.conv(f"{name}.conv{k}", x, c_in, c_out, side)
+            outs.append(x)
+            c_in = c_out
+        return outs
+
+    x, c, s, downs, skips = None, 3, side, [], []
     for lv in range(levels):
         c_out = _jitter(rng, width << lv)
-        conv = net.conv(f"down{lv}.conv", x, c, c_out, s)
-        skips.append(conv)
-        x, c, s = net.pool(f"down{lv}.pool", conv), c_out, s // 2
+        downs.append(block(f"down{lv}", x, c, c_out, s))
+        skips.append(downs[-1][-1])
+        x, c, s = net.pool(f"down{lv}.pool", skips[-1]), c_out, s // 2
     c_out = _jitter(rng, width << levels)
-    x, c = net.conv("mid.conv", x, c, c_out, s), c_out
+    mid = block("mid", x, c, c_out, s)
+    x, c = mid[-1], c_out
     ups = []
     for lv in reversed(range(levels)):
         up = net.upsample(f"up{lv}.upsample", x)
         cat = net.cat(f"up{lv}.cat", up, skips[lv])
         c_out = _jitter(rng, width << lv)
-        x = net.conv(f"up{lv}.conv", cat, net.shape[cat][0], c_out, s * 2)
-        c, s = c_out, s * 2
-        ups.append((lv, up, cat, x))
+        outs = block(f"up{lv}", cat, net.shape[cat][0], c_out, s * 2)
+        x, c, s = outs[-1], c_out, s * 2
+        ups.append((lv, up, cat, outs))
     head = net.conv("head", x, c, 3, s, kernel=1)
     loss = net.loss(head)
     g.backward()
     grad = g.add("loss.bwd", [loss, head], g.ops[head].size, module="loss")
     grad = _conv_backward(net, head, grad)
     skip_grads = {}
-    for lv, up, cat, conv in reversed(ups):
-        d_cat = _conv_backward(net, conv, grad)
-        d_up = g.add(f"up{lv}.cat.bwd_up", [d_cat], kind=Kind.VIEW, module=f"up{lv}.cat")
-        skip_grads[lv] = g.add(f"up{lv}.cat.bwd_skip", [d_cat], kind=Kind.VIEW,
+    for lv, up, cat, outs in reversed(ups):
+        for conv in reversed(outs):
+            grad = _conv_backward(net, conv, grad)
+        d_up = g.add(f"up{lv}.cat.bwd_up", [grad], kind=Kind.VIEW, module=f"up{lv}.cat")
+        skip_grads[lv] = g.add(f"up{lv}.cat.bwd_skip", [grad], kind=Kind.VIEW,
                                module=f"up{lv}.cat")
         grad = g.add(f"up{lv}.upsample.bwd", [d_up], g.ops[g.ops[up].inputs[0]].size,
                      module=f"up{lv}.upsample")
-    grad = _conv_backward(net, net.convs[levels][0], grad)
+    for conv in reversed(mid):
+        grad = _conv_backward(net, conv, grad)
     for lv in reversed(range(levels)):
         conv = skips[lv]
         d_pool = g.add(f"down{lv}.pool.bwd", [grad, conv], g.ops[conv].size,
                        module=f"down{lv}.pool")
-        d_conv = g.add(f"down{lv}.skip_add", [d_pool, skip_grads[lv]], g.ops[conv].size,
-                       module=f"down{lv}")
-        grad = _conv_backward(net, conv, d_conv)
-    return g.problem(f"unet_l{levels}_w{width}_s{seed}", generator="unet_problem",
-                     levels=levels, width=width, seed=seed, side=side, batch=batch)
+        grad = g.add(f"down{lv}.skip_add", [d_pool, skip_grads[lv]], g.ops[conv].size,
+                     module=f"down{lv}")
+        for conv in reversed(downs[lv]):
+            grad = _conv_backward(net, conv, grad)
+    return g.problem(f"unet_l{levels}_c{convs}_w{width}_s{seed}", generator="unet_problem",
+                     levels=levels, convs=convs, width=width, seed=seed, side=side,
+                     batch=batch)
 
 
 def skip_chain_problem(stages: int = 3, convs: int = 2, width: int = 16, seed: int = 0, *,
