@@ -21,21 +21,26 @@ So every position is enumerated. What is left out, with the proof that nothing i
   the value's inputs once more and adds its temp, so dropping it never raises any step's live
   bytes and never adds cost. Views are rebuilt from their base and never copied themselves.
 
-The search visits "shapes" (per value: how many forward copies, whether the backward recomputes
-it, how many further backward copies, whether it is offloaded) in nondecreasing order of a lower
+The search is over "shapes" (per value: how many forward copies, whether the backward
+recomputes it, how many further backward copies, whether it is offloaded), best first by a lower
 bound of their cost (a tuple op's cost is shared among its getitems, so two getitems copied at
-one position, which run it once, are not overcounted). It prunes soundly:
-- cost: once a schedule fits, no shape whose cost bound exceeds its cost is visited, and the
-  heap order means none is left;
-- memory: a shape whose position-free lower bound on the peak (`_Bounds`: what every placement
-  of that shape must hold at each op's step) exceeds the budget is not placed.
+one position, which run it once, are not overcounted), and then over every placement of a
+shape. It prunes soundly:
+- cost: once a schedule fits, no node whose cost bound exceeds its cost can hold a better one,
+  and best-first order leaves none unvisited below it;
+- memory: `_Bounds` gives, for a shape, bytes that every placement of it holds at each op's
+  step. A node (a shape, some values frozen, the rest at option 0: saved, no copy) whose bound
+  exceeds the budget at a step is split on the free values holding bytes there: the first
+  changed, or the first kept and the second changed, ...; a shape that keeps all of them holds
+  the same bytes at that step, so nothing that fits is lost, and each shape lies below one
+  child only. Other nodes are placed, then split on every free value.
 """
 from __future__ import annotations
 
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import MappingProxyType
 
 from remat.errors import BudgetError
@@ -63,15 +68,13 @@ def rich_brute_force(problem: Problem, budget: int, *, max_copies: int = 2,
                      offload: bool | None = None) -> Schedule:
     """The least-cost, then least-peak, schedule over the richer space that fits `budget`
     (status OPTIMAL). `offload` None: offload iff the problem has a host link. Raises
-    BudgetError (with the smallest peak of the space) when nothing fits, ValueError beyond
-    MAX_SHAPES shapes or MAX_SCHEDULES schedules."""
-    search = _Search(problem, max_copies, offload)
-    best = search.run(budget)
-    if best is None:
-        smallest = rich_smallest_peak(problem, max_copies=max_copies, offload=offload)
-        raise BudgetError(f"rich_brute_force: no schedule fits a budget of {budget:,} bytes; "
-                          f"the smallest activation peak any schedule of the richer model "
-                          f"reaches is {smallest:,} bytes", budget=budget, smallest=smallest)
+    BudgetError (smallest None) when nothing fits, ValueError beyond MAX_SHAPES shapes or
+    MAX_SCHEDULES schedules."""
+    best = _Search(problem, max_copies, offload).run(budget)
+    if best is None:  # the least peak is a search of its own (rich_smallest_peak), often longer
+        raise BudgetError(f"rich_brute_force: no schedule of the richer model fits a budget of "
+                          f"{budget:,} bytes; rich_smallest_peak gives the least peak any "
+                          "reaches", budget=budget, smallest=None)
     return best
 
 
@@ -106,6 +109,7 @@ class _Search:
                 continue
             self.values.append(v)
             self.options.append(self._options(v, copyable, v in backward_ok, offloadable))
+        self.index = {v: i for i, v in enumerate(self.values)}
         self.bounds = _Bounds(problem)
         # The ops whose recomputation reads v's storage (not the forward's end, which
         # storage_readers adds for forward outputs).
@@ -135,30 +139,64 @@ class _Search:
                                            backward=a))
         return sorted(options, key=lambda c: c.cost)
 
-    # -- shapes, in nondecreasing order of their cost bound -----------------------------------
+    # -- the search over shapes ------------------------------------------------------------
 
-    def _shapes(self):
-        """Every vector of option indices, each once, in nondecreasing cost bound: a vector's
-        children add one to its last nonzero coordinate or to any later one."""
+    def _nodes(self, threshold):
+        """Best-first branch and bound over shapes. A node is a shape and the values it has
+        frozen; its other values are at option 0 (saved, no copy), the cheapest, so the node's
+        cost bound holds for every shape below it. A node whose position-free peak bound
+        exceeds `threshold(cost)` at some op's step is split on the values free to change that
+        step's holding: the first changed (to any other option), or the first kept and the
+        second changed, and so on; every shape below the node that could fit is below exactly
+        one child, since a shape keeping them all holds the same bytes there. Other nodes are
+        yielded (cost, vec, decoded), then split on every free value alike.
+        Yields nodes in nondecreasing cost bound."""
         n = len(self.values)
-        start = (0,) * n
-        heap = [(0.0, 0, start, 0)]
+        heap = [(0.0, 0, (0,) * n, frozenset())]
         serial = itertools.count(1)
         visited = 0
         while heap:
-            cost, _, vec, last = heapq.heappop(heap)
+            cost, _, vec, frozen = heapq.heappop(heap)
             visited += 1
             if visited > MAX_SHAPES:
                 raise ValueError(f"rich_brute_force stops at {MAX_SHAPES:,} shapes; this problem "
                                  "has more: use a smaller problem or max_copies")
-            yield cost, vec
-            for i in range(last, n):
-                j = vec[i] + 1
-                if j < len(self.options[i]):
-                    opts = self.options[i]
+            free = [i for i in range(n) if i not in frozen]
+            decoded = self._decode(vec)
+            split = free
+            if decoded is not None:
+                limit = threshold(cost)
+                if limit is None:
+                    return
+                holders = self._conflict(decoded, limit, set(free))
+                if holders is None:
+                    yield cost, vec, decoded
+                else:
+                    split = holders
+            elif threshold(cost) is None:
+                return
+            for k, i in enumerate(split):
+                keep = frozen | set(split[:k]) | {i}
+                for j in range(1, len(self.options[i])):
                     child = vec[:i] + (j,) + vec[i + 1:]
-                    heapq.heappush(heap, (cost - opts[vec[i]].cost + opts[j].cost,
-                                          next(serial), child, i))
+                    heapq.heappush(heap, (cost + self.options[i][j].cost, next(serial), child,
+                                          keep))
+
+    def _conflict(self, decoded, limit, free: set[int]):
+        """None if the shape's peak bound is within `limit`; else the free values (as indices
+        into self.values) holding bytes at the op's step over it that has the fewest."""
+        recomputed, saved, chosen = decoded
+        copied = frozenset(v for v, c in chosen.items() if c.forward)
+        on_device = frozenset(v for v in saved if not (v in chosen and chosen[v].offload))
+        best = None
+        for live, holders in self.bounds.steps(copied, on_device):
+            if live > limit:
+                mine = [self.index[v] for v in holders if self.index.get(v) in free]
+                if best is None or len(mine) < len(best):
+                    best = mine
+                    if not best:
+                        break
+        return best
 
     def _decode(self, vec):
         """(recomputed with tuple ops, saved, choices by value), or None for a shape that is no
@@ -183,12 +221,18 @@ class _Search:
 
     def run(self, budget: int) -> Schedule | None:
         best_key, best = None, None
-        for bound, vec in self._shapes():
-            if best_key is not None and bound > best_key[0] * (1 + 1e-9) + 1e-15:
-                break
-            decoded = self._decode(vec)
-            if decoded is None or self._lower_bound(*decoded) > budget:
-                continue
+
+        def threshold(cost):
+            if best_key is None:
+                return budget
+            tolerance = best_key[0] * 1e-9 + 1e-15
+            if cost > best_key[0] + tolerance:
+                return None
+            if cost < best_key[0] - tolerance:  # a cheaper schedule may lie below
+                return budget
+            return min(budget, best_key[1] - 1)
+
+        for _, vec, decoded in self._nodes(threshold):
             for sched, cost in self._placed(*decoded):
                 peak = simulate(self.problem, sched).peak
                 if peak > budget or (best_key is not None and (cost, peak) >= best_key):
@@ -202,22 +246,11 @@ class _Search:
                              bound=best_key[0], info={"schedules": self.simulated})
 
     def smallest(self) -> int:
-        smallest = None
-        for _, vec in self._shapes():
-            decoded = self._decode(vec)
-            if decoded is None:
-                continue
-            if smallest is not None and self._lower_bound(*decoded) >= smallest:
-                continue
+        smallest = simulate(self.problem, make_schedule(self.problem, [])).peak
+        for _, vec, decoded in self._nodes(lambda cost: smallest - 1):
             for sched, _ in self._placed(*decoded):
-                peak = simulate(self.problem, sched).peak
-                smallest = peak if smallest is None else min(smallest, peak)
+                smallest = min(smallest, simulate(self.problem, sched).peak)
         return smallest
-
-    def _lower_bound(self, recomputed, saved, chosen) -> int:
-        copied = frozenset(v for v, c in chosen.items() if c.forward)
-        on_device = frozenset(v for v in saved if not (v in chosen and chosen[v].offload))
-        return self.bounds.peak(copied, on_device)
 
     # -- placements of one shape ---------------------------------------------------------------
 
@@ -344,20 +377,25 @@ class _Bounds:
                                           default=-1) for v in range(nf)]
         self.free = [v for v in range(nf) if problem.root[v] == v and ops[v].size
                      and v not in problem.pinned]
+        self.fixed_bytes = [sum(ops[s].size for s in fixed) for fixed in self.fixed]
         self.cache: dict = {}
 
-    def peak(self, copied: frozenset[int], on_device: frozenset[int]) -> int:
+    def steps(self, copied: frozenset[int], on_device: frozenset[int]):
+        """(bytes, the values held by the shape) at each op's step."""
         key = (copied, on_device)
         if key not in self.cache:
-            self.cache[key] = self._peak(copied, on_device)
+            self.cache[key] = self._steps(copied, on_device)
         return self.cache[key]
 
-    def _peak(self, copied, on_device) -> int:
+    def _steps(self, copied, on_device):
         ops, nf = self.problem.ops, self.problem.num_forward
-        best = 0
+        result = []
         for i, fixed in enumerate(self.fixed):
-            live = set(fixed)
+            live = ops[i].temp + self.fixed_bytes[i]
+            holders = []
             for v in self.free:
+                if v in fixed:
+                    continue
                 if i < nf:
                     if v >= i:
                         continue
@@ -368,6 +406,7 @@ class _Bounds:
                 else:
                     hold = v in on_device and self.last_backward_op_read[v] >= i
                 if hold:
-                    live.add(v)
-            best = max(best, ops[i].temp + sum(ops[s].size for s in live))
-        return best
+                    live += ops[v].size
+                    holders.append(v)
+            result.append((live, tuple(holders)))
+        return result
