@@ -5,7 +5,7 @@ import time, pathlib, sys
 from remat.solvers.problem_file import loads
 from remat.solvers import solve
 from remat.solvers.options import SolverOptions
-from remat.solvers.synthetic import unet, transformer, chain
+from remat.solvers.synthetic import unet, transformer
 from remat.solvers.schedule import make_schedule
 from remat.errors import BudgetError
 from tests.test_rich_solver import long_skip
@@ -29,6 +29,6 @@ for name, p, extra in probs:
             try:
                 r = solve(p, b, "optimal", SolverOptions(workers=2, time_limit=limit, model=model, **extra))
                 cells.append(f"{model}: cost {r.cost:.4g} {r.status.value} bound {r.bound:.4g} {time.perf_counter()-t:.2f}s [{r.info.get('model')}; {r.info.get('rich', '')}]")
-            except BudgetError as e:
+            except BudgetError:
                 cells.append(f"{model}: BudgetError {time.perf_counter()-t:.2f}s")
         print(f"{name} n={len(p)} budget={b} ({frac:.0%} between single's least peak and save-all) | " + " | ".join(cells), flush=True)
