@@ -19,7 +19,8 @@ from remat.solvers.cpsat.least_peak import too_small
 from remat.solvers.problem_file import loads
 from remat.solvers.synthetic import random_problem, transformer, transformer_ops
 
-DEFAULT = SolverOptions(workers=2, time_limit=20)  # the default cost resolution
+# The default cost resolution; the single model, whose space Strategy.BRUTE_FORCE enumerates.
+DEFAULT = SolverOptions(workers=2, time_limit=20, model="single")
 
 
 def uneven_costs(problem: Problem, seed: int) -> Problem:
@@ -85,7 +86,7 @@ def test_time_limit_bounds_the_whole_call_at_10k_ops(monkeypatch, caplog):
     wall = time.perf_counter() - start
     assert wall <= limit * 1.1 + 1, (wall, result.info["stages"])
     assert result.peak <= budget and result.status in (Status.FEASIBLE, Status.OPTIMAL)
-    assert result.info.get("skipped") or result.info.get("model") or "trace" in result.info
+    assert result.info.get("skipped") or result.info.get("model_build") or "trace" in result.info
     lines = [r.getMessage() for r in caplog.records if "best recompute cost" in r.getMessage()]
     assert len(lines) >= int(wall / 0.5) - 2, lines
     assert all("bound" in line for line in lines)

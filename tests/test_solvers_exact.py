@@ -17,7 +17,8 @@ from remat.solvers.brute_force import MAX_SCHEDULES
 from remat.solvers.cpsat.driver import OPTIMAL_TOLERANCE
 from remat.solvers.synthetic import chain, diamond, random_problem, transformer, unet
 
-EXACT = SolverOptions(cost_resolution=1e-9, workers=2, time_limit=30)
+# The single model: the oracle (Strategy.BRUTE_FORCE) enumerates its space.
+EXACT = SolverOptions(cost_resolution=1e-9, workers=2, time_limit=30, model="single")
 BASELINES = (Strategy.SAVE_ALL, Strategy.CHECKPOINT_BLOCKS, Strategy.CHEN_SQRT, Strategy.GREEDY,
              Strategy.SELECTIVE)
 

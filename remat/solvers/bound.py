@@ -96,10 +96,11 @@ def fixed_bytes(problem: Problem) -> list[int]:
 
 def recompute_bound(problem: Problem, budget: int, *, time_limit: float = 10.0,
                     steps: Iterable[int] = (), cost: Callable | None = None,
-                    workers: int = 0) -> Bound:
+                    workers: int = 0, rich: bool = False) -> Bound:
     """A lower bound on the recompute cost (`Op.cost`, or `cost(op)`) of every schedule whose
     simulated activation peak is at most `budget`; math.inf when none can fit. `steps` adds
-    backward ops to try (the peak step of a known schedule is a good one)."""
+    backward ops to try (the peak step of a known schedule is a good one). `rich`: a bound over
+    the richer execution model too (`Schedule.again`, `offload_at`; `Relaxation`'s `rich`)."""
     cost = cost or (lambda op: op.cost)
     nf = problem.num_forward
     fixed = fixed_bytes(problem)
@@ -113,7 +114,7 @@ def recompute_bound(problem: Problem, budget: int, *, time_limit: float = 10.0,
         rooms = {b: budget - fixed[b - nf] for b in relaxation.keep}
         return relaxation.least_cost(rooms, cost, seconds, workers)
 
-    return _best(problem, tried, least_cost, time_limit, pairs=list(steps))
+    return _best(problem, tried, least_cost, time_limit, pairs=list(steps), rich=rich)
 
 
 def peak_bound(problem: Problem, *, time_limit: float = 10.0, steps: Iterable[int] = (),
@@ -130,7 +131,7 @@ def peak_bound(problem: Problem, *, time_limit: float = 10.0, steps: Iterable[in
 
 
 def _best(problem: Problem, tried: list[int], solve: Callable, time_limit: float,
-          pairs: Sequence[int] = ()) -> Bound:
+          pairs: Sequence[int] = (), rich: bool = False) -> Bound:
     """The best bound `solve(relaxation, seconds)` proves: the first backward step with each of
     `pairs`; each of `tried` alone, with half the time left, in two turns (first an equal share
     each; then the steps that did not prove their optimum share what the quick ones left: on
@@ -153,7 +154,7 @@ def _best(problem: Problem, tried: list[int], solve: Callable, time_limit: float
         if left <= 2 * build:
             break
         began = time.perf_counter()
-        relaxation = Relaxation(problem, [first, b])
+        relaxation = Relaxation(problem, [first, b], rich)
         build = time.perf_counter() - began
         value, exact = solve(relaxation, left / (len(pairs) - i) - build)
         if value > best.value or not best.steps:
@@ -168,7 +169,7 @@ def _best(problem: Problem, tried: list[int], solve: Callable, time_limit: float
             if left <= build:
                 break
             began = time.perf_counter()
-            relaxation = Relaxation(problem, [b])
+            relaxation = Relaxation(problem, [b], rich)
             build = time.perf_counter() - began
             value, exact = solve(relaxation, left / (len(pending) - i) - build)
             if value > best.value or not best.steps:
@@ -180,7 +181,7 @@ def _best(problem: Problem, tried: list[int], solve: Callable, time_limit: float
         pending = unproven
     joint = _spread(problem, tried)
     if len(joint) > 1 and deadline - time.perf_counter() > 2 * build * len(joint):
-        relaxation = Relaxation(problem, joint)
+        relaxation = Relaxation(problem, joint, rich)
         value, exact = solve(relaxation, deadline - time.perf_counter())
         if value > best.value:
             best = Bound(value, tuple(joint), exact)
@@ -211,9 +212,10 @@ def _spread(problem: Problem, tried: list[int]) -> list[int]:
 class Relaxation:
     """The joint model over backward ops `steps`: per forward storage that the backward may
     need, save[v] or recompute[v] once; per step b, keep[b, v] (v live at b's step) and
-    after[b, v] (v recomputed after it)."""
+    after[b, v] (v recomputed after it). `rich`: valid over the richer execution model too
+    (recomputing twice, within the forward, offloading where the problem has a host link)."""
 
-    def __init__(self, problem: Problem, steps: Sequence[int]):
+    def __init__(self, problem: Problem, steps: Sequence[int], rich: bool = False):
         nf = problem.num_forward
         pinned = problem.pinned
         inputs = problem.storage_inputs
@@ -237,6 +239,19 @@ class Relaxation:
         joint = len(steps) > 1
         self.redo: dict[int, cp_model.IntVar] = {}
         save: dict[int, cp_model.IntVar] = {}
+        bandwidth = problem.host_bandwidth if rich else None
+
+        def offloadable(v: int) -> bool:
+            op = problem.ops[v]
+            return bool(bandwidth) and op.kind is Kind.TENSOR and op.size > 0
+
+        # The richer model (`rich`): save[v] means no backward recomputation and no load; a
+        # value loaded from host (off[v]) is not held between its last forward reader and its
+        # load, at its transfers' cost; one recomputed in the backward may be recomputed again,
+        # so at a step it may be both held and recomputed after it, for a second run's cost.
+        off: dict[int, cp_model.IntVar] = {}
+        self.off: dict[int, tuple[cp_model.IntVar, float]] = {}
+        twice: dict[int, cp_model.IntVar] = {}
         if joint:
             read_by_backward = {s for r in problem.backward for s in forward(inputs[r])}
             values = closure(read_by_backward)
@@ -248,12 +263,17 @@ class Relaxation:
                 save[v] = m.NewConstant(0) if tuple_op else m.NewBoolVar(f"s{v}")
                 self.redo[v] = (m.NewBoolVar(f"r{v}") if recompute_blocker(problem, v) is None
                                 else m.NewConstant(0))
-                m.Add(save[v] + self.redo[v] <= 1)
+                if offloadable(v):
+                    off[v] = m.NewBoolVar(f"o{v}")
+                    self.off[v] = (off[v], 2 * problem.ops[v].size / bandwidth)
+                if rich and recompute_blocker(problem, v) is None:
+                    twice[v] = m.NewBoolVar(f"t{v}")
+                m.Add(save[v] + self.redo[v] + off.get(v, 0) <= 1)
             for v in read_by_backward:
-                m.AddBoolOr([save[v], self.redo[v]])
+                m.AddBoolOr([save[v], self.redo[v], *([off[v]] if v in off else [])])
             for u in values:
                 for s in forward(inputs[u]):
-                    m.Add(save[s] + self.redo[s] >= self.redo[u])
+                    m.Add(save[s] + self.redo[s] + off.get(s, 0) >= self.redo[u])
 
         self.keep: dict[int, dict[int, cp_model.IntVar]] = {}
         earlier: dict[int, cp_model.IntVar] | None = None
@@ -267,22 +287,33 @@ class Relaxation:
                             else m.NewConstant(0))
                 if not joint:
                     continue
-                m.Add(keep[v] + after[v] <= save[v] + self.redo[v])
+                if rich:
+                    m.Add(keep[v] <= save[v] + self.redo[v] + off.get(v, 0))
+                    if v in twice:  # held from one backward run, recomputed after: two runs
+                        m.Add(twice[v] >= keep[v] + after[v] - 1)
+                else:
+                    m.Add(keep[v] + after[v] <= save[v] + self.redo[v])
                 m.AddImplication(after[v], self.redo[v])
                 if last_read[v] >= b:  # a saved value lives to its last reader
                     m.AddImplication(save[v], keep[v])
                 if earlier is not None:  # recomputed after b: after every earlier step too
                     m.AddImplication(after[v], earlier[v])
+            if not joint:  # a saved tensor loaded back from host after b: not held at b
+                off = {v: m.NewBoolVar(f"o{b}_{v}") for v in keep if offloadable(v)}
+                self.off = {v: (x, 2 * problem.ops[v].size / bandwidth) for v, x in off.items()}
+                for v, x in off.items():
+                    m.Add(x + after[v] <= 1)  # an offloaded value is saved, never recomputed
             for v in ahead:
-                m.AddBoolOr([keep[v], after[v]])
+                m.AddBoolOr([keep[v], after[v], *([off[v]] if v in off else [])])
             for s in forward(inputs[b]):
                 m.Add(keep[s] == 1)
             for u in after:
                 for s in forward(inputs[u]):
-                    m.Add(keep[s] + after[s] >= after[u])
+                    m.Add(keep[s] + after[s] + (off[s] if s in off else 0) >= after[u])
             self.keep[b], earlier = keep, after
         if not joint:  # the step's own recomputations after it are all there is to pay
             self.redo = earlier or {}
+        self.twice = twice
 
     def _bytes(self, b: int):
         ops = self.problem.ops
@@ -296,13 +327,14 @@ class Relaxation:
         for b, room in rooms.items():
             if self.keep[b]:
                 self.model.Add(self._bytes(b) <= room)
-        weights = {v: cost(ops[v]) for v in self.redo}
-        total = sum(weights.values())
+        terms = [(self.redo[v], cost(ops[v])) for v in self.redo]
+        terms += [(x, cost(ops[v])) for v, x in self.twice.items()]
+        terms += list(self.off.values())
+        total = sum(w for _, w in terms)
         if total <= 0:
             return self._solve(1.0, seconds, workers, costless=True)
         unit = total * COST_RESOLUTION
-        self.model.Minimize(sum(math.floor(w / unit) * self.redo[v]
-                                for v, w in weights.items() if w >= unit))
+        self.model.Minimize(sum(math.floor(w / unit) * x for x, w in terms if w >= unit))
         return self._solve(unit, seconds, workers, gap=gap)
 
     def least_peak(self, fixed: dict[int, int], seconds: float,

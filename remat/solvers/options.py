@@ -31,9 +31,28 @@ class SolverOptions:
     """What the strategies minimize: "time" (recompute seconds on the target device) or "flops"
     (recompute FLOPs, seconds breaking ties); see `remat.solvers.objective`. Schedules come back
     evaluated in seconds and FLOPs either way."""
+    model: str = "auto"
+    """The execution model the exact solver searches: "single" (each value recomputed at most
+    once, in the backward), "rich" (up to `max_copies` recomputations per value, within the
+    forward or the backward, and offload to host where the problem has `host_bandwidth`), or
+    "auto" (the single model first; the rich one only where a bound proven over the rich space
+    leaves room to gain, started from the single model's plan, so never worse). The rich model
+    places copies freely: with `free_positions=False`, "auto" is the single model."""
+    max_copies: int = 2
+    """Further recomputations per value the rich model allows (`Schedule.again`: within the
+    forward, or in the backward after the first backward recomputation)."""
     hint: Any = None
     """A Schedule to start the search from (the best baseline when None)."""
     on_solution: Callable[[dict], None] | None = field(default=None, compare=False)
     """Called with {"time", "cost", "bound"} for every improving schedule the search finds."""
     log: bool = False
     """Let the solver log its search to the `remat.solvers` logger."""
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; choose one of {', '.join(MODELS)}")
+        if not (isinstance(self.max_copies, int) and self.max_copies >= 0):
+            raise ValueError(f"max_copies must be a non-negative int, not {self.max_copies!r}")
+
+
+MODELS = ("single", "rich", "auto")

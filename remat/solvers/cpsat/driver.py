@@ -22,6 +22,7 @@ from remat.errors import BudgetError, SolverError
 from remat.solvers.bound import Bound, recompute_bound
 from remat.solvers.cpsat.hints import Pool, drop_pass
 from remat.solvers.cpsat.least_peak import least_peak, too_small
+from remat.solvers.cpsat.rich_search import full_cost, optimal_rich
 from remat.solvers.cpsat.search import Progress, Trace, build_model, cp_solver
 from remat.solvers.cpsat.units import Units
 from remat.solvers.options import SolverOptions
@@ -63,7 +64,14 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
     Raises BudgetError when no schedule fits (or none was found and the least peak found is
     above the budget: the message says which), SolverError when the time allowed nothing."""
     with Progress(options.time_limit) as progress:
-        return _Call(problem, budget, options, progress).run()
+        if options.model == "single" or (options.model == "auto" and not options.free_positions):
+            # Just-in-time positions are the single model's space (the rich model's are free).
+            return _Call(problem, budget, options, progress).run()
+        # The richer model ("rich"), or the single model first and the richer one where a
+        # bound over its space leaves room ("auto"): `remat.solvers.cpsat.rich_search`.
+        return optimal_rich(problem, budget, options, progress,
+                            lambda first: _Call(problem, budget, first, progress).run(),
+                            OPTIMAL_TOLERANCE)
 
 
 class _Call:
@@ -79,7 +87,7 @@ class _Call:
         self.least_proven = False
         self.lowest: list[Schedule] = []  # the relaxation's plan of least peak, fitting or not
         self.info: dict = {"byte_unit": self.units.byte, "cost_unit": self.units.cost,
-                           "exact": self.units.exact_bytes}
+                           "exact": self.units.exact_bytes, "model": "single"}
 
     def left(self) -> float:
         return self.deadline - time.perf_counter()
@@ -248,7 +256,7 @@ class _Call:
         `bound`: the search may stop there, as CP-SAT does at that gap (never at 0)."""
         if hint is None or hint.peak > self.budget or self.options.relative_gap <= 0:
             return False
-        cost = sum(self.problem.ops[v].cost for v in hint.recomputed)
+        cost = full_cost(self.problem, hint)
         return cost - bound <= self.options.relative_gap * cost
 
     def evaluation(self) -> float:
@@ -272,7 +280,7 @@ class _Call:
         schedule evaluation takes) fits in the time left; else None."""
         expected = BUILD_EVALUATIONS * self.evaluation()
         if expected + self.finish() > self.left():
-            self.info["model"] = f"not built: would take about {expected:.1f} s"
+            self.info["model_build"] = f"not built: would take about {expected:.1f} s"
             return None
         self.progress.update(stage="building the model")
         began = time.perf_counter()
@@ -287,7 +295,7 @@ class _Call:
         """`schedule` with its true status: OPTIMAL within OPTIMAL_TOLERANCE of `bound`."""
         self.progress.update(stage="done")
         self.info["stages"] = tuple(self.progress.stages)
-        cost = sum(self.problem.ops[v].cost for v in schedule.recomputed)
+        cost = full_cost(self.problem, schedule)  # a caller's hint may be a rich schedule
         optimum = cost - bound <= OPTIMAL_TOLERANCE * cost
         return evaluate(self.problem, schedule, strategy=Strategy.OPTIMAL.value,
                         status=Status.OPTIMAL if optimum else Status.FEASIBLE,

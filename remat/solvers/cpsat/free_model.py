@@ -17,7 +17,7 @@ import bisect
 
 from ortools.sat.python import cp_model
 
-from remat.solvers.cpsat.units import Axis, Units, provide_what_is_needed
+from remat.solvers.cpsat.units import Axis, Profile, Units, provide_what_is_needed
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
 from remat.solvers.schedule import Schedule
 
@@ -127,13 +127,8 @@ class FreeModel:
                 demands.append(temp[v])
 
         # --- Everything else is fixed: one profile, added as constant segments.
-        delta: dict[int, int] = {}
-
-        def hold(amount: int, first: int, last: int) -> None:
-            if amount:
-                delta[first] = delta.get(first, 0) + amount
-                delta[last + 1] = delta.get(last + 1, 0) - amount
-
+        fixed = Profile()
+        hold, delta = fixed.hold, fixed.delta
         for i, op in enumerate(ops):
             hold(temp[i], axis.op(i), axis.op(i))
             if problem.root[i] != i:
@@ -146,13 +141,7 @@ class FreeModel:
                 hold(size[i], made, max((axis.op(r) for r in readers[i]), default=axis.op(i)))
             else:  # the forward life every forward storage has, whatever is decided
                 hold(size[i], made, max((r for r in readers[i] if r < nf), default=i))
-        level, self.fixed_peak, points = 0, 0, sorted(delta)
-        for t, nxt in zip(points, points[1:]):
-            level += delta[t]
-            self.fixed_peak = max(self.fixed_peak, level)
-            if level:
-                intervals.append(m.NewFixedSizeIntervalVar(t, nxt - t, f"fixed[{t}]"))
-                demands.append(level)
+        self.fixed_peak = fixed.add_to(m, intervals, demands)
 
         # --- One cumulative constraint: the memory of every step is at most the peak.
         self.peak = m.NewIntVar(self.fixed_peak, max(sum(demands), self.fixed_peak), "peak")

@@ -120,3 +120,26 @@ class Axis:
 
     def base(self, b: int) -> int:
         return self.nf + (b - self.nf) * self.width
+
+
+class Profile:
+    """The bytes no decision changes, on a model's time axis: `hold` them, then `add_to` the
+    cumulative's intervals as constant segments (returns their highest level)."""
+
+    def __init__(self):
+        self.delta: dict[int, int] = {}
+
+    def hold(self, amount: int, first: int, last: int) -> None:
+        if amount:
+            self.delta[first] = self.delta.get(first, 0) + amount
+            self.delta[last + 1] = self.delta.get(last + 1, 0) - amount
+
+    def add_to(self, m: cp_model.CpModel, intervals: list, demands: list) -> int:
+        level, peak, points = 0, 0, sorted(self.delta)
+        for t, nxt in zip(points, points[1:]):
+            level += self.delta[t]
+            peak = max(peak, level)
+            if level:
+                intervals.append(m.NewFixedSizeIntervalVar(t, nxt - t, f"fixed[{t}]"))
+                demands.append(level)
+        return peak

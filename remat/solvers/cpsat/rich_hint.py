@@ -1,0 +1,110 @@
+"""Hinting the rich model (`rich_model.RichModel`) from a schedule: every variable, reads
+assigned by `simulate`'s latest-copy rule and ends tight, so that CP-SAT starts from it as a
+solution (the single model's plan in "auto", a baseline's in "rich")."""
+from __future__ import annotations
+
+from remat.solvers.problem import tuple_of
+from remat.solvers.schedule import Schedule
+from remat.solvers.simulate import StepKind, copies_of, holds, step_order
+
+
+def hint(model, schedule: Schedule) -> bool:
+    """Hint every variable from `schedule` (reads assigned by `simulate`'s rule, ends
+    tight); False, hinting nothing, when the schedule is outside the model's space."""
+    m, problem = model.model, model.problem
+    m.ClearHints()
+    positions = copy_positions(schedule)
+    chosen: dict[int, dict[int, int]] = {}  # the model's copy index of each position
+    for v, copies in model.further.items():
+        ps = positions.get(v, [])
+        t = tuple_of(problem, v)
+        slots = positions.get(t, []) if copies[0].shared else ps
+        if len(slots) > len(copies) or not set(ps) <= set(slots):
+            return False
+        chosen[v] = {k: p for k, p in enumerate(slots) if p in ps}
+    if not (positions.keys() <= model.further.keys()
+            and schedule.offload_at.keys() <= model.load.keys()):
+        return False
+    for v, copies in model.further.items():
+        for k, c in enumerate(copies):
+            on = k in chosen[v]
+            m.AddHint(c.active, on)
+            if not c.shared:
+                m.AddHint(c.pos, chosen[v].get(k, c.low))
+            if c.free:
+                m.AddHint(c.backward, on and chosen[v][k] >= problem.num_forward)
+    for t, first in model._first.items():
+        here = [(x, chosen[v].get(k) == t + 1, v) for x, v, k in model._here[t]]
+        for x, on, _ in here:
+            m.AddHint(x, on)
+        m.AddHint(first, min([model.op_time(t + 1)]
+                             + [model.rec_time(t + 1, v) for _, on, v in here if on]))
+    for u, c in model.load.items():
+        m.AddHint(c.active, u in schedule.offload_at)
+        m.AddHint(c.pos, schedule.offload_at.get(u, problem.num_forward))
+    order = step_order(problem, schedule)
+    slot, key = [], []
+    runs: dict[int, int] = {}
+    for i, kind in order:
+        if kind is StepKind.RECOMPUTE:
+            j = runs[i] = runs.get(i, -1) + 1
+            slot.append(model.rec_time(positions[i][j], i))
+            key.append((i, j))
+        elif kind is StepKind.RELOAD:
+            slot.append(schedule.offload_at[i] * model.width)
+            key.append(None)
+        else:
+            slot.append(model.op_time(i))
+            key.append((i, None))
+    found = copies_of(problem, schedule, order)
+    for u, copies in model.storages.items():
+        index = {k: i for i, k in enumerate(model.reads[u])}
+        recomputes = iter(sorted(chosen.get(u, {})))
+        assigned: dict[int, int] = {}
+        t_of = tuple_of(problem, u)
+        for c in found[u]:
+            if c.kind is StepKind.FORWARD:
+                k, made = 0, copies[0].made
+            elif c.kind is StepKind.RELOAD:
+                k, made = len(copies) - 1, schedule.offload_at[u] * model.width
+            else:
+                j = next(recomputes)
+                k, p = j + 1, chosen[u][j]
+                made = model.rec_time(p, u) if t_of is None else model.rec_time(p, t_of) + 1
+            for t in c.reads:
+                assigned[index[key[t]]] = k
+            end = max([slot[t] for t in c.reads] + [made])
+            m.AddHint(copies[k].end, end)
+            m.AddHint(copies[k].length, end + 1 - made)
+        for k, c in enumerate(copies):
+            if c.active is not None and k not in assigned.values():
+                m.AddHint(c.end, model.horizon - 1)
+                m.AddHint(c.length, 1)
+        for (s, i, k), x in model.x.items():
+            if s == u:
+                m.AddHint(x, assigned.get(i) == k)
+    m.AddHint(model.peak, max(model.fixed_peak, _peak_of(model, schedule, order)))
+    return True
+
+def _peak_of(model, schedule: Schedule, order) -> int:
+    """The schedule's simulated peak in the model's units (sizes rounded up)."""
+    up = model.units.bytes_up
+    delta = [0] * (len(order) + 1)
+    for _, size, first, last in holds(model.problem, schedule, order):
+        delta[first] += up(size)
+        delta[last + 1] -= up(size)
+    level, peak = 0, 0
+    for t, (i, _) in enumerate(order):
+        level += delta[t]
+        peak = max(peak, level + up(model.problem.ops[i].temp))
+    return peak
+
+
+def copy_positions(schedule: Schedule) -> dict[int, list[int]]:
+    """Each value's further copies' positions, in order: `again` and `recompute_at` together."""
+    positions: dict[int, list[int]] = {}
+    for v, b in schedule.recompute_at.items():
+        positions.setdefault(v, []).append(b)
+    for v, ps in schedule.again.items():
+        positions.setdefault(v, []).extend(ps)
+    return {v: sorted(ps) for v, ps in positions.items()}

@@ -1,0 +1,225 @@
+"""`optimal` over the richer execution model (`SolverOptions.model` "rich" or "auto").
+
+"auto": the one-recomputation model first (`SINGLE_SHARE` of the limit, its own stages); then a
+bound proven over the rich space (`recompute_bound(rich=True)`); when the single plan's cost
+meets it, that plan is the rich optimum too and is returned; else the rest of the limit goes to
+the rich model (`RichModel`) started from the single plan, whose answer is taken only when it
+costs less. "rich": the rich model alone, started from the caller's hint or the best baseline.
+One deadline bounds the whole call. Statuses use only bounds valid over the rich space: the
+rich bound, and CP-SAT's own bound on the rich model (which spans that space) where it counts
+bytes exactly.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from types import MappingProxyType
+from typing import Callable
+
+from ortools.sat.python import cp_model
+
+from remat.errors import BudgetError, SolverError
+from remat.solvers.bound import recompute_bound
+from remat.solvers.cpsat.hints import Pool
+from remat.solvers.cpsat.rich_model import RichModel
+from remat.solvers.cpsat.search import Progress, Trace, cp_solver
+from remat.solvers.cpsat.units import Units
+from remat.solvers.options import SolverOptions
+from remat.solvers.problem import Problem
+from remat.solvers.relaxed import binding_step
+from remat.solvers.schedule import Schedule, Status, evaluate, make_schedule
+
+# Shares of the time limit: the single model's whole call ("auto"), the rich bound, the rich
+# model's least-peak stage.
+SINGLE_SHARE = 0.85
+BOUND_SHARE = 0.1
+PEAK_STAGE_SHARE = 0.1
+BASELINE_SHARE = 0.1
+# Building the rich model takes about this many schedule evaluations (65 to 170 measured on
+# synthetic transformers of 200 to 1,000 ops); it is built only within this share of the
+# time left.
+BUILD_EVALUATIONS = 200
+BUILD_SHARE_OF_LEFT = 0.3
+MAX_RICH_COST_UNITS = 2 ** 28
+
+
+def full_cost(problem: Problem, schedule: Schedule) -> float:
+    """The true cost of `schedule` on `problem`: every recomputation and every transfer."""
+    return evaluate(problem, schedule).cost
+
+
+def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress: Progress,
+                 single: Callable[[SolverOptions], Schedule], tolerance: float) -> Schedule:
+    start = time.perf_counter()
+    deadline = start + options.time_limit
+    info: dict = {}
+    hint = options.hint
+    below: BudgetError | None = None  # the single model's, where nothing of its space fits
+    if options.model == "auto":
+        try:
+            hint = single(replace(options, time_limit=SINGLE_SHARE * options.time_limit))
+        except BudgetError as error:  # the rich space may fit below the single's least peak
+            below = error
+        else:
+            info.update(single={"cost": hint.cost, "status": hint.status.value,
+                                "bound": hint.bound},
+                        **{k: v for k, v in hint.info.items() if k not in ("model",)})
+    else:
+        if hint is not None:
+            hint = evaluate(problem, hint)
+        if hint is None or hint.peak > budget:
+            pool = Pool(problem, options)
+            hint = pool.best(budget, time.perf_counter() + BASELINE_SHARE * options.time_limit)
+    fits = hint is not None and hint.peak <= budget
+    # Who made the plan when the hint stands: the single model ("auto"), else a baseline or the
+    # caller, left as the rich model's answer (it searched from there).
+    fallback = "single" if options.model == "auto" else "rich"
+
+    def done(schedule: Schedule, bound: float, model: str) -> Schedule:
+        cost = full_cost(problem, schedule)
+        info["model"] = model
+        return evaluate(problem, schedule, strategy="optimal", budget=budget, bound=bound,
+                        status=(Status.OPTIMAL if cost - bound <= tolerance * cost
+                                else Status.FEASIBLE),
+                        solve_time=time.perf_counter() - start, info=MappingProxyType(info))
+
+    if fits and hint.cost == 0:  # nothing to gain: no schedule costs less than nothing
+        info["rich_bound"] = 0.0
+        return done(hint, 0.0, fallback)
+    if options.model == "auto" and fits and hint.status is not Status.OPTIMAL:
+        # The single model did not prove its plan in its share; the rich model, several times
+        # its size, would do no better in what is left. Its status over the rich space stands
+        # on the rich bound alone.
+        info["rich"] = "not searched: the single model's plan is unproven in its own space"
+    progress.update(stage="proving a bound over the rich space")
+    seconds = max(0.0, min(BOUND_SHARE * options.time_limit, deadline - time.perf_counter()))
+    steps = [b for b in [binding_step(problem, hint) if hint is not None else None]
+             if b is not None]
+    rich = recompute_bound(problem, budget, time_limit=seconds, steps=steps, rich=True)
+    info["rich_bound"] = rich.value
+    if rich.value == math.inf and below is not None:
+        raise below
+    if rich.value == math.inf:
+        raise BudgetError(f"no schedule fits the budget of {budget} bytes, even recomputing "
+                          "values several times or offloading them (a single backward step "
+                          f"holds more: {rich.where(problem)})", budget=budget, smallest=None)
+    if fits and (hint.cost - rich.value <= tolerance * hint.cost or (
+            options.relative_gap > 0 and hint.cost - rich.value
+            <= options.relative_gap * hint.cost)):
+        info["rich"] = "not searched: the plan meets the bound over the rich space"
+        return done(hint, rich.value, fallback)
+
+    if "rich" in info:
+        return done(hint, rich.value, "single")
+    began = time.perf_counter()
+    evaluate(problem, hint if hint is not None else make_schedule(problem, ()))
+    expected = BUILD_EVALUATIONS * (time.perf_counter() - began)
+    if expected > BUILD_SHARE_OF_LEFT * (deadline - time.perf_counter()):
+        info["rich"] = f"not built: would take about {expected:.1f} s"
+        if fits:
+            return done(hint, rich.value, fallback)
+        if below is not None:
+            raise below
+        raise SolverError(f"optimal: no time left to build the rich model (about {expected:.1f}"
+                          " s) and no baseline fits; raise time_limit or the budget")
+    progress.update(stage="searching the rich model")
+    units = rich_units(problem, options)
+    found, searched = search_rich(problem, budget, options, units, hint if fits else None,
+                                  deadline, rich.value, progress, info)
+    bound = max(rich.value, searched)
+    if found is None and below is not None:
+        if searched == math.inf:  # proven: nothing fits in the rich space either
+            raise below
+        raise BudgetError(f"{below} (nor did the rich model find a schedule in the time left)",
+                          budget=budget, smallest=below.smallest, dominant=below.dominant,
+                          remedy=below.remedy, schedule=below.schedule)
+    if searched == math.inf and not fits:
+        raise BudgetError(f"no schedule fits the budget of {budget} bytes in the rich model "
+                          f"(up to {options.max_copies} recomputations per value)",
+                          budget=budget, smallest=None)
+    if found is not None and (not fits or (found.cost, found.peak) < (hint.cost, hint.peak)):
+        return done(found, bound, "rich")
+    if fits:
+        return done(hint, bound, fallback)
+    raise SolverError(f"optimal: the rich model found no schedule within the time limit of "
+                      f"{options.time_limit} s and no baseline fits; raise time_limit or the "
+                      "budget")
+
+
+def rich_units(problem: Problem, options: SolverOptions) -> Units:
+    """`Units.of`, with a cost unit coarse enough that every run the rich model may make and
+    every transfer together stay within MAX_RICH_COST_UNITS (CP-SAT called a cost of 2**30.1
+    units OPTIMAL where one of 2**30.0 was feasible, with a lower bound on the cost near it)."""
+    units = Units.of(problem, options)
+    runs = (options.max_copies + 1) * sum(problem.ops[v].cost for v in problem.forward)
+    bandwidth = problem.host_bandwidth
+    moved = sum(2 * problem.ops[v].size / bandwidth for v in problem.candidates) if bandwidth else 0
+    return replace(units, cost=max(units.cost, (runs + moved) / MAX_RICH_COST_UNITS))
+
+
+def search_rich(problem: Problem, budget: int, options: SolverOptions, units: Units,
+                hint: Schedule | None, deadline: float, floor: float, progress: Progress,
+                info: dict) -> tuple[Schedule | None, float]:
+    """The rich model's least cost (then least peak at that cost) until `deadline`: its
+    schedule (None: none found) and the bound its search proved that holds over the rich space
+    (0 where the model does not span it or rounds bytes; math.inf: nothing fits)."""
+    began = time.perf_counter()
+    model = RichModel(problem, units, options.max_copies, problem.host_bandwidth is not None)
+    m = model.model
+    info.update(rich_variables=len(m.Proto().variables),
+                rich_build_time=time.perf_counter() - began)
+    valid = units.exact_bytes  # the model spans the rich space: its bound holds there
+    capacity = units.capacity(budget)
+    if model.fixed_peak > capacity:
+        return None, math.inf if valid else 0.0
+    m.Add(model.peak <= capacity)
+    if floor > 0:  # each cost rounds down by less than a unit
+        m.Add(model.cost >= math.floor(floor / units.cost) - model.terms)
+    m.Minimize(model.cost)
+    if hint is not None:
+        info["rich_hinted"] = model.hint(hint)
+    seconds = deadline - time.perf_counter() - PEAK_STAGE_SHARE * options.time_limit
+    trace = Trace(units, began, options.on_solution, progress, enough=floor / (1 - 1e-4),
+                  slack=model.terms)
+    solver = cp_solver(options, seconds, progress, units)
+    status = solver.Solve(m, trace)
+    info.update(rich_time=solver.WallTime(), rich_status=solver.StatusName(status))
+    if status == cp_model.INFEASIBLE:
+        return None, math.inf if valid else 0.0
+    searched = solver.BestObjectiveBound() * units.cost
+    searched = searched if valid and math.isfinite(searched) else 0.0
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None, searched
+    positions, offload = model.decision(solver.Value)
+    schedule = rich_schedule(problem, positions, offload)
+    seconds = deadline - time.perf_counter()
+    if schedule.cost > 0 and seconds > 0.05:  # the least peak at that cost; tight ends
+        progress.update(stage="lowering the peak at that cost (rich model)")
+        m.Add(model.cost <= round(solver.ObjectiveValue()))
+        m.Minimize(model.peak)
+        model.hint(schedule)
+        solver = cp_solver(options, seconds)
+        status = solver.Solve(m)
+        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            info["rich_model_peak"] = solver.Value(model.peak) * units.byte
+            info["rich_peak_proven"] = status == cp_model.OPTIMAL
+            better = rich_schedule(problem, *model.decision(solver.Value))
+            if (better.cost, better.peak) <= (schedule.cost, schedule.peak):
+                schedule = better
+    return schedule, searched
+
+
+def rich_schedule(problem: Problem, positions: dict[int, list[int]],
+                  offload: dict[int, int], **fields) -> Schedule:
+    """The schedule of the rich model's runs: each value's first backward position is its
+    `recompute_at`, the others are `again` (the model assigns reads by simulate's rule, so
+    every run it makes serves a read, as make_schedule requires)."""
+    nf = problem.num_forward
+    recompute_at = {v: min(p for p in ps if p >= nf) for v, ps in positions.items()
+                    if max(ps) >= nf}
+    again = {v: tuple(sorted(p for p in ps if p != recompute_at.get(v)))
+             for v, ps in positions.items()}
+    return make_schedule(problem, set(recompute_at), recompute_at=recompute_at,
+                         again={v: ps for v, ps in again.items() if ps}, offload_at=offload,
+                         **fields)
