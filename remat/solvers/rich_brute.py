@@ -185,11 +185,8 @@ class _Search:
     def _conflict(self, decoded, limit, free: set[int]):
         """None if the shape's peak bound is within `limit`; else the free values (as indices
         into self.values) holding bytes at the op's step over it that has the fewest."""
-        recomputed, saved, chosen = decoded
-        copied = frozenset(v for v, c in chosen.items() if c.forward)
-        on_device = frozenset(v for v in saved if not (v in chosen and chosen[v].offload))
         best = None
-        for live, holders in self.bounds.steps(copied, on_device):
+        for live, holders in self._shape_steps(decoded):
             if live > limit:
                 mine = [self.index[v] for v in holders if self.index.get(v) in free]
                 if best is None or len(mine) < len(best):
@@ -197,6 +194,17 @@ class _Search:
                     if not best:
                         break
         return best
+
+    def _shape_steps(self, decoded):
+        """`_Bounds.steps` of a decoded shape."""
+        _, saved, chosen = decoded
+        copied = frozenset(v for v, c in chosen.items() if c.forward)
+        on_device = frozenset(v for v in saved if not (v in chosen and chosen[v].offload))
+        # One copy serves every backward read: a recomputation with no further backward copy,
+        # or a load from host.
+        spanning = frozenset(v for v, c in chosen.items()
+                             if (c.recompute and not c.backward) or c.offload)
+        return self.bounds.steps(copied, on_device, spanning)
 
     def _decode(self, vec):
         """(recomputed with tuple ops, saved, choices by value), or None for a shape that is no
@@ -232,8 +240,8 @@ class _Search:
                 return budget
             return min(budget, best_key[1] - 1)
 
-        for _, vec, decoded in self._nodes(threshold):
-            for sched, cost in self._placed(*decoded):
+        for cost_bound, vec, decoded in self._nodes(threshold):
+            for sched, cost in self._placed(decoded, threshold(cost_bound)):
                 peak = simulate(self.problem, sched).peak
                 if peak > budget or (best_key is not None and (cost, peak) >= best_key):
                     continue
@@ -248,19 +256,25 @@ class _Search:
     def smallest(self) -> int:
         smallest = simulate(self.problem, make_schedule(self.problem, [])).peak
         for _, vec, decoded in self._nodes(lambda cost: smallest - 1):
-            for sched, _ in self._placed(*decoded):
+            for sched, _ in self._placed(decoded, smallest - 1):
                 smallest = min(smallest, simulate(self.problem, sched).peak)
         return smallest
 
     # -- placements of one shape ---------------------------------------------------------------
 
-    def _placed(self, recomputed, saved, chosen):
-        """Every valid placement of the shape: (unevaluated Schedule, its cost)."""
+    def _placed(self, decoded, limit: int):
+        """Every valid placement of the shape: (unevaluated Schedule, its cost), but those
+        whose recomputations alone, placed, hold more than `limit` at an op's step."""
+        recomputed, saved, chosen = decoded
         problem = self.problem
         ops = problem.ops
         moving = sorted((v for v, c in chosen.items()
                          if c.forward or c.backward or c.offload), reverse=True)
+        steps = self._shape_steps(decoded)
+        single = [v for v in recomputed if v in chosen and not chosen[v].backward]
         for positions in placements(problem, recomputed):
+            if single and self._placed_over(positions, single, steps, limit):
+                continue
             fwd: dict[int, tuple[int, ...]] = {}
             bwd: dict[int, tuple[int, ...]] = {}
             reload: dict[int, int] = {}
@@ -283,6 +297,22 @@ class _Search:
                                 again=MappingProxyType(again),
                                 offload_at=MappingProxyType(dict(reload))),
                        math.fsum(sorted(runs)))
+
+    def _placed_over(self, positions, single, steps, limit) -> bool:
+        """Whether the shape's bound plus the recomputations in `single` (each the one
+        backward copy of its value, so live from its position to its last backward read, a
+        recomputed reader's included) exceeds `limit` at some op's step."""
+        ops, fixed = self.problem.ops, self.bounds.fixed
+        extra: dict[int, int] = {}
+        for v in single:
+            end = self.bounds.last_backward_op_read[v]
+            for u in self.recompute_readers[v]:
+                if u in positions:
+                    end = max(end, positions[u] - 1)
+            for b in range(positions[v], end + 1):
+                if v not in fixed[b] and v not in steps[b][1]:
+                    extra[b] = extra.get(b, 0) + ops[v].size
+        return any(steps[b][0] + add > limit for b, add in extra.items())
 
     def _assign(self, moving, k, chosen, positions, fwd, bwd, reload):
         """Positions of the further copies and loads of moving[k:], largest value first, so
@@ -348,8 +378,11 @@ class _Bounds:
     """What every placement of a shape must hold at each op's step, placements aside: each op's
     temp, output and the storages it reads; outputs; backward values between their op and last
     reader; and, by the shape, forward values with no copy in the forward between their op and
-    last forward reader (to the end of the forward if the backward reads that copy), and saved
-    values kept on the device from the end of the forward to their last backward reader."""
+    last forward reader (to the end of the forward if the backward reads that copy), saved
+    values kept on the device from the end of the forward to their last backward reader, and
+    values whose one backward copy (a recomputation with no further one, or a load from host)
+    serves every backward read, from the first backward reader to the last. These depend on the
+    value's own choice, and on whether it is saved, which only recomputed readers change."""
 
     def __init__(self, problem: Problem):
         self.problem = problem
@@ -373,6 +406,8 @@ class _Bounds:
                     self.fixed[i].add(w)
         self.last_forward_read = [max((r for r in problem.storage_readers[v] if r < nf),
                                       default=v) for v in range(nf)]
+        self.first_backward_op_read = [min((r for r in problem.storage_readers[v] if r >= nf),
+                                           default=n) for v in range(nf)]
         self.last_backward_op_read = [max((r for r in problem.storage_readers[v] if r >= nf),
                                           default=-1) for v in range(nf)]
         self.free = [v for v in range(nf) if problem.root[v] == v and ops[v].size
@@ -380,14 +415,15 @@ class _Bounds:
         self.fixed_bytes = [sum(ops[s].size for s in fixed) for fixed in self.fixed]
         self.cache: dict = {}
 
-    def steps(self, copied: frozenset[int], on_device: frozenset[int]):
+    def steps(self, copied: frozenset[int], on_device: frozenset[int],
+              spanning: frozenset[int]):
         """(bytes, the values held by the shape) at each op's step."""
-        key = (copied, on_device)
+        key = (copied, on_device, spanning)
         if key not in self.cache:
-            self.cache[key] = self._steps(copied, on_device)
+            self.cache[key] = self._steps(copied, on_device, spanning)
         return self.cache[key]
 
-    def _steps(self, copied, on_device):
+    def _steps(self, copied, on_device, spanning):
         ops, nf = self.problem.ops, self.problem.num_forward
         result = []
         for i, fixed in enumerate(self.fixed):
@@ -403,6 +439,8 @@ class _Bounds:
                         hold = v in on_device and i == nf - 1
                     else:
                         hold = v in on_device or self.last_forward_read[v] >= i
+                elif v in spanning:
+                    hold = self.first_backward_op_read[v] <= i <= self.last_backward_op_read[v]
                 else:
                     hold = v in on_device and self.last_backward_op_read[v] >= i
                 if hold:
