@@ -25,7 +25,7 @@ from remat.solvers.synthetic import skip_chain_problem, unet_problem
 
 GRAPHS = {
     "unet1": lambda: unet_problem(1, seed=0),
-    "unet1b": lambda: unet_problem(1, width=24, seed=1),
+    "unet1x2": lambda: unet_problem(1, convs=2, seed=0),
     "unet2": lambda: unet_problem(2, seed=0),
     "chain2x1": lambda: skip_chain_problem(2, 1, seed=0),
     "chain2x2": lambda: skip_chain_problem(2, 2, seed=0),
@@ -94,7 +94,7 @@ def rows_of(name: str, fractions, time_limit: float, workers: int, rich_least: b
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--graphs", nargs="+", default=list(GRAPHS), choices=list(GRAPHS))
-    parser.add_argument("--fractions", nargs="+", type=float, default=[0.9, 0.8, 0.6, 0.4])
+    parser.add_argument("--fractions", nargs="+", type=float, default=[0.9, 0.8, 0.7, 0.6])
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rich-least", action="store_true",

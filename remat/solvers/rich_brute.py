@@ -241,7 +241,7 @@ class _Search:
             return min(budget, best_key[1] - 1)
 
         for cost_bound, vec, decoded in self._nodes(threshold):
-            for sched, cost in self._placed(decoded, threshold(cost_bound)):
+            for sched, cost in self._placed(decoded, lambda: threshold(cost_bound)):
                 peak = simulate(self.problem, sched).peak
                 if peak > budget or (best_key is not None and (cost, peak) >= best_key):
                     continue
@@ -256,15 +256,16 @@ class _Search:
     def smallest(self) -> int:
         smallest = simulate(self.problem, make_schedule(self.problem, [])).peak
         for _, vec, decoded in self._nodes(lambda cost: smallest - 1):
-            for sched, _ in self._placed(decoded, smallest - 1):
+            for sched, _ in self._placed(decoded, lambda: smallest - 1):
                 smallest = min(smallest, simulate(self.problem, sched).peak)
         return smallest
 
     # -- placements of one shape ---------------------------------------------------------------
 
-    def _placed(self, decoded, limit: int):
+    def _placed(self, decoded, limit):
         """Every valid placement of the shape: (unevaluated Schedule, its cost), but those
-        whose recomputations alone, placed, hold more than `limit` at an op's step."""
+        whose recomputations alone, placed, hold more than `limit()` (read anew for each, as
+        the best schedule improves; None: stop) at an op's step."""
         recomputed, saved, chosen = decoded
         problem = self.problem
         ops = problem.ops
@@ -273,7 +274,10 @@ class _Search:
         steps = self._shape_steps(decoded)
         single = [v for v in recomputed if v in chosen and not chosen[v].backward]
         for positions in placements(problem, recomputed):
-            if single and self._placed_over(positions, single, steps, limit):
+            bytes_limit = limit()
+            if bytes_limit is None:
+                return
+            if single and self._placed_over(positions, single, steps, bytes_limit):
                 continue
             fwd: dict[int, tuple[int, ...]] = {}
             bwd: dict[int, tuple[int, ...]] = {}
