@@ -74,7 +74,9 @@ def rows_of(name: str, fractions, time_limit: float, workers: int, rich_least: b
         single, single_s = timed(solve, problem, budget, Strategy.OPTIMAL, single_opts)
         rich, rich_s = timed(solve, problem, budget, Strategy.OPTIMAL, rich_opts)
         exhaustive, exhaustive_s = timed(rich_brute_force, problem, budget)
-        if isinstance(exhaustive, Exception) or isinstance(rich, Exception):
+        if isinstance(exhaustive, ValueError):  # too many schedules to enumerate
+            versus = "n/a"
+        elif isinstance(exhaustive, Exception) or isinstance(rich, Exception):
             versus = "-" if type(rich) is type(exhaustive) else "differs"
         else:
             versus = (f"{(rich.cost - exhaustive.cost) / exhaustive.cost:+.2%}"
