@@ -242,7 +242,8 @@ class Relaxation:
         bandwidth = problem.host_bandwidth if rich else None
 
         def offloadable(v: int) -> bool:
-            return bool(bandwidth) and problem.ops[v].kind is Kind.TENSOR and problem.ops[v].size > 0
+            op = problem.ops[v]
+            return bool(bandwidth) and op.kind is Kind.TENSOR and op.size > 0
 
         # The richer model (`rich`): save[v] means no backward recomputation and no load; a
         # value loaded from host (off[v]) is not held between its last forward reader and its

@@ -8,6 +8,9 @@
 - `hints`: the baselines that start the search (the hint pool, `HINT_POOL`) and the drop pass
   (the plan read off the bound's relaxation, `remat.solvers.relaxed`, competes with them);
 - `least_peak`: the least-peak search and the BudgetError it supports;
+- `rich_model`: the richer execution model (recompute twice, within the forward, offload);
+- `rich_search`: `SolverOptions.model` "rich" and "auto" (the single model first, the rich one
+  where a bound over its space leaves room);
 - `driver`: `optimal` itself, its deadline and its stages.
 """
 from remat.solvers.cpsat.driver import optimal

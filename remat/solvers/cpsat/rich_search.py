@@ -41,6 +41,7 @@ BASELINE_SHARE = 0.1
 # time left.
 BUILD_EVALUATIONS = 200
 BUILD_SHARE_OF_LEFT = 0.3
+MAX_RICH_COST_UNITS = 2 ** 28
 
 
 def full_cost(problem: Problem, schedule: Schedule) -> float:
@@ -123,7 +124,7 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
         raise SolverError(f"optimal: no time left to build the rich model (about {expected:.1f}"
                           " s) and no baseline fits; raise time_limit or the budget")
     progress.update(stage="searching the rich model")
-    units = Units.of(problem, options)
+    units = rich_units(problem, options)
     found, searched = search_rich(problem, budget, options, units, hint if fits else None,
                                   deadline, rich.value, progress, info)
     bound = max(rich.value, searched)
@@ -144,6 +145,17 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
     raise SolverError(f"optimal: the rich model found no schedule within the time limit of "
                       f"{options.time_limit} s and no baseline fits; raise time_limit or the "
                       "budget")
+
+
+def rich_units(problem: Problem, options: SolverOptions) -> Units:
+    """`Units.of`, with a cost unit coarse enough that every run the rich model may make and
+    every transfer together stay within MAX_RICH_COST_UNITS (CP-SAT called a cost of 2**30.1
+    units OPTIMAL where one of 2**30.0 was feasible, with a lower bound on the cost near it)."""
+    units = Units.of(problem, options)
+    runs = (options.max_copies + 1) * sum(problem.ops[v].cost for v in problem.forward)
+    bandwidth = problem.host_bandwidth
+    moved = sum(2 * problem.ops[v].size / bandwidth for v in problem.candidates) if bandwidth else 0
+    return replace(units, cost=max(units.cost, (runs + moved) / MAX_RICH_COST_UNITS))
 
 
 def search_rich(problem: Problem, budget: int, options: SolverOptions, units: Units,
