@@ -8,10 +8,10 @@ For each graph and budget (fractions of the save-all peak, then the least peak o
 model, and with --rich-least the least of the richer one, found by enumeration), one row: the
 exact solver with `SolverOptions(model="single")` (cost, status, wall time), with
 `model="rich"` (the same), the exhaustive search `rich_brute_force` (cost, time), and how far
-the rich solver's cost is above the exhaustive optimum. Costs are recompute microseconds on the synthetic roofline; "-" where a
-budget cannot be met ("BudgetError"); "refused" (and "n/a") where the exhaustive search stops
-at its limits (`rich_brute.MAX_SHAPES`, `MAX_SCHEDULES`). Wall times are on a shared machine:
-noisy.
+the rich solver's cost is above the exhaustive optimum. Costs are recompute microseconds on
+the synthetic roofline; "-" where a budget cannot be met ("BudgetError"); "refused" (and
+"n/a") where the exhaustive search stops at its limits (`rich_brute.MAX_SHAPES`,
+`MAX_SCHEDULES`). Wall times are on a shared machine: noisy.
 """
 from __future__ import annotations
 
