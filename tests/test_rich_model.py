@@ -181,8 +181,9 @@ def test_rich_search_is_exhaustive_on_a_tiny_problem():
 
 def test_refuses_beyond_its_limits(monkeypatch):
     monkeypatch.setattr(rich_brute, "MAX_SCHEDULES", 3)
+    p = unet_problem(1)
     with pytest.raises(ValueError, match="stops at 3 schedules"):
-        rich_brute_force(skip_in_the_backward(), 22)
+        rich_brute_force(p, int(0.85 * simulate(p, make_schedule(p, [])).peak))
     monkeypatch.setattr(rich_brute, "MAX_SHAPES", 2)
     with pytest.raises(ValueError, match="stops at 2 shapes"):
         rich_brute_force(skip_in_the_backward(), 22)

@@ -28,7 +28,7 @@ one position, which run it once, are not overcounted), and then over every place
 shape. It prunes soundly:
 - cost: once a schedule fits, no node whose cost bound exceeds its cost can hold a better one,
   and best-first order leaves none unvisited below it;
-- memory: `_Bounds` gives, for a shape, bytes that every placement of it holds at each op's
+- memory: `ShapeBounds` gives, for a shape, bytes that every placement of it holds at each op's
   step. A node (a shape, some values frozen, the rest at option 0: saved, no copy) whose bound
   exceeds the budget at a step is split on the free values holding bytes there: the first
   changed, or the first kept and the second changed, ...; a shape that keeps all of them holds
@@ -46,6 +46,7 @@ from types import MappingProxyType
 from remat.errors import BudgetError
 from remat.solvers.brute_force import placements
 from remat.solvers.problem import Kind, Problem, needed_storages, recompute_blocker, tuple_of
+from remat.solvers.rich_brute_bounds import ShapeBounds
 from remat.solvers.schedule import Schedule, Status, make_schedule, recomputable
 from remat.solvers.simulate import simulate
 
@@ -110,7 +111,7 @@ class _Search:
             self.values.append(v)
             self.options.append(self._options(v, copyable, v in backward_ok, offloadable))
         self.index = {v: i for i, v in enumerate(self.values)}
-        self.bounds = _Bounds(problem)
+        self.bounds = ShapeBounds(problem)
         # The ops whose recomputation reads v's storage (not the forward's end, which
         # storage_readers adds for forward outputs).
         self.recompute_readers = [[u for u in problem.storage_readers[v]
@@ -185,11 +186,8 @@ class _Search:
     def _conflict(self, decoded, limit, free: set[int]):
         """None if the shape's peak bound is within `limit`; else the free values (as indices
         into self.values) holding bytes at the op's step over it that has the fewest."""
-        recomputed, saved, chosen = decoded
-        copied = frozenset(v for v, c in chosen.items() if c.forward)
-        on_device = frozenset(v for v in saved if not (v in chosen and chosen[v].offload))
         best = None
-        for live, holders in self.bounds.steps(copied, on_device):
+        for live, holders in self._shape_steps(decoded):
             if live > limit:
                 mine = [self.index[v] for v in holders if self.index.get(v) in free]
                 if best is None or len(mine) < len(best):
@@ -197,6 +195,17 @@ class _Search:
                     if not best:
                         break
         return best
+
+    def _shape_steps(self, decoded):
+        """`ShapeBounds.steps` of a decoded shape."""
+        _, saved, chosen = decoded
+        copied = frozenset(v for v, c in chosen.items() if c.forward)
+        on_device = frozenset(v for v in saved if not (v in chosen and chosen[v].offload))
+        # One copy serves every backward read: a recomputation with no further backward copy,
+        # or a load from host.
+        spanning = frozenset(v for v, c in chosen.items()
+                             if (c.recompute and not c.backward) or c.offload)
+        return self.bounds.steps(copied, on_device, spanning)
 
     def _decode(self, vec):
         """(recomputed with tuple ops, saved, choices by value), or None for a shape that is no
@@ -232,8 +241,8 @@ class _Search:
                 return budget
             return min(budget, best_key[1] - 1)
 
-        for _, vec, decoded in self._nodes(threshold):
-            for sched, cost in self._placed(*decoded):
+        for cost_bound, vec, decoded in self._nodes(threshold):
+            for sched, cost in self._placed(decoded, lambda: threshold(cost_bound)):
                 peak = simulate(self.problem, sched).peak
                 if peak > budget or (best_key is not None and (cost, peak) >= best_key):
                     continue
@@ -248,19 +257,29 @@ class _Search:
     def smallest(self) -> int:
         smallest = simulate(self.problem, make_schedule(self.problem, [])).peak
         for _, vec, decoded in self._nodes(lambda cost: smallest - 1):
-            for sched, _ in self._placed(*decoded):
+            for sched, _ in self._placed(decoded, lambda: smallest - 1):
                 smallest = min(smallest, simulate(self.problem, sched).peak)
         return smallest
 
     # -- placements of one shape ---------------------------------------------------------------
 
-    def _placed(self, recomputed, saved, chosen):
-        """Every valid placement of the shape: (unevaluated Schedule, its cost)."""
+    def _placed(self, decoded, limit):
+        """Every valid placement of the shape: (unevaluated Schedule, its cost), but those
+        whose recomputations alone, placed, hold more than `limit()` (read anew for each, as
+        the best schedule improves; None: stop) at an op's step."""
+        recomputed, saved, chosen = decoded
         problem = self.problem
         ops = problem.ops
         moving = sorted((v for v, c in chosen.items()
                          if c.forward or c.backward or c.offload), reverse=True)
+        steps = self._shape_steps(decoded)
+        single = [v for v in recomputed if v in chosen and not chosen[v].backward]
         for positions in placements(problem, recomputed):
+            bytes_limit = limit()
+            if bytes_limit is None:
+                return
+            if single and self._placed_over(positions, single, steps, bytes_limit):
+                continue
             fwd: dict[int, tuple[int, ...]] = {}
             bwd: dict[int, tuple[int, ...]] = {}
             reload: dict[int, int] = {}
@@ -283,6 +302,22 @@ class _Search:
                                 again=MappingProxyType(again),
                                 offload_at=MappingProxyType(dict(reload))),
                        math.fsum(sorted(runs)))
+
+    def _placed_over(self, positions, single, steps, limit) -> bool:
+        """Whether the shape's bound plus the recomputations in `single` (each the one
+        backward copy of its value, so live from its position to its last backward read, a
+        recomputed reader's included) exceeds `limit` at some op's step."""
+        ops, fixed = self.problem.ops, self.bounds.fixed
+        extra: dict[int, int] = {}
+        for v in single:
+            end = self.bounds.last_backward_op_read[v]
+            for u in self.recompute_readers[v]:
+                if u in positions:
+                    end = max(end, positions[u] - 1)
+            for b in range(positions[v], end + 1):
+                if v not in fixed[b] and v not in steps[b][1]:
+                    extra[b] = extra.get(b, 0) + ops[v].size
+        return any(steps[b][0] + add > limit for b, add in extra.items())
 
     def _assign(self, moving, k, chosen, positions, fwd, bwd, reload):
         """Positions of the further copies and loads of moving[k:], largest value first, so
@@ -342,71 +377,3 @@ def _every_copy_read(made: list[int], reads: list[int]) -> bool:
     made = sorted(made)
     bounds = made[1:] + [math.inf]
     return all(any(lo <= r < hi for r in reads) for lo, hi in zip(made, bounds))
-
-
-class _Bounds:
-    """What every placement of a shape must hold at each op's step, placements aside: each op's
-    temp, output and the storages it reads; outputs; backward values between their op and last
-    reader; and, by the shape, forward values with no copy in the forward between their op and
-    last forward reader (to the end of the forward if the backward reads that copy), and saved
-    values kept on the device from the end of the forward to their last backward reader."""
-
-    def __init__(self, problem: Problem):
-        self.problem = problem
-        ops, nf = problem.ops, problem.num_forward
-        n = len(ops)
-        self.fixed: list[set[int]] = [set() for _ in range(n)]
-        for i, op in enumerate(ops):
-            here = self.fixed[i]
-            here.update(s for s in problem.storage_inputs[i] if ops[s].size)
-            if op.kind is Kind.TENSOR and op.size and problem.root[i] == i \
-                    and tuple_of(problem, i) is None:
-                here.add(i)
-        for s in problem.pinned:
-            for i in range(s, n):
-                if ops[s].size:
-                    self.fixed[i].add(s)
-        for w in range(nf, n):
-            readers = problem.storage_readers[w]
-            if problem.root[w] == w and ops[w].size and w not in problem.pinned and readers:
-                for i in range(w, max(readers) + 1):
-                    self.fixed[i].add(w)
-        self.last_forward_read = [max((r for r in problem.storage_readers[v] if r < nf),
-                                      default=v) for v in range(nf)]
-        self.last_backward_op_read = [max((r for r in problem.storage_readers[v] if r >= nf),
-                                          default=-1) for v in range(nf)]
-        self.free = [v for v in range(nf) if problem.root[v] == v and ops[v].size
-                     and v not in problem.pinned]
-        self.fixed_bytes = [sum(ops[s].size for s in fixed) for fixed in self.fixed]
-        self.cache: dict = {}
-
-    def steps(self, copied: frozenset[int], on_device: frozenset[int]):
-        """(bytes, the values held by the shape) at each op's step."""
-        key = (copied, on_device)
-        if key not in self.cache:
-            self.cache[key] = self._steps(copied, on_device)
-        return self.cache[key]
-
-    def _steps(self, copied, on_device):
-        ops, nf = self.problem.ops, self.problem.num_forward
-        result = []
-        for i, fixed in enumerate(self.fixed):
-            live = ops[i].temp + self.fixed_bytes[i]
-            holders = []
-            for v in self.free:
-                if v in fixed:
-                    continue
-                if i < nf:
-                    if v >= i:
-                        continue
-                    if v in copied:
-                        hold = v in on_device and i == nf - 1
-                    else:
-                        hold = v in on_device or self.last_forward_read[v] >= i
-                else:
-                    hold = v in on_device and self.last_backward_op_read[v] >= i
-                if hold:
-                    live += ops[v].size
-                    holders.append(v)
-            result.append((live, tuple(holders)))
-        return result
