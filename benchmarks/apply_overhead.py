@@ -104,7 +104,7 @@ def run_model(name, repeat):
 
 
 def schedule_flops(problem, schedule):
-    return sum(problem.ops[v].flops for v in schedule.recomputed)
+    return schedule.recompute_flops
 
 
 def table(rows):

@@ -167,7 +167,7 @@ def main(argv=None) -> int:
         predicted = simulate(problem, schedule).peak
         seconds, allocated, reserved = run_plan(model, inputs, problem, schedule, args.steps)
         model_flops = problem.total_flops
-        hardware_flops = model_flops + sum(problem.ops[v].flops for v in schedule.recomputed)
+        hardware_flops = model_flops + schedule.recompute_flops
         ok = 0.98 * predicted <= allocated <= predicted
         missed += not ok
         rows.append([label, len(schedule.recomputed), f"{predicted / GiB:.3f}",

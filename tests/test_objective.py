@@ -10,7 +10,8 @@ from remat.solvers import Problem, SolverOptions, Status, Strategy, make_schedul
 from remat.solvers.objective import Objective, with_objective
 from remat.solvers.synthetic import random_problem, transformer
 
-FLOPS = SolverOptions(cost_resolution=1e-9, workers=2, time_limit=30, objective="flops")
+FLOPS = SolverOptions(cost_resolution=1e-9, workers=2, time_limit=30, objective="flops",
+                      model="single")  # brute_force, the oracle, searches the single space
 
 
 def with_random_flops(problem: Problem, seed: int) -> Problem:

@@ -8,6 +8,8 @@ everything cacheable), each repaired until its eager peak fits and improved whil
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from typing import Any, Sequence
 
@@ -98,7 +100,10 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
     allowance = prepared.allowance(budget, activation_budget)
     seeds: list[frozenset[int]] = [frozenset(), structure.cacheable]
     try:
-        compiled = solve(problem, max(allowance, 0), strategy, solver_options)
+        # Checkpoint recomputes each value at most once, in the backward: the single model's
+        # space is the one this seed is for.
+        single = dataclasses.replace(solver_options or SolverOptions(), model="single")
+        compiled = solve(problem, max(allowance, 0), strategy, single)
         seeds.insert(0, compiled.saved)
     except (BudgetError, SolverError) as e:
         log.info("eager: no compiled-mode plan to start from (%s); seeding from baselines", e)
