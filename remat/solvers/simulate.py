@@ -127,7 +127,9 @@ def timeline_of(problem: Problem, order: list[tuple[int, StepKind]],
     steps = []
     for t, (i, kind) in enumerate(order):
         live += delta[t]
-        steps.append(Step(op=i, kind=kind, live=live + ops[i].temp))
+        # A load from host is a copy into the value's own bytes: no kernel scratch of the op's.
+        temp = ops[i].temp if kind is not StepKind.RELOAD else 0
+        steps.append(Step(op=i, kind=kind, live=live + temp))
     return Timeline(tuple(steps))
 
 
