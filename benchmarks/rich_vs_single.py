@@ -1,34 +1,80 @@
-"""The exact solver's single model against "auto" (the rich model where a bound over its space
-leaves room), per problem and budget: cost, status, bound, seconds, which model answered.
-Run: PYTHONPATH=$PWD python benchmarks/rich_vs_single.py [time_limit]"""
-import time, pathlib, sys
-from remat.solvers.problem_file import loads
-from remat.solvers import solve
-from remat.solvers.options import SolverOptions
-from remat.solvers.synthetic import unet, transformer
-from remat.solvers.schedule import make_schedule
+"""The exact solver's single model against "auto" on problems larger than the exhaustive search
+can take: the regression corpus's U-Net, chain and transformer, and two synthetic graphs.
+
+    PYTHONPATH=$PWD python benchmarks/rich_vs_single.py [--time-limit 20]
+
+For each problem, two budgets: the single model's smallest peak (where a second or a forward
+recomputation pays most) and halfway from there to saving everything. Per budget and model
+(`SolverOptions(model="single")`, `model="auto"`): recompute cost (the problem's units), status,
+proven bound, wall seconds, and which model answered (`info["model"]`). "auto" runs the single
+model first and the rich one only where the bound over the rich space leaves room, so where the
+rich model cannot gain it costs the bound's time alone. 2 workers; a shared machine's times are
+noisy.
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import time
+
+from tabulate import tabulate
+
 from remat.errors import BudgetError
-from tests.test_rich_solver import long_skip
-probs = [("long_skip(10,2,5)", long_skip(10,2,5), None), ("long_skip(20,5,1)", long_skip(20,5,1), None)]
-for name in ("unet3", "chain12", "transformer2_nodrop"):
-    p, extra = loads(pathlib.Path(f"tests/regression/{name}.json").read_text()); probs.append((name, p, extra["options"]))
-probs.append(("unet(depth=3)", unet(depth=3), None))
-probs.append(("transformer(layers=2)", transformer(layers=2), None))
-limit = float(sys.argv[1]) if len(sys.argv) > 1 else 20
-for name, p, extra in probs:
-    extra = extra or {}
-    full = make_schedule(p, set()).peak
-    try: solve(p, 0, "optimal", SolverOptions(workers=2, time_limit=limit, model="single", **extra)); least = 0
-    except BudgetError as e: least = e.smallest
-    for frac in (0.0, 0.5):
-        b = int(least + frac * (full - least))
-        if name.startswith("long_skip"): b = {"long_skip(10,2,5)": 23, "long_skip(20,5,1)": 27}[name] if frac == 0 else 40
-        cells = []
-        for model in ("single", "auto"):
-            t = time.perf_counter()
-            try:
-                r = solve(p, b, "optimal", SolverOptions(workers=2, time_limit=limit, model=model, **extra))
-                cells.append(f"{model}: cost {r.cost:.4g} {r.status.value} bound {r.bound:.4g} {time.perf_counter()-t:.2f}s [{r.info.get('model')}; {r.info.get('rich', '')}]")
-            except BudgetError:
-                cells.append(f"{model}: BudgetError {time.perf_counter()-t:.2f}s")
-        print(f"{name} n={len(p)} budget={b} ({frac:.0%} between single's least peak and save-all) | " + " | ".join(cells), flush=True)
+from remat.solvers import SolverOptions, solve
+from remat.solvers.problem_file import loads
+from remat.solvers.schedule import make_schedule
+from remat.solvers.synthetic import skip_chain_problem, transformer, unet_problem
+
+REGRESSION = pathlib.Path(__file__).resolve().parent.parent / "tests" / "regression"
+
+
+def problems():
+    """(name, problem, solver options the problem was recorded with)."""
+    for name in ("unet3", "chain12", "transformer2_nodrop"):
+        problem, extra = loads((REGRESSION / f"{name}.json").read_text())
+        yield name, problem, extra.get("options", {})
+    yield "transformer(layers=2)", transformer(layers=2), {}
+    yield "unet_problem(3)", unet_problem(3, seed=0), {}
+    yield "skip_chain_problem(4, 2)", skip_chain_problem(4, 2, seed=0), {}
+
+
+def smallest_single_peak(problem, options: SolverOptions) -> int:
+    try:
+        solve(problem, 0, "optimal", options)
+    except BudgetError as e:
+        return e.smallest
+    return 0
+
+
+def run(problem, budget: int, options: SolverOptions) -> list[str]:
+    start = time.perf_counter()
+    try:
+        s = solve(problem, budget, "optimal", options)
+    except BudgetError:
+        return ["BudgetError", "-", "-", f"{time.perf_counter() - start:.1f}", "-"]
+    return [f"{s.cost:.4g}", s.status.value, f"{s.bound:.4g}",
+            f"{time.perf_counter() - start:.1f}", str(s.info.get("model", ""))]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--time-limit", type=float, default=20.0)
+    args = parser.parse_args(argv)
+    rows = []
+    for name, problem, recorded in problems():
+        single = SolverOptions(workers=2, time_limit=args.time_limit, model="single", **recorded)
+        auto = SolverOptions(workers=2, time_limit=args.time_limit, model="auto", **recorded)
+        full = make_schedule(problem, ()).peak
+        least = smallest_single_peak(problem, single)
+        for label, fraction in (("single's least", 0.0), ("halfway", 0.5)):
+            budget = int(least + fraction * (full - least))
+            one, both = run(problem, budget, single), run(problem, budget, auto)
+            rows.append([name, len(problem), label, f"{budget:,}", *one[:4], *both])
+            print(f"# {name} {label} done", flush=True)
+    print(tabulate(rows, headers=["problem", "ops", "budget", "bytes", "single cost", "status",
+                                  "bound", "s", "auto cost", "status", "bound", "s", "model"],
+                   disable_numparse=True))
+
+
+if __name__ == "__main__":
+    main()
