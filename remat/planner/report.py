@@ -318,7 +318,7 @@ def _price_table(p: Price) -> str:
                      "forward ops run again (within the forward, and second ones, counted)"])
     if p.offloaded_bytes:
         rows.append(["offloaded to host", format_size(p.offloaded_bytes),
-                     f"transfer {p.transfer_time * 1e3:.3f} ms both ways, predicted, not "
+                     f"transfer {p.transfer_time * 1e3:.3g} ms both ways, predicted, not "
                      "overlapped with compute"])
     rows += [
         [f"MFU, {p.time_source}", pct(p.mfu),
