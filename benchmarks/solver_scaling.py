@@ -78,10 +78,13 @@ def main() -> None:
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.7, 0.5])
     parser.add_argument("--time-limit", type=float, default=60.0)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--model", choices=("auto", "single", "rich"), default="auto",
+                        help="the exact solver's execution model (SolverOptions.model); under "
+                             "auto the bound and gap are over the rich space")
     parser.add_argument("--hint-tiled", action="store_true",
                         help="also run the optimal strategy started from the tiled plan")
     args = parser.parse_args()
-    options = SolverOptions(time_limit=args.time_limit, workers=args.workers)
+    options = SolverOptions(time_limit=args.time_limit, workers=args.workers, model=args.model)
     rows = []
     for size in args.sizes:
         for fraction in args.fractions:

@@ -120,14 +120,22 @@ class SolverSummary:
     so that `gap` is the FLOPs objective's)."""
     bound_from: str = ""
     """Which proof gave `bound`: CP-SAT's search, or backward steps (remat.solvers.bound)."""
+    model: str = ""
+    """The execution model that answered ("single" or "rich", `SolverOptions.model`); under
+    "auto" the status, bound and gap are over the rich space."""
+    single_status: str = ""
+    """Under "auto": the single model's own status (over its smaller space)."""
 
     @staticmethod
     def of(schedule: Schedule) -> "SolverSummary":
+        single = schedule.info.get("single") or {}
         return SolverSummary(strategy=schedule.strategy, status=schedule.status.value,
                              objective=schedule.cost, bound=schedule.bound, gap=schedule.gap,
                              time=schedule.solve_time, activation_budget=schedule.budget or 0,
                              minimized=schedule.info.get("objective", "time"),
-                             bound_from=schedule.info.get("bound_from", ""))
+                             bound_from=schedule.info.get("bound_from", ""),
+                             model=schedule.info.get("model", ""),
+                             single_status=single.get("status", ""))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -336,6 +344,9 @@ def _solver_table(s: SolverSummary) -> str:
             ["bound", "n/a" if s.bound is None else f"{s.bound * 1e3:.4f} ms"],
             ["gap", "n/a" if s.gap is None else f"{100 * s.gap:.2f} %"],
             *([["bound from", s.bound_from]] if s.bound_from else []),
+            *([["execution model", s.model + (f" (the single model's plan is {s.single_status} "
+                                              "in its own space)" if s.single_status else "")]]
+              if s.model else []),
             ["solve time", f"{s.time:.2f} s"],
             ["simulated-peak allowance", format_size(s.activation_budget)]]
     return tabulate(rows, disable_numparse=True)
