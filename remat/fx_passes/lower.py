@@ -38,7 +38,7 @@ from torch import fx
 from remat.fx_passes.capture import Captured
 from remat.fx_passes.profile import profile as run_profile
 from remat.fx_passes.joint_graph import target_name
-from remat.fx_passes.rng import draws, has_side_effects, rng_state
+from remat.fx_passes.rng import RandomOp, draws, has_side_effects, rng_state, state_bytes
 from remat.fx_passes.storage import remat_meta
 from remat.solvers.problem import Kind, Op, Phase, Problem, Reason
 
@@ -158,6 +158,10 @@ def lower(captured: Captured, *, target="h100", measure: bool = False,
         elif meta.get("tuple_bytes") or isinstance(node.meta.get("val"), (tuple, list)):
             kind, size, temp = Kind.TUPLE, 0, meta.get("tuple_bytes", 0)
         temp += meta.get("scratch", 0)  # kernel scratch, live while the op runs (scratch.py)
+        if isinstance(node.target, RandomOp) and node.target.device.type != "cuda":
+            # A replay holds the generator's own state while it draws from the snapshot
+            # (RandomOp.__call__); on the CPU that copy is in the measured memory.
+            temp += state_bytes(node.target.device)
         ops.append(Op(
             name=node.name, phase=phase[node], inputs=tuple(inputs), size=int(size),
             kind=kind, temp=int(temp), cost=float(meta.get("time", 0.0)),
