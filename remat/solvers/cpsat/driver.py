@@ -308,8 +308,12 @@ class _Call:
         `info["bound_from"]` says which, for the report."""
         if steps.steps and steps.value > searched:
             self.info["bound_from"] = f"backward steps ({steps.where(self.problem)})"
+            # A single step's bound holds over the rich space too (remat.solvers.cpsat.
+            # rich_search uses it then); several steps together assume one decision a value.
+            self.info["bound_steps"] = len(steps.steps)
             return steps.value
         self.info["bound_from"] = "CP-SAT search"
+        self.info.pop("bound_steps", None)
         return searched
 
     def search_least_peak(self, model, deadline: float, target: int = -1) -> None:

@@ -56,6 +56,7 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
     info: dict = {}
     hint = options.hint
     below: BudgetError | None = None  # the single model's, where nothing of its space fits
+    single_step_bound: float | None = None
     if options.model == "auto":
         try:
             hint = single(replace(options, time_limit=SINGLE_SHARE * options.time_limit))
@@ -65,6 +66,12 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
             info.update(single={"cost": hint.cost, "status": hint.status.value,
                                 "bound": hint.bound},
                         **{k: v for k, v in hint.info.items() if k not in ("model",)})
+            # One backward step's knapsack bounds every schedule of the rich space as well (a
+            # value read after the step is held at it or made again after it, its inputs
+            # likewise, each run costing at least once), but not where a value may instead
+            # wait in host memory.
+            if hint.info.get("bound_steps") == 1 and problem.host_bandwidth is None:
+                single_step_bound = hint.bound
     else:
         if hint is not None:
             hint = evaluate(problem, hint)
@@ -97,6 +104,9 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
     steps = [b for b in [binding_step(problem, hint) if hint is not None else None]
              if b is not None]
     rich = recompute_bound(problem, budget, time_limit=seconds, steps=steps, rich=True)
+    if single_step_bound is not None and single_step_bound > rich.value:
+        rich = replace(rich, value=single_step_bound)
+        info["rich_bound_from"] = "the single model's bound from one backward step"
     info["rich_bound"] = rich.value
     if rich.value == math.inf and below is not None:
         raise below
