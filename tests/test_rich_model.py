@@ -15,7 +15,8 @@ from remat.solvers import Op, Phase, Problem, SolverOptions, StepKind, make_sche
 from remat.solvers.brute_force import brute_force
 from remat.solvers import rich_brute
 from remat.solvers.rich_brute import rich_brute_force, rich_smallest_peak
-from remat.solvers.synthetic import random_problem, skip_chain_problem, unet_problem
+from remat.solvers.synthetic import random_problem
+from remat.solvers.synthetic_cnn import skip_chain_problem, unet_problem
 
 F, B = Phase.FORWARD, Phase.BACKWARD
 FREE = SolverOptions()  # brute_force with free positions, as the exact solver searches
