@@ -179,8 +179,14 @@ def _forward_steps(problem: Problem, schedule: Schedule) -> list[tuple[int, Step
     """The forward part of the step order: forward ops and the recomputations placed among
     them."""
     order = step_order(problem, schedule)
-    end = order.index((problem.num_forward - 1, StepKind.FORWARD)) if problem.num_forward else -1
-    return order[:end + 1]
+    return order[:_forward_end(problem, order)]
+
+
+def _forward_end(problem: Problem, order: list[tuple[int, StepKind]]) -> int:
+    """Where the backward begins in `order` (step_order's)."""
+    if not problem.num_forward:
+        return 0
+    return order.index((problem.num_forward - 1, StepKind.FORWARD)) + 1
 
 
 def _offload_points(problem: Problem, schedule: Schedule,
@@ -338,7 +344,7 @@ class _Backward:
         # says; until then nothing may read it (make_schedule checked).
         host = {self.nodes[v]: env.pop(self.nodes[v]) for v in self.schedule.offload_at}
         order = step_order(self.problem, self.schedule)
-        for i, kind in order[len(_forward_steps(self.problem, self.schedule)):]:
+        for i, kind in order[_forward_end(self.problem, order):]:
             node = self.nodes[i]
             if kind is StepKind.RELOAD:
                 env[node] = _copy_to(graph, host[node], _device_of(node))

@@ -239,13 +239,20 @@ def evaluate(problem: Problem, schedule: Schedule, **fields) -> Schedule:
     fields given (strategy, status, bound, budget, solve_time, info)."""
     from remat.solvers.simulate import simulate
 
+    cost, flops, transfer = price(problem, schedule)
+    return replace(schedule, cost=cost, recompute_flops=flops, transfer_time=transfer,
+                   peak=simulate(problem, schedule).peak, **fields)
+
+
+def price(problem: Problem, schedule: Schedule) -> tuple[float, int, float]:
+    """(cost, recompute FLOPs, transfer seconds) of `schedule`'s decisions on `problem`, without
+    simulating: every run of a forward op again (the richer model's too) and every offload's
+    bytes over the host link both ways. The cost includes the transfers."""
     ops = problem.ops
     runs = [*schedule.recomputed, *(v for v, ps in schedule.again.items() for _ in ps)]
     transfer = sum(2 * ops[v].size / problem.host_bandwidth for v in schedule.offload_at)
-    return replace(schedule,
-                   cost=sum(ops[v].cost for v in runs) + transfer,
-                   recompute_flops=sum(ops[v].flops for v in runs), transfer_time=transfer,
-                   peak=simulate(problem, schedule).peak, **fields)
+    return (sum(ops[v].cost for v in runs) + transfer, sum(ops[v].flops for v in runs),
+            transfer)
 
 
 def _latest_positions(problem: Problem, recomputed: set[int],

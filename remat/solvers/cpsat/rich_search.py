@@ -28,7 +28,7 @@ from remat.solvers.cpsat.units import Units
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Problem
 from remat.solvers.relaxed import binding_step
-from remat.solvers.schedule import Schedule, Status, evaluate, make_schedule
+from remat.solvers.schedule import Schedule, Status, evaluate, make_schedule, price
 
 # Shares of the time limit: the single model's whole call ("auto"), the rich bound, the rich
 # model's least-peak stage.
@@ -46,7 +46,7 @@ MAX_RICH_COST_UNITS = 2 ** 28
 
 def full_cost(problem: Problem, schedule: Schedule) -> float:
     """The true cost of `schedule` on `problem`: every recomputation and every transfer."""
-    return evaluate(problem, schedule).cost
+    return price(problem, schedule)[0]
 
 
 def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress: Progress,
