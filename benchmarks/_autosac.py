@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from remat.fx_passes.devices import device as target_device
+from remat.fx_passes.measuring.devices import device as target_device
 
 WORLD = 2
 

@@ -17,8 +17,8 @@ from typing import Any, Callable, ContextManager, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat.fx_passes.flops import FlopCounter, register_cpu_attention
-from remat.fx_passes.memory_tracker import MemoryTracker
+from remat.fx_passes.measuring.flops import FlopCounter, register_cpu_attention
+from remat.fx_passes.measuring.memory_tracker import MemoryTracker
 
 # PyTorch has no formula for the CPU attention kernels: attention would count zero FLOPs.
 register_cpu_attention()

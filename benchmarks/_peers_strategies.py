@@ -41,7 +41,7 @@ class Case:
                 b.copy_(saved)
 
     def loss(self, *inputs) -> torch.Tensor:
-        from remat.fx_passes.capture import default_loss
+        from remat.fx_passes.tracing.capture import default_loss
 
         return default_loss(self.model(*inputs))
 
@@ -151,7 +151,7 @@ def torch_budget(case: Case, fraction: float, repeats: int) -> Measured:
     from torch._functorch import config as functorch_config
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    from remat.fx_passes.capture import compile_step
+    from remat.fx_passes.tracing.capture import compile_step
 
     if not hasattr(functorch_config, "activation_memory_budget"):
         raise NotImplementedError(f"torch {torch.__version__} has no activation_memory_budget")
@@ -181,7 +181,7 @@ class Remat:
     once per model, as in remat.sweep."""
 
     def __init__(self, case: Case, *, time_limit: float):
-        from remat.planner.optimize import prepare
+        from remat.planner.prepare import prepare
         from remat.solvers import SolverOptions
 
         self.case = case
@@ -218,7 +218,7 @@ class Remat:
     def plan(self, budget: int, solver: str = "optimal"):
         from dataclasses import replace
 
-        from remat.planner.optimize import plan_prepared
+        from remat.planner.plan import plan_prepared
 
         options = replace(self.options, hint=self._hint(budget))
         return plan_prepared(self.case.model, self.prepared, budget=None,

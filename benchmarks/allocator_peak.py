@@ -32,10 +32,10 @@ from tabulate import tabulate  # noqa: E402
 
 from remat.errors import BudgetError  # noqa: E402
 from remat.fx_passes import capture, lower, op_nodes  # noqa: E402
-from remat.fx_passes.allocator import AllocatorTrace, cpu_memory_events, paired  # noqa: E402
-from remat.fx_passes.measure import measure_step  # noqa: E402
-from remat.fx_passes.planned import planned_module  # noqa: E402
-from remat.fx_passes.storage import remat_meta  # noqa: E402
+from remat.fx_passes.measuring.allocator import AllocatorTrace, cpu_memory_events, paired  # noqa: E402
+from remat.fx_passes.compiled.measure_step import measure_step  # noqa: E402
+from remat.fx_passes.compiled.planned import planned_module  # noqa: E402
+from remat.fx_passes.measuring.storage import remat_meta  # noqa: E402
 from remat.solvers import Problem, SolverOptions, make_schedule, simulate, solve  # noqa: E402
 
 MiB = 2**20
@@ -179,10 +179,10 @@ def run(name: str, factory, time_limit: float) -> list[list]:
 
 def calibrate() -> None:
     """Scratch of the convolution and CPU attention kernels over a sweep of shapes, as ratios
-    to the reference bytes `remat.fx_passes.workspace` multiplies."""
+    to the reference bytes `remat.fx_passes.measuring.workspace` multiplies."""
     import itertools
 
-    from remat.fx_passes.workspace import _padded
+    from remat.fx_passes.measuring.workspace import _padded
 
     aten = torch.ops.aten
 

@@ -25,10 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tabulate import tabulate  # noqa: E402
 
 from remat.errors import BudgetError, RematError  # noqa: E402
-from remat.fx_passes.capture import capture, default_loss  # noqa: E402
-from remat.fx_passes.lower import lower  # noqa: E402
-from remat.fx_passes.measure import measure_step, time_step  # noqa: E402
-from remat.fx_passes.planned import planned_module  # noqa: E402
+from remat.fx_passes.tracing.capture import capture, default_loss  # noqa: E402
+from remat.fx_passes.lowering.lower import lower  # noqa: E402
+from remat.fx_passes.compiled.measure_step import measure_step, time_step  # noqa: E402
+from remat.fx_passes.compiled.planned import planned_module  # noqa: E402
 from remat.solvers import SolverOptions, solve  # noqa: E402
 from remat.solvers.schedule import drop_unneeded, make_schedule, recomputable  # noqa: E402
 from remat.solvers.simulate import simulate  # noqa: E402

@@ -7,11 +7,11 @@ workspaces.
                                    [--steps 3] [--time-limit 60]
 
 The model is captured with its weights on the GPU, so every op's kernel scratch is measured
-there (max_memory_allocated around the op, `remat.fx_passes.scratch`). GPT-2 medium (bf16)
+there (max_memory_allocated around the op, `remat.fx_passes.measuring.scratch`). GPT-2 medium (bf16)
 defaults to an activation peak of roughly half of an 80 GB card without checkpointing; the
 U-Net (fp32, cuDNN convolutions) is the case with the largest workspaces. Prints, per budget:
 the simulated activation peak, the allocator's peak of a step above its baseline (parameters,
-optimizer state, batch; the backward's seed left out, `remat.fx_passes.allocator.step_peak`),
+optimizer state, batch; the backward's seed left out, `remat.fx_passes.measuring.allocator.step_peak`),
 the check, max_memory_reserved above its baseline, the step time (CUDA events), and MFU / HFU
 against the card's dense bf16 peak. Exits 0 with a message where there is no CUDA, 1 when a
 check is missed. Meant to finish within five minutes on an H100/H200.
@@ -21,7 +21,7 @@ Three more checks, each a short table:
   allocator peak and step time, beside the save-all plan's (a plan that recomputes nothing
   must not cost more than eager);
 - **op times against the roofline**: every op of the graph timed alone (CUDA events, median of
-  3) against `remat.fx_passes.timing.roofline` for the target: the total, the median ratio,
+  3) against `remat.fx_passes.measuring.timing.roofline` for the target: the total, the median ratio,
   and the ops with the largest measured times;
 - **offload** (issue 15): the save-all schedule with its largest saved tensors offloaded to
   host (loaded back just before their first backward reader): the allocator's peak against
@@ -85,8 +85,8 @@ def unet(batch: int, size: int, device: str):
 
 
 def run_plan(model, inputs, problem, schedule, steps: int):
-    from remat.fx_passes.allocator import step_peak
-    from remat.fx_passes.planned import planned_module
+    from remat.fx_passes.measuring.allocator import step_peak
+    from remat.fx_passes.compiled.planned import planned_module
 
     module = planned_module(model, problem, schedule)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -126,8 +126,8 @@ def main(argv=None) -> int:
 
     from tabulate import tabulate
 
-    from remat.fx_passes.capture import capture
-    from remat.fx_passes.lower import lower
+    from remat.fx_passes.tracing.capture import capture
+    from remat.fx_passes.lowering.lower import lower
     from remat.solvers import SolverOptions, solve
     from remat.solvers.schedule import drop_unneeded, make_schedule, recomputable
     from remat.solvers.simulate import simulate
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
 
 def run_eager(model, inputs, steps: int) -> tuple[float, int]:
     """Median step seconds and the allocator's peak of the plain eager step."""
-    from remat.fx_passes.allocator import step_peak
+    from remat.fx_passes.measuring.allocator import step_peak
 
     times, peak = [], 0
     for step in range(steps + 1):
@@ -236,8 +236,8 @@ def run_eager(model, inputs, steps: int) -> tuple[float, int]:
 
 def time_ops(captured, target: str, top: int = 8, on: str = "cuda"):
     """Every call of the captured graph timed alone against its roofline."""
-    from remat.fx_passes.devices import device
-    from remat.fx_passes.timing import measure_node, roofline
+    from remat.fx_passes.measuring.devices import device
+    from remat.fx_passes.measuring.timing import measure_node, roofline
 
     chip, cuda = device(target), torch.device(on)
     timed = []
@@ -262,7 +262,7 @@ def check_offload(model, inputs, problem, save_all, target: str, steps: int,
     saved bytes), each loaded back just before its first backward reader."""
     import dataclasses
 
-    from remat.fx_passes.devices import device
+    from remat.fx_passes.measuring.devices import device
     from remat.solvers.schedule import make_schedule
 
     link = device(target).host_link

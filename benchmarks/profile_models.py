@@ -24,8 +24,8 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from remat.fx_passes import (capture, compile_step, default_loss, lower,  # noqa: E402
                              profile, register_cpu_attention)
-from remat.fx_passes.allocator import step_peak  # noqa: E402
-from remat.fx_passes.memory_tracker import measure_partitioned  # noqa: E402
+from remat.fx_passes.measuring.allocator import step_peak  # noqa: E402
+from remat.fx_passes.measuring.memory_tracker import measure_partitioned  # noqa: E402
 from remat.solvers import make_schedule, simulate  # noqa: E402
 from tests import models  # noqa: E402
 

@@ -67,7 +67,8 @@ def measure(name: str, *, solver: str, time_limit: float, relative_gap: float, r
 
     from remat.errors import BudgetError
     from remat.planner.budget import format_size, parse_size
-    from remat.planner.optimize import plan_prepared, prepare
+    from remat.planner.plan import plan_prepared
+    from remat.planner.prepare import prepare
     from remat.solvers import SolverOptions, make_schedule, simulate
 
     config, training, budget, batch = _configure(name)

@@ -3,7 +3,7 @@
     pip install -e .[bench]     # pulp and pwlf: torch.distributed._tools' AutoSAC needs them
     python benchmarks/sharded.py [--layers 4] [--dropout 0.1] [--time-limit 10]
 
-A small Llama-style model (tests/llama_tiny.py: RMSNorm, rotary, SDPA, SwiGLU, dropout) is
+A small Llama-style model (examples/llama.py's `tiny_llama`: RMSNorm, rotary, SDPA, SwiGLU, dropout) is
 trained for one step per configuration, twice: with dropout, and with dropout 0. The
 configurations: no checkpointing; `torch.utils.checkpoint` on every block; PyTorch's AutoSAC
 (benchmarks/_autosac.py: SACEstimator and its companions' statistics, `sac_milp` at a budget in
@@ -49,6 +49,7 @@ import contextlib
 import gc
 import io
 import os
+from dataclasses import replace
 import sys
 import tempfile
 from functools import partial
@@ -63,15 +64,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _autosac  # noqa: E402
 from _autosac import WORLD  # noqa: E402
-from tests.llama_tiny import TinyLlamaConfig, tiny_llama  # noqa: E402
+from examples.llama import LLAMA_TEST, LlamaConfig, tiny_llama  # noqa: E402
 
 FRACTIONS = (0.1, 0.5, 0.9)
 GiB = 2**30
 
 
-def build(config: TinyLlamaConfig, wrapping):
+def build(config: LlamaConfig, wrapping):
     """A fresh model (the same weights every time) wrapped as `wrapping` says."""
-    from remat.fx_passes.eager_policy import apply_eager
+    from remat.fx_passes.eager.apply import apply_eager
 
     torch.manual_seed(0)
     model, _ = tiny_llama(config)
@@ -86,17 +87,17 @@ def build(config: TinyLlamaConfig, wrapping):
     return model
 
 
-def inputs_of(config: TinyLlamaConfig, batch: int, rank: int) -> tuple:
+def inputs_of(config: LlamaConfig, batch: int, rank: int) -> tuple:
     g = torch.Generator().manual_seed(rank)
-    return (torch.randint(0, config.vocab, (batch, config.seq), generator=g),
-            torch.randint(0, config.vocab, (batch, config.seq), generator=g))
+    return (torch.randint(0, config.vocab_size, (batch, config.seq), generator=g),
+            torch.randint(0, config.vocab_size, (batch, config.seq), generator=g))
 
 
 def flops(config, batch, wrapping) -> float | str:
     """The FLOPs of one forward and backward on one process, or the error it raised."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from remat.fx_passes.flops import register_cpu_attention
+    from remat.fx_passes.measuring.flops import register_cpu_attention
 
     register_cpu_attention()
     try:
@@ -225,7 +226,8 @@ def main(argv=None) -> None:
 
     variants, jobs, config_of = {}, {}, {}
     for dropout in dict.fromkeys((args.dropout, 0.0)):
-        config = TinyLlamaConfig(hidden=64, mlp=176, seq=64, layers=args.layers, dropout=dropout)
+        config = replace(LLAMA_TEST, hidden=64, mlp=176, seq=64, layers=args.layers,
+                         dropout=dropout)
         config_of[dropout] = config
         rows, notes = plan_configurations(config, args.batch, args.fractions, args.time_limit,
                                           args.objective)

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import remat  # noqa: E402
-from remat.fx_passes.allocator import allocator_peak  # noqa: E402
+from remat.fx_passes.measuring.allocator import allocator_peak  # noqa: E402
 from remat.solvers import SolverOptions, Strategy  # noqa: E402
 
 

@@ -10,7 +10,7 @@ wrapper: ``remat.optimize(model, example_kwargs={...}, activation_budget=...)``;
 module returns the model's ``ModelOutput`` and ``out.loss.backward()`` runs the plan.
 
 For each model the reference is eager PyTorch's step, measured by the allocator
-(remat.fx_passes.allocator: torch.profiler memory events on the CPU, every byte allocated from
+(remat.fx_passes.measuring.allocator: torch.profiler memory events on the CPU, every byte allocated from
 the start of the forward to the end of the backward). Its activations mean what
 ``activation_budget`` means: the step's peak less the state (parameters, which the allocator
 sees as held before the step, and their gradients; there is no optimizer here). Each budget is
@@ -38,9 +38,10 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from remat.errors import BudgetError  # noqa: E402
-from remat.fx_passes.allocator import allocator_peak  # noqa: E402
+from remat.fx_passes.measuring.allocator import allocator_peak  # noqa: E402
 from remat.planner.budget import format_size  # noqa: E402
-from remat.planner.optimize import plan_prepared, prepare  # noqa: E402
+from remat.planner.plan import plan_prepared  # noqa: E402
+from remat.planner.prepare import prepare  # noqa: E402
 from remat.solvers import SolverOptions, Strategy  # noqa: E402
 from remat.solvers.bound import peak_bound  # noqa: E402
 

@@ -27,6 +27,7 @@ class LlamaConfig:
     seq: int = 4096
     rope_theta: float = 10000.0
     eps: float = 1e-5
+    dropout: float = 0.0  # after attention and after the MLP, as GPT-2 and the tests have it
 
 
 LLAMA_7B = LlamaConfig()
@@ -34,6 +35,9 @@ LLAMA_7B = LlamaConfig()
 LLAMA_70B = LlamaConfig(vocab_size=128256, hidden=8192, layers=80, heads=64, kv_heads=8,
                         mlp=28672, rope_theta=500000.0)
 LLAMA_TINY = LlamaConfig(vocab_size=256, hidden=64, layers=2, heads=4, mlp=172, seq=32)
+# The eager-mode and distributed tests' model: the architecture FSDP2 users train, with dropout.
+LLAMA_TEST = LlamaConfig(vocab_size=96, hidden=32, layers=2, heads=2, mlp=88, seq=16,
+                         dropout=0.1)
 
 
 class RMSNorm(nn.Module):
@@ -102,10 +106,12 @@ class DecoderLayer(nn.Module):
         self.attention = Attention(c)
         self.ffn_norm = RMSNorm(c.hidden, c.eps)
         self.feed_forward = SwiGLU(c)
+        # No dropout module at all by default: the graph of Llama as released has none.
+        self.drop = nn.Dropout(c.dropout) if c.dropout else nn.Identity()
 
     def forward(self, x, cos, sin):
-        x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        x = x + self.drop(self.attention(self.attention_norm(x), cos, sin))
+        return x + self.drop(self.feed_forward(self.ffn_norm(x)))
 
 
 class Llama(nn.Module):
@@ -128,14 +134,26 @@ class Llama(nn.Module):
 
 
 def llama(config: LlamaConfig = LLAMA_TINY, *, batch: int = 1, device="cpu",
-          dtype=torch.float32):
-    """(model, (tokens, targets)) on `device` ("meta" allocates nothing)."""
+          dtype=torch.float32, data_seed: int | None = None):
+    """(model, (tokens, targets)) on `device` ("meta" allocates nothing). The weights are the
+    same on every call; the tokens are zeros, or drawn from a generator seeded `data_seed`."""
     torch.manual_seed(0)
     with torch.device(device):
         model = Llama(config).to(dtype).train()
-        tokens = torch.zeros(batch, config.seq, dtype=torch.long)
-        targets = torch.zeros(batch, config.seq, dtype=torch.long)
+    shape = (batch, config.seq)
+    if data_seed is None or device == "meta":
+        tokens = torch.zeros(shape, dtype=torch.long, device=device)
+        targets = torch.zeros(shape, dtype=torch.long, device=device)
+    else:
+        g = torch.Generator().manual_seed(data_seed)
+        tokens = torch.randint(0, config.vocab_size, shape, generator=g).to(device)
+        targets = torch.randint(0, config.vocab_size, shape, generator=g).to(device)
     return model, (tokens, targets)
+
+
+def tiny_llama(config: LlamaConfig = LLAMA_TEST, batch: int = 4):
+    """The tests' small Llama (dropout on, random tokens): a CPU runs its step in milliseconds."""
+    return llama(config, batch=batch, data_seed=1)
 
 
 def tiny():

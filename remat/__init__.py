@@ -7,7 +7,7 @@ from remat.errors import BudgetError, CaptureError, RematError, SolverError
 
 _LAZY = {
     "optimize": "remat.planner.optimize",
-    "Plan": "remat.planner.optimize",
+    "Plan": "remat.planner.plan",
     "Training": "remat.planner.training",
     "sweep": "remat.planner.sweep",
     "max_batch": "remat.planner.sweep",

@@ -1,7 +1,7 @@
 """The CPU allocator's view of a step: torch.profiler memory events, summed in time order
 (TORCH-NOTES.md). It sees every allocation, kernel scratch included.
 
-Unlike `remat.fx_passes.allocator`, which keeps only frees whose allocation it saw (a guard
+Unlike `remat.fx_passes.measuring.allocator`, which keeps only frees whose allocation it saw (a guard
 against the profiler's stale sizes, for one step's graphs), this counts every free:
 with pairing, the FSDP2 test's rank 0 ended its step 329,472 bytes above its gradient shards
 (frees of blocks allocated before the window were dropped); counted, it ends at them exactly."""

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 import remat
 from remat.planner.training import Training
-from remat.planner.optimize import plan_prepared, prepare
+from remat.planner.plan import plan_prepared
+from remat.planner.prepare import prepare
 from remat.solvers import SolverOptions, Strategy
 from tests.allocator import allocator_peak, storage_bytes
 

@@ -14,12 +14,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from remat.errors import BudgetError
 from remat.fx_passes import capture, lower
-from remat.fx_passes.allocator import AllocatorTrace, allocator_peak, step_peak
-from remat.fx_passes.flops import FlopCounter
-from remat.fx_passes.measure import measure_step
-from remat.fx_passes.planned import planned_module
-from remat.fx_passes.storage import remat_meta
-from remat.fx_passes.workspace import workspace_bytes
+from remat.fx_passes.measuring.allocator import AllocatorTrace, allocator_peak, step_peak
+from remat.fx_passes.measuring.flops import FlopCounter
+from remat.fx_passes.compiled.measure_step import measure_step
+from remat.fx_passes.compiled.planned import planned_module
+from remat.fx_passes.measuring.storage import remat_meta
+from remat.fx_passes.measuring.workspace import workspace_bytes
 from remat.solvers import SolverOptions, make_schedule, simulate, solve
 
 

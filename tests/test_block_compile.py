@@ -13,10 +13,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import remat
-from remat.fx_passes.block_compile import compile_model_blocks
+from remat.fx_passes.compiled.block_compile import compile_model_blocks
 from remat.planner.block_compile import block_plans
 from remat.solvers import SolverOptions
-from tests.llama_tiny import tiny_llama
+from examples.llama import tiny_llama
 # The same model, batches, seeds and training loop as the eager plan's FSDP2 test.
 from tests.test_distributed import CONFIG, WORLD, _fsdp, _train
 

@@ -5,7 +5,7 @@ import torch.nn as nn
 
 from remat.errors import CaptureError
 from remat.fx_passes import capture, lower, op_nodes
-from remat.fx_passes.rng import state_bytes
+from remat.fx_passes.tracing.rng import state_bytes
 from remat.solvers import Kind, Phase, Reason
 from tests import models
 
@@ -107,7 +107,7 @@ def test_every_non_recomputable_op_has_a_reason(tiny_gpt):
     reasons = {op.target: op.not_recomputable for op in problem.ops if op.not_recomputable}
     assert all(isinstance(r, Reason) for r in reasons.values())
     # Dropout replays from a snapshot of the generator, which itself cannot be taken again.
-    assert reasons.get("remat.fx_passes.rng.rng_state") is Reason.RANDOM
+    assert reasons.get("remat.fx_passes.tracing.rng.rng_state") is Reason.RANDOM
     dropouts = [op for op in problem.ops if op.target == "aten.native_dropout.default"]
     assert dropouts and all(op.not_recomputable is None for op in dropouts)
     for op in dropouts:
@@ -165,7 +165,7 @@ def test_attention_draws_only_with_dropout(p):
     problem = lower(capture(_Attention(p), (torch.randn(2, 8, 16),)))
     attention = [op for op in problem.ops if "scaled_dot_product" in op.target
                  and op.phase is Phase.FORWARD]
-    snapshots = [op for op in problem.ops if op.target == "remat.fx_passes.rng.rng_state"]
+    snapshots = [op for op in problem.ops if op.target == "remat.fx_passes.tracing.rng.rng_state"]
     if p == 0.0:
         assert attention and not snapshots
         assert all(op.flops > 0 and op.not_recomputable is None for op in attention)

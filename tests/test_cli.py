@@ -136,7 +136,7 @@ def test_a_factory_may_return_keyword_inputs_and_one_tensor():
 
 
 def test_help_lists_the_solvers_and_targets(capsys):
-    from remat.fx_passes.devices import DEVICES
+    from remat.fx_passes.measuring.devices import DEVICES
     from remat.solvers import Strategy
 
     with pytest.raises(SystemExit):

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from remat.errors import BudgetError
-from remat.fx_passes.capture import capture, default_loss
-from remat.fx_passes.lower import lower
-from remat.fx_passes.planned import planned_module
-from remat.fx_passes.rng import RandomOp
+from remat.fx_passes.tracing.capture import capture, default_loss
+from remat.fx_passes.lowering.lower import lower
+from remat.fx_passes.compiled.planned import planned_module
+from remat.fx_passes.tracing.rng import RandomOp
 from remat.solvers import SolverOptions, simulate, solve
 from remat.solvers.schedule import drop_unneeded, make_schedule
 from tests import models

@@ -21,14 +21,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import remat
-from remat.fx_passes.eager_policy import apply_eager
+from remat.fx_passes.eager.apply import apply_eager
 from remat.planner.eager_plan import plan_eager_mode
-from remat.planner.optimize import prepare
+from remat.planner.prepare import prepare
 from remat.solvers import SolverOptions
 from tests.allocator import allocator_peak, storage_bytes
-from tests.llama_tiny import TinyLlamaConfig, tiny_llama
+from examples.llama import LLAMA_TEST, tiny_llama
 
-CONFIG = TinyLlamaConfig(hidden=32, mlp=88, seq=16, dropout=0.1)
+CONFIG = LLAMA_TEST
 WORLD = 2
 STEPS = 2
 BATCH = 2  # per rank
@@ -40,8 +40,8 @@ JOBS = {"fsdp2": {"zero_stage": 3},
 
 def _batch(rank: int, step: int):
     g = torch.Generator().manual_seed(100 * rank + step)
-    tokens = torch.randint(0, CONFIG.vocab, (BATCH, CONFIG.seq), generator=g)
-    return tokens, torch.randint(0, CONFIG.vocab, (BATCH, CONFIG.seq), generator=g)
+    tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.seq), generator=g)
+    return tokens, torch.randint(0, CONFIG.vocab_size, (BATCH, CONFIG.seq), generator=g)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@ the allocator (torch.profiler memory events) of the real step."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from functools import partial
 import subprocess
 import sys
@@ -12,15 +13,16 @@ import torch
 
 import remat
 from remat.errors import BudgetError, RematError
-from remat.fx_passes.allocator import peak_and_result as allocator_peak
-from remat.fx_passes.eager_policy import apply_eager, with_cache
+from remat.fx_passes.measuring.allocator import peak_and_result as allocator_peak
+from remat.fx_passes.eager.apply import apply_eager
+from remat.fx_passes.eager.block_policy import with_cache
 from remat.planner.eager_plan import plan_eager_mode
-from remat.planner.optimize import prepare
+from remat.planner.prepare import prepare
 from remat.solvers import SolverOptions, Strategy
 from remat.solvers.eager import block_runs, eager_schedule
-from tests.llama_tiny import TinyLlamaConfig, tiny_llama
+from examples.llama import LLAMA_TEST, tiny_llama
 
-CONFIG = TinyLlamaConfig(hidden=32, mlp=88, seq=32, dropout=0.1)
+CONFIG = replace(LLAMA_TEST, seq=32)
 FAST = SolverOptions(time_limit=5)
 
 
@@ -118,7 +120,8 @@ def test_policy_answers_the_recomputation_like_the_forward():
 
     from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
-    from remat.fx_passes.eager_policy import BlockPolicy, _contexts
+    from remat.fx_passes.eager.apply import _contexts
+    from remat.fx_passes.eager.block_policy import BlockPolicy
 
     ops = ("aten.mm.default", "aten.relu.default", "aten.mm.default")
     policy = with_cache(BlockPolicy("b", ops, ((0,), (1,), (2,)), (True, True, True)),
@@ -143,7 +146,7 @@ def test_apply_refuses_twice_and_other_models(llama):
     mine = plan.apply(copy.deepcopy(model))
     with pytest.raises(RematError, match="already wrapped"):
         plan.apply(mine)
-    other, _ = tiny_llama(TinyLlamaConfig(hidden=16, mlp=40, seq=32))
+    other, _ = tiny_llama(replace(LLAMA_TEST, hidden=16, mlp=40, seq=32))
     with pytest.raises(RematError, match="parameters differ"):
         plan.apply(other)
 

@@ -7,7 +7,7 @@ import pytest
 
 from examples.hf_zoo import (activation_peak, build, feasibility, gradient_bytes, run_model,
                              training_step)
-from remat.fx_passes.allocator import allocator_peak
+from remat.fx_passes.measuring.allocator import allocator_peak
 from remat.solvers import SolverOptions, Strategy
 
 
@@ -36,7 +36,7 @@ def test_a_budget_per_block_checkpointing_fits_gets_a_plan_within_it():
 
 
 def test_feasibility_says_no_below_the_proven_floor():
-    from remat.planner.optimize import prepare
+    from remat.planner.prepare import prepare
 
     model, kwargs = build("vit")
     prepared = prepare(copy.deepcopy(model), example_kwargs=kwargs)

@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from remat.fx_passes import (DEVICES, MemoryTracker, capture, compile_step, default_loss, device,
                              lower, measure_eager, profile, register_cpu_attention,
                              tracking_compilers)
-from remat.fx_passes.memory_tracker import measure_partitioned
+from remat.fx_passes.measuring.memory_tracker import measure_partitioned
 from remat.solvers import make_schedule, simulate
 from tests import models
 
@@ -165,7 +165,7 @@ def test_recomputation_lowers_the_unet_peak_below_saving_everything():
 
 def test_kernel_scratch_measured_on_real_tensors_modelled_on_meta():
     """A real capture runs every op once under the allocator; a meta capture cannot run, and
-    takes the workspace model (remat.fx_passes.workspace), which errs high."""
+    takes the workspace model (remat.fx_passes.measuring.workspace), which errs high."""
     def conv(device):
         torch.manual_seed(0)
         with torch.device(device):

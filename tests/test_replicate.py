@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from examples.llama import LLAMA_TINY, llama
 from remat.fx_passes import capture, lower
-from remat.fx_passes.replicate import ReplicatedCapture, capture_replicated, find_stack
+from remat.fx_passes.tracing.replicate import ReplicatedCapture, capture_replicated, find_stack
 from tests import models
 
 
@@ -48,7 +48,7 @@ def test_gpt2_stack_with_dropout_replicated_equals_full_trace():
 def test_unet_without_a_stack_is_captured_whole(caplog):
     model, inputs = models.unet(batch=1, size=16)
     assert find_stack(model) is None
-    with caplog.at_level(logging.INFO, logger="remat.fx_passes.replicate"):
+    with caplog.at_level(logging.INFO, logger="remat.fx_passes.tracing.replicate"):
         _assert_same_step(model, inputs, replicated=False)
     assert "no ModuleList/Sequential" in caplog.text
 
@@ -88,7 +88,7 @@ def test_unet_with_equal_blocks_and_skips_is_not_replicated(caplog):
     model = _FlatUNet()
     inputs = (torch.randn(1, 1, 8, 8), torch.randn(1, 1, 8, 8))
     assert find_stack(model)[0] == "up"
-    with caplog.at_level(logging.INFO, logger="remat.fx_passes.replicate"):
+    with caplog.at_level(logging.INFO, logger="remat.fx_passes.tracing.replicate"):
         _assert_same_step(model, inputs, replicated=False)
     assert "not interchangeable" in caplog.text
 
@@ -113,7 +113,8 @@ def test_find_stack_compares_attributes_but_not_layer_index():
 
 
 def test_plan_of_a_replicated_capture_runs_on_the_full_graph(caplog):
-    from remat.planner.optimize import plan_prepared, prepare
+    from remat.planner.plan import plan_prepared
+    from remat.planner.prepare import prepare
     from remat.planner.training import Training
 
     model, inputs = llama(replace(LLAMA_TINY, layers=4, seq=16), batch=2)
@@ -138,7 +139,7 @@ def test_plan_of_a_replicated_capture_runs_on_the_full_graph(caplog):
 
 
 def test_prepare_replicates_a_model_on_meta_by_default():
-    from remat.planner.optimize import prepare
+    from remat.planner.prepare import prepare
 
     model, inputs = llama(replace(LLAMA_TINY, layers=4, seq=16), batch=2, device="meta")
     replicated = prepare(model, inputs)

@@ -8,8 +8,10 @@ import torch
 
 import remat
 from remat.errors import BudgetError, RematError
-from remat.fx_passes.memory_tracker import MemoryTracker
-from remat.planner.optimize import optimize, plan_prepared, prepare
+from remat.fx_passes.measuring.memory_tracker import MemoryTracker
+from remat.planner.optimize import optimize
+from remat.planner.plan import plan_prepared
+from remat.planner.prepare import prepare
 from remat.planner.report import module_rows
 from remat.planner.sweep import knee, max_batch, sweep_prepared
 from remat.planner.training import Training

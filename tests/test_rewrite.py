@@ -16,11 +16,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from remat.errors import BudgetError, RematError
-from remat.fx_passes.capture import capture, default_loss
-from remat.fx_passes.lower import lower
-from remat.fx_passes.measure import measure_step
-from remat.fx_passes.planned import planned_module
-from remat.fx_passes.rewrite import RECOMPUTE
+from remat.fx_passes.tracing.capture import capture, default_loss
+from remat.fx_passes.lowering.lower import lower
+from remat.fx_passes.compiled.measure_step import measure_step
+from remat.fx_passes.compiled.planned import planned_module
+from remat.fx_passes.compiled.rewrite import RECOMPUTE
 from remat.solvers import SolverOptions, solve
 from remat.solvers.problem import Kind, Problem, Reason
 from remat.solvers.schedule import drop_unneeded, make_schedule, recomputable
@@ -301,7 +301,7 @@ def test_batchnorm_statistics_cost_what_they_cost_eager():
     """The step copies BatchNorm's new running statistics into the buffers as the forward ends,
     and the backward never reads them: saving everything, the planned step holds no more than
     eager does, and the simulator predicts it to the byte."""
-    from remat.fx_passes.allocator import step_peak
+    from remat.fx_passes.measuring.allocator import step_peak
 
     model, inputs, problem = planned("resnet")
     assert any(op.forward_output for op in problem.ops)
@@ -340,7 +340,7 @@ def test_views_are_rebuilt_not_saved():
 def test_live_bytes_follow_the_simulated_timeline_op_by_op(which):
     """Not only the peak: after every op of the step the live bytes equal the simulator's, so
     the boxed backward frees each saved tensor at its last use, as the execution model says."""
-    from remat.fx_passes.memory_tracker import MemoryTracker
+    from remat.fx_passes.measuring.memory_tracker import MemoryTracker
 
     model, inputs, problem = planned("mlp")
     schedule = save_all(problem) if which == "save_all" else recompute_all(problem)

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from remat.fx_passes.capture import capture, default_loss
-from remat.fx_passes.lower import lower
-from remat.fx_passes.measure import measure_step
-from remat.fx_passes.planned import planned_module
+from remat.fx_passes.tracing.capture import capture, default_loss
+from remat.fx_passes.lowering.lower import lower
+from remat.fx_passes.compiled.measure_step import measure_step
+from remat.fx_passes.compiled.planned import planned_module
 from remat.solvers.problem import Kind, Problem
 from remat.solvers.schedule import Schedule, make_schedule, recomputable
 from remat.solvers.simulate import StepKind, simulate, step_order
@@ -183,7 +183,7 @@ def test_optimize_with_offload_plans_and_runs_it(step):
     with eager's gradients, and the allocator sees the simulated device peak plus at most the
     host copies (CPU memory here)."""
     import remat
-    from remat.fx_passes.allocator import allocator_peak
+    from remat.fx_passes.measuring.allocator import allocator_peak
     from remat.solvers import SolverOptions
 
     model, x, _ = step

@@ -2,7 +2,7 @@
 what `torch.distributed.fsdp.fully_shard` holds on 2 gloo ranks, measured by the allocator
 (torch.profiler memory events, which work under gloo).
 
-The collectives are modelled as FSDP2 runs them on gloo (remat.fx_passes.sharding: flat
+The collectives are modelled as FSDP2 runs them on gloo (remat.fx_passes.lowering.sharding: flat
 all-gather buffers freed late in the forward, gloo's scratch copy, copy-outs). The measured
 step runs in eager autograd without remat and the prediction is the compiled mode's, 0.9 %
 (22,020 bytes) under at 2 layers; that rest was not traced (before the collectives were
@@ -59,8 +59,8 @@ def test_fsdp2_per_rank_peak_is_predicted_within_5_percent(measured):
 
 @pytest.fixture(scope="module")
 def captured():
-    from remat.fx_passes.capture import capture
-    from remat.fx_passes.lower import lower
+    from remat.fx_passes.tracing.capture import capture
+    from remat.fx_passes.lowering.lower import lower
 
     model, inputs = llama_model(layers=2)
     c = capture(model, inputs)
@@ -76,7 +76,7 @@ def unit_bytes(c, unit):
 
 
 def test_zero2_keeps_a_full_gradient_only_until_its_blocks_reduce_scatter(captured):
-    from remat.fx_passes.sharding import shard
+    from remat.fx_passes.lowering.sharding import shard
     from remat.planner.accounting import graph_gradients
     from remat.solvers import make_schedule
     from remat.solvers.simulate import holds, step_order
@@ -115,7 +115,7 @@ def test_zero2_keeps_a_full_gradient_only_until_its_blocks_reduce_scatter(captur
 
 
 def test_zero3_gathers_each_block_for_its_forward_and_backward(captured):
-    from remat.fx_passes.sharding import shard
+    from remat.fx_passes.lowering.sharding import shard
 
     _, _, c, graph = captured
     problem = shard(graph, c, data_parallel=2, zero_stage=3, prefetch=1).problem

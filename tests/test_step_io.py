@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 
 from remat.errors import CaptureError, RematError
-from remat.fx_passes import capture, step_io
+from remat.fx_passes import capture
+from remat.fx_passes.tracing import step_io
 from remat.planner.optimize import optimize
 from remat.solvers import SolverOptions
 
@@ -161,7 +162,7 @@ def test_the_plan_states_its_mode_and_refuses_the_other():
 def test_a_long_capture_logs_its_progress(monkeypatch, caplog):
     monkeypatch.setattr(step_io, "PROGRESS_EVERY", 0.02)
     x, y = batch()
-    with caplog.at_level(logging.INFO, logger="remat.fx_passes.step_io"):
+    with caplog.at_level(logging.INFO, logger="remat.fx_passes.tracing.step_io"):
         capture(Classifier(), (x, y))
     lines = [r.getMessage() for r in caplog.records if "graph nodes traced" in r.getMessage()]
     assert lines and lines[0].startswith("capturing Classifier: ")

@@ -10,7 +10,7 @@ activation peak" and the report all mean that, and nothing else.
 
 The solver still sees when each gradient appears: the graph's parameter gradients are
 `is_output` values of the Problem (under ZeRO-2/3 the shards that the reduce-scatters make, see
-`remat.fx_passes.sharding`), live from the op that makes them to the end of the step. The
+`remat.fx_passes.lowering.sharding`), live from the op that makes them to the end of the step. The
 simulated peak therefore holds the gradients made before it. The state counts the gradients
 whole, all step long, so the accounting takes the graph's gradient bytes that the state counts
 (`graph_gradients`) out of the simulated peak:

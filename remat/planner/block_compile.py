@@ -1,13 +1,14 @@
 """`compile_blocks(plan, model)`: an eager plan's blocks compiled with remat's partitioner,
 for training loops that compile each block and then shard it (torchtitan: `torch.compile`
 per block, then `fully_shard`). The alternative to `plan.apply(model)`, which wraps the
-blocks with eager checkpointing; see `remat.fx_passes.block_compile`."""
+blocks with eager checkpointing; see `remat.fx_passes.compiled.block_compile`."""
 from __future__ import annotations
 
 from typing import Any
 
 from remat.errors import RematError
-from remat.fx_passes.block_compile import BlockPlan
+from remat.fx_passes.compiled.block_compile import BlockPlan
+from remat.planner.prepare import check_eager_device, check_same_parameters, has_meta_weights
 from remat.solvers.problem import Phase
 
 __all__ = ["block_plans", "compile_blocks"]
@@ -24,9 +25,7 @@ def compile_blocks(plan: Any, model: Any, *, inductor: bool = False) -> Any:
     The plan's peak (`plan.peak`) is the eager mode's, where checkpoint recomputes a block's
     uncached ops all at once; the compiled blocks recompute the same values one at a time,
     and that timeline is not simulated separately."""
-    from remat.fx_passes.block_compile import compile_model_blocks
-    from remat.planner.eager_plan import check_eager_device
-    from remat.planner.optimize import check_same_parameters, has_meta_weights
+    from remat.fx_passes.compiled.block_compile import compile_model_blocks
 
     plans = block_plans(plan)
     check_same_parameters(model, plan.prepared.param_shapes)
@@ -39,10 +38,8 @@ def compile_blocks(plan: Any, model: Any, *, inductor: bool = False) -> Any:
 
 def block_plans(plan: Any) -> dict[str, BlockPlan]:
     """Each block's decisions (picklable): plan on one rank, send these to the others and call
-    `remat.fx_passes.block_compile.compile_model_blocks(model, plans)` there."""
-    from remat.planner.eager_plan import EagerPlan
-
-    if not isinstance(plan, EagerPlan):
+    `remat.fx_passes.compiled.block_compile.compile_model_blocks(model, plans)` there."""
+    if getattr(plan, "execution", None) != "eager":
         raise RematError("compile_blocks needs a plan made with execution=\"eager\" (its "
                          "decisions are per block); a compiled plan runs the whole step: use "
                          "plan.module")

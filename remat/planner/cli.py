@@ -95,7 +95,7 @@ def parse_training(text: str | None) -> Training:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from remat.fx_passes.devices import DEVICES
+    from remat.fx_passes.measuring.devices import DEVICES
     from remat.solvers import Strategy
 
     parser = argparse.ArgumentParser(prog="remat", description=__doc__.splitlines()[0])
@@ -152,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from remat.planner.optimize import plan_prepared, prepare
+    from remat.planner.plan import plan_prepared
+    from remat.planner.prepare import prepare
     from remat.planner.sweep import default_budgets, sweep_prepared
     from remat.solvers import SolverOptions
 

@@ -3,7 +3,7 @@
 1. Plans the 7B Llama-style configuration (examples/llama.py, sequence 4096, micro-batch 2) on
    meta tensors, no weight allocated, for one 80 GB H100 of eight data-parallel ranks (bf16
    mixed precision, AdamW, ZeRO-2), and prints the report. Three of its 32 blocks are traced
-   and the middle one replicated (remat.fx_passes.replicate); a line per phase gives its time.
+   and the middle one replicated (remat.fx_passes.tracing.replicate); a line per phase gives its time.
    Then one line for the 70B shape (Llama-2-70B: 80 layers, hidden 8192, grouped-query
    attention) on 64 ZeRO-3 ranks of 80 GB: the per-rank memory, the plan's status and gap, or
    the BudgetError that says why it does not fit.
@@ -50,8 +50,9 @@ def _llama_example():
 def run_demo(*, time_limit: float = 15.0) -> int:
     import torch
 
-    from remat.fx_passes.measure import measure_step
-    from remat.planner.optimize import plan_prepared, prepare
+    from remat.fx_passes.compiled.measure_step import measure_step
+    from remat.planner.plan import plan_prepared
+    from remat.planner.prepare import prepare
 
     example = _llama_example()
     options = SolverOptions(time_limit=time_limit, relative_gap=RELATIVE_GAP)
@@ -115,7 +116,8 @@ def _plan_on_meta(model, inputs, training: Training, budget: str, options: Solve
                   label: str):
     """Prepare (replicated), solve and simulate with a progress line per phase; the plan, or
     None after printing the BudgetError as a line."""
-    from remat.planner.optimize import plan_prepared, prepare
+    from remat.planner.plan import plan_prepared
+    from remat.planner.prepare import prepare
     from remat.solvers import simulate
 
     say = _progress(label)

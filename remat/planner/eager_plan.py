@@ -15,8 +15,10 @@ from typing import Any, Sequence
 
 from remat.errors import BudgetError, RematError, SolverError
 from remat.planner.budget import format_size
-from remat.planner.optimize import Plan, check_same_parameters, has_meta_weights
-from remat.planner.prepare import shard_step
+from remat.planner.block_compile import compile_blocks
+from remat.planner.plan import Plan, budget_error_in_user_terms
+from remat.planner.prepare import (check_eager_device, check_same_parameters,
+                                   has_meta_weights, shard_step)
 from remat.solvers import SolverOptions, Strategy, solve
 from remat.solvers.baselines import block_of
 from remat.solvers.eager import eager_schedule, plan_eager
@@ -28,6 +30,8 @@ log = logging.getLogger(__name__)
 class EagerPlan(Plan):
     """A plan for eager training: `apply(model)` wraps the model's blocks in place with
     checkpoint and a selective policy per block, and returns the model."""
+
+    execution = "eager"
 
     def __init__(self, *, policies, structure, eager_problem, to_graph, **fields):
         super().__init__(**fields)
@@ -42,14 +46,14 @@ class EagerPlan(Plan):
     @property
     def block_policies(self) -> dict:
         """Each block's policy (picklable): plan on one rank, send these to the others and
-        call `remat.fx_passes.eager_policy.apply_eager(model, policies)` there."""
-        from remat.fx_passes.eager_policy import with_cache
+        call `remat.fx_passes.eager.apply.apply_eager(model, policies)` there."""
+        from remat.fx_passes.eager.block_policy import with_cache
 
         cached = frozenset(self.to_graph[v] for v in self.schedule.info["cached"])
         return {p: with_cache(pol, cached) for p, pol in self.policies.items()}
 
     def apply(self, model: Any):
-        from remat.fx_passes.eager_policy import apply_eager
+        from remat.fx_passes.eager.apply import apply_eager
 
         check_same_parameters(model, self.prepared.param_shapes)
         if has_meta_weights(model):
@@ -63,8 +67,6 @@ class EagerPlan(Plan):
         """The plan applied by compiling each block with remat's partitioner (torchtitan's
         per-block compile) instead of wrapping it in checkpoint: see
         `remat.planner.block_compile.compile_blocks`."""
-        from remat.planner.block_compile import compile_blocks
-
         return compile_blocks(self, model, inductor=inductor)
 
 
@@ -72,10 +74,9 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
                     target: str, solver: Strategy | str, solver_options: SolverOptions | None,
                     blocks: Sequence[str] | None, example_inputs: Sequence[Any] | None = None,
                     example_kwargs: dict[str, Any] | None = None):
-    from remat.fx_passes.eager_policy import block_paths, eager_blocks, eager_problem
-    from remat.fx_passes.eager_probe import probe
-    from remat.fx_passes.lower import op_nodes
-    from remat.planner.optimize import _budget_error
+    from remat.fx_passes.eager.policy import block_paths, eager_blocks, eager_problem
+    from remat.fx_passes.eager.probe import probe
+    from remat.fx_passes.lowering.lower import op_nodes
 
     captured, joint = prepared.captured, prepared.sharded.graph
     paths = block_paths(model, joint, blocks, block_of)
@@ -118,7 +119,7 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
             raise BudgetError("the state alone exceeds the budget", budget=allowance,
                               smallest=schedule.peak)
     except BudgetError as e:
-        raise _budget_error(prepared, e, budget=budget, strategy=strategy) from None
+        raise budget_error_in_user_terms(prepared, e, budget=budget, strategy=strategy) from None
     # schedule.peak is the eager timeline's (eager_schedule), so the terms are the eager step's.
     memory = prepared.step_memory(schedule, budget)
     log.info("eager plan: %d blocks, activation peak %s, recompute %.3g FLOPs", len(paths),
@@ -128,18 +129,6 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
                      activation_budget=activation_budget, policies=policies,
                      structure=structure, eager_problem=problem, to_graph=to_graph)
 
-
-
-def check_eager_device(model: Any, captured_device: str) -> None:
-    import torch
-
-    params = list(model.parameters())
-    where = params[0].device.type if params else "cpu"
-    if where != torch.device(captured_device).type:
-        raise RematError(
-            f"plan.apply(model): the eager plan was made on {captured_device} and the model is "
-            f"on {where}; eager PyTorch runs other ops on other devices (dropout, attention), "
-            "so plan on the device you train on")
 
 
 def check_no_cache(model: Any) -> None:

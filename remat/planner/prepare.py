@@ -35,8 +35,8 @@ class Prepared:
 
     problem: Problem
     """The problem the solver plans: the graph's ops, and under ZeRO-2/3 the collectives too."""
-    captured: Any  # remat.fx_passes.capture.Captured
-    profile: Any  # remat.fx_passes.profile.Profile
+    captured: Any  # remat.fx_passes.tracing.capture.Captured
+    profile: Any  # remat.fx_passes.measuring.profile.Profile
     state: StateMemory
     training: Training
     gradients_in_graph: bool
@@ -54,7 +54,7 @@ class Prepared:
     """What the planned module returns: "output" (the model's) or "loss"."""
     prepare_time: float = 0.0
     sharded: Any = None
-    """remat.fx_passes.sharding.Sharded: `problem` and the graph problem the rewrite runs."""
+    """remat.fx_passes.lowering.sharding.Sharded: `problem` and the graph problem the rewrite runs."""
 
     def with_host_link(self, bandwidth: float) -> "Prepared":
         """The same step, with saved values allowed to live in host memory between the forward
@@ -104,13 +104,13 @@ def prepare(model: Any, example_inputs: Sequence[Any] = (), *,
             progress: Callable[[str, float], None] | None = None) -> Prepared:
     """Capture, profile and lower the step once; compute the state it holds. `replicate`
     traces three blocks of a stack of equal ones and replicates the middle one
-    (remat.fx_passes.replicate): the same problem in a fraction of the time, for planning;
+    (remat.fx_passes.tracing.replicate): the same problem in a fraction of the time, for planning;
     None: when the weights are meta or fake (a plan that cannot run as it is).
     `progress(phase, seconds)` hears of each phase as it ends."""
-    from remat.fx_passes.capture import capture
-    from remat.fx_passes.replicate import capture_replicated
-    from remat.fx_passes.lower import lower
-    from remat.fx_passes.profile import profile
+    from remat.fx_passes.tracing.capture import capture
+    from remat.fx_passes.tracing.replicate import capture_replicated
+    from remat.fx_passes.lowering.lower import lower
+    from remat.fx_passes.measuring.profile import profile
 
     start = time.perf_counter()
     log.info("capturing the training step of %s", type(model).__name__)
@@ -132,7 +132,7 @@ def prepare(model: Any, example_inputs: Sequence[Any] = (), *,
     state = dataclasses.replace(state_memory(model, training), batch=captured.input_bytes,
                                 buffers=captured.buffer_bytes)
     _warn_on_mismatch(model, training)
-    # Sharded gradients are made in the optimizer's dtype (remat.fx_passes.sharding).
+    # Sharded gradients are made in the optimizer's dtype (remat.fx_passes.lowering.sharding).
     in_graph = training.zero_stage >= 2 or _gradients_in_graph(model, training)
     return Prepared(problem=problem, captured=captured, profile=profiled, state=state,
                     training=training, gradients_in_graph=in_graph, sharded=sharded,
@@ -143,8 +143,8 @@ def prepare(model: Any, example_inputs: Sequence[Any] = (), *,
 
 
 def shard_step(problem: Any, captured: Any, training: Training):
-    """`remat.fx_passes.sharding.shard` of `problem` for `training`'s data parallelism."""
-    from remat.fx_passes.sharding import shard
+    """`remat.fx_passes.lowering.sharding.shard` of `problem` for `training`'s data parallelism."""
+    from remat.fx_passes.lowering.sharding import shard
 
     return shard(problem, captured, data_parallel=training.data_parallel,
                  zero_stage=training.zero_stage, prefetch=training.prefetch,
@@ -225,3 +225,15 @@ def check_same_parameters(model: Any, expected: dict) -> None:
             "plan.apply(model): the model's parameters differ from the planned model's "
             f"(missing {missing[:3]}, unexpected {extra[:3]}, other shape or dtype "
             f"{differ[:3]}); plan this model with remat.optimize")
+
+
+def check_eager_device(model: Any, captured_device: str) -> None:
+    import torch
+
+    params = list(model.parameters())
+    where = params[0].device.type if params else "cpu"
+    if where != torch.device(captured_device).type:
+        raise RematError(
+            f"plan.apply(model): the eager plan was made on {captured_device} and the model is "
+            f"on {where}; eager PyTorch runs other ops on other devices (dropout, attention), "
+            "so plan on the device you train on")

@@ -17,7 +17,8 @@ from tabulate import tabulate
 
 from remat.errors import BudgetError
 from remat.planner.budget import format_size, parse_size
-from remat.planner.optimize import Plan, Prepared, plan_prepared, prepare
+from remat.planner.plan import Plan, plan_prepared
+from remat.planner.prepare import Prepared, prepare
 from remat.planner.report import price
 from remat.planner.training import Training
 from remat.solvers import Schedule, SolverOptions, Strategy, solve
@@ -178,7 +179,7 @@ def default_budgets(prepared: Prepared, count: int = 8) -> list[int]:
 
 def _point(prepared: Prepared, schedule: Schedule, budget: int | None, target: str,
            strategy: str) -> Point:
-    from remat.fx_passes.devices import device
+    from remat.fx_passes.measuring.devices import device
 
     chip = device(target)
     needs = prepared.needs(schedule.peak)

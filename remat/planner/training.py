@@ -82,7 +82,7 @@ class Training:
     """ZeRO stage: 0 shards nothing (with data_parallel > 1: DDP, whose gradient buckets are
     state, `StateMemory.buckets`); 1 the optimizer state and master copy; 2 also the
     gradients; 3 also the weights (FSDP). From 2 on, the step is planned with FSDP2's
-    collectives (remat.fx_passes.sharding): each block's full gradients live until its
+    collectives (remat.fx_passes.lowering.sharding): each block's full gradients live until its
     reduce-scatter, and from 3 on its full parameters from its all-gather to its reshard;
     these count as activations, the shards as state."""
     prefetch: int = 1

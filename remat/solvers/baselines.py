@@ -13,7 +13,7 @@ from remat.solvers.blocks import block_of
 from remat.solvers.options import SolverOptions
 from remat.solvers.peak_meter import PeakMeter
 from remat.solvers.problem import Problem, tuple_of
-from remat.solvers.registry import Strategy, register
+from remat.solvers.strategies import Strategy, register
 from remat.solvers.schedule import Schedule, Status, drop_unneeded, make_schedule, recomputable
 
 __all__ = ["block_of", "checkpoint_blocks", "chen_sqrt", "greedy", "save_all", "selective"]

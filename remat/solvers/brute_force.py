@@ -19,7 +19,7 @@ from types import MappingProxyType
 from remat.errors import BudgetError
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Problem, tuple_of
-from remat.solvers.registry import Strategy, register
+from remat.solvers.strategies import Strategy, register
 from remat.solvers.schedule import Schedule, Status, evaluate, make_schedule, recomputable
 from remat.solvers.simulate import simulate
 

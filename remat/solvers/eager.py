@@ -74,7 +74,7 @@ class EagerBlocks:
 
     def renumbered(self, index: Mapping[int, int]) -> "EagerBlocks":
         """The same blocks over another numbering of the same ops (`index`: old -> new), such
-        as the problem with sharding's collectives inserted (`remat.fx_passes.sharding`),
+        as the problem with sharding's collectives inserted (`remat.fx_passes.lowering.sharding`),
         which keeps the forward ops in order."""
         at = lambda v: index[v] if v >= 0 else v  # noqa: E731  (-1: before the first op)
 

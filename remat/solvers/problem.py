@@ -1,6 +1,6 @@
 """The training step as the solver sees it: ops in execution order, with sizes and costs.
 
-This module is the contract between the torch side (`remat.fx_passes.lower` builds a Problem
+This module is the contract between the torch side (`remat.fx_passes.lowering.lower` builds a Problem
 from a captured graph) and every strategy, the simulator and the rewrite. It never imports torch.
 
 Conventions (see DESIGN.md, "The execution model"):
@@ -176,17 +176,6 @@ class Problem:
     @cached_property
     def _by_name(self) -> dict[str, int]:
         return {op.name: i for i, op in enumerate(self.ops)}
-
-    def to_json(self, **extra) -> str:
-        from remat.solvers.problem_file import dumps
-
-        return dumps(self, **extra)
-
-    @staticmethod
-    def from_json(text: str) -> "Problem":
-        from remat.solvers.problem_file import loads
-
-        return loads(text)[0]
 
 
 def needed_storages(problem: Problem, recomputed: Iterable[int]) -> set[int]:

@@ -1,39 +1,21 @@
-"""One signature for every strategy, and the registry that picks one by name."""
+"""`solve`: the one entry to every strategy, by name; it checks the budget, solves under the
+options' objective and refuses a schedule that does not fit. Importing it registers every
+strategy (`remat.solvers.strategies` holds the table)."""
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import replace
-from typing import Callable
 
 from remat.errors import BudgetError, SolverError
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Problem
 from remat.solvers.objective import Objective, with_objective
 from remat.solvers.schedule import Schedule, evaluate
+from remat.solvers.strategies import STRATEGIES, Strategy, StrategyFn, register
+# Importing the strategies registers them in the table.
+from remat.solvers import baselines, brute_force, cpsat, tiled  # noqa: E402,F401
 
-StrategyFn = Callable[[Problem, int, SolverOptions], Schedule]
-
-
-class Strategy(str, enum.Enum):
-    SAVE_ALL = "save_all"
-    CHECKPOINT_BLOCKS = "checkpoint_blocks"
-    CHEN_SQRT = "chen_sqrt"
-    GREEDY = "greedy"
-    SELECTIVE = "selective"
-    OPTIMAL = "optimal"
-    BRUTE_FORCE = "brute_force"
-    TILED = "tiled"
-
-
-STRATEGIES: dict[Strategy, StrategyFn] = {}
-
-
-def register(name: Strategy) -> Callable[[StrategyFn], StrategyFn]:
-    def add(fn: StrategyFn) -> StrategyFn:
-        STRATEGIES[name] = fn
-        return fn
-    return add
+__all__ = ["STRATEGIES", "Strategy", "StrategyFn", "register", "solve"]
 
 
 def solve(problem: Problem, budget: int, strategy: Strategy | str = Strategy.OPTIMAL,
@@ -41,9 +23,6 @@ def solve(problem: Problem, budget: int, strategy: Strategy | str = Strategy.OPT
     """The schedule that `strategy` picks for `problem` whose simulated activation peak is at
     most `budget` bytes. Raises BudgetError when the strategy cannot fit the budget and
     SolverError when it stops with no schedule."""
-    # Importing the strategies registers them; done here so that the registry has no cycle.
-    from remat.solvers import baselines, brute_force, cpsat, tiled  # noqa: F401
-
     try:
         fn = STRATEGIES[Strategy(strategy)]
     except ValueError:
@@ -69,7 +48,7 @@ def solve(problem: Problem, budget: int, strategy: Strategy | str = Strategy.OPT
         raise SolverError(
             f"{schedule.strategy}: returned a schedule whose simulated peak {schedule.peak:,} "
             f"exceeds the budget {budget:,}; this is a bug in the strategy: please report it "
-            "with the problem (Problem.to_json) and the budget")
+            "with the problem (remat.solvers.problem_file.dumps) and the budget")
     if not schedule.solve_time:
         schedule = replace(schedule, solve_time=time.perf_counter() - start)
     return schedule

@@ -29,9 +29,12 @@ from __future__ import annotations
 import bisect
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from remat.solvers.problem import Kind, Problem, tuple_of
-from remat.solvers.schedule import Schedule
+
+if TYPE_CHECKING:  # a schedule is read here, never made: schedule.py simulates through us
+    from remat.solvers.schedule import Schedule
 
 
 class StepKind(str, enum.Enum):

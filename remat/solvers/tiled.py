@@ -31,7 +31,8 @@ from remat.solvers.blocks import Family, Sub, families, subproblem
 from remat.solvers.options import SolverOptions
 from remat.solvers.peak_meter import PeakMeter
 from remat.solvers.problem import Problem
-from remat.solvers.registry import Strategy, register, solve
+from remat.solvers.cpsat.driver import optimal
+from remat.solvers.strategies import Strategy, register
 from remat.solvers.schedule import Schedule, Status, make_schedule
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def _ladder(family: Family, sub: Sub, count: int, options: SolverOptions,
         return found
     try:
         # Free positions: the least-peak search finds the least peak in a fraction of the time.
-        solve(sub.problem, 0, Strategy.OPTIMAL, SolverOptions(
+        optimal(sub.problem, 0, SolverOptions(
             time_limit=options.time_limit, workers=options.workers, seed=options.seed))
         return found
     except BudgetError as e:
@@ -95,7 +96,7 @@ def _ladder(family: Family, sub: Sub, count: int, options: SolverOptions,
             break
         budget = low + (high - low) * step // (count - 1)
         try:
-            found.add(_plan(family, sub, solve(sub.problem, budget, Strategy.OPTIMAL,
+            found.add(_plan(family, sub, optimal(sub.problem, budget,
                                                options).recomputed))
         except (BudgetError, SolverError):
             continue

@@ -27,7 +27,7 @@ from remat.solvers.cpsat.search import Progress, Trace, build_model, cp_solver
 from remat.solvers.cpsat.units import Units
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Problem
-from remat.solvers.registry import Strategy, register
+from remat.solvers.strategies import Strategy, register
 from remat.solvers.relaxed import binding_step, relaxed_schedule
 from remat.solvers.schedule import Schedule, Status, evaluate, make_schedule
 

@@ -12,7 +12,7 @@ from remat.errors import BudgetError
 from remat.solvers import baselines  # noqa: F401  (registers the pool's strategies)
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Kind, Problem
-from remat.solvers.registry import STRATEGIES, Strategy
+from remat.solvers.strategies import STRATEGIES, Strategy
 from remat.solvers.schedule import Schedule, drop_unneeded, make_schedule
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from remat.solvers.cpsat.search import cp_solver
 from remat.solvers.cpsat.units import Units
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Problem
-from remat.solvers.registry import Strategy
+from remat.solvers.strategies import Strategy
 from remat.solvers.schedule import Schedule, evaluate, make_schedule
 
 # The share of the time limit the floor's proof (bound.peak_bound) may take for the message.

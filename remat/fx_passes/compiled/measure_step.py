@@ -3,7 +3,7 @@ and FLOPs, in one run that changes nothing it measures.
 
 `measure_step(module, inputs)` runs one forward and backward of a `PlannedModule` (built with
 `compile=False`):
-- the allocator's peak (`remat.fx_passes.allocator.step_peak`: torch.profiler's memory events
+- the allocator's peak (`remat.fx_passes.measuring.allocator.step_peak`: torch.profiler's memory events
   on the CPU, ``max_memory_allocated`` on CUDA) above what was allocated before the step,
   kernel scratch included: comparable with `simulate(problem, schedule).peak`;
 - a `MemoryTracker` and a `FlopCounter` entered inside the compiled forward and backward
@@ -20,10 +20,10 @@ from typing import Any, Sequence
 
 import torch
 
-from remat.fx_passes.allocator import step_peak
-from remat.fx_passes.flops import FlopCounter
-from remat.fx_passes.memory_tracker import MemoryTracker
-from remat.fx_passes.planned import GraphCalls, PlannedModule
+from remat.fx_passes.measuring.allocator import step_peak
+from remat.fx_passes.measuring.flops import FlopCounter
+from remat.fx_passes.measuring.memory_tracker import MemoryTracker
+from remat.fx_passes.compiled.planned import GraphCalls, PlannedModule
 
 __all__ = ["StepMeasurement", "measure_step", "time_step"]
 

@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-from remat.fx_passes.rng import rng_state, unwrapped
+from remat.fx_passes.tracing.rng import rng_state, unwrapped
 
 __all__ = ["FAMILIES", "SCALAR_BYTES", "workspace_bytes"]
 

@@ -36,18 +36,18 @@ import torch
 import torch.fx as fx
 
 from remat.errors import RematError
-from remat.fx_passes.capture import prepare_joint
-from remat.fx_passes.joint_graph import (check_schedule, flat_outputs, is_sym, match_problem,
-                                         mutated_inputs, output_descs, placeholder_kind,
-                                         saved_descs, target_name)
-from remat.fx_passes.rng import RandomOp
+from remat.fx_passes.tracing.capture import prepare_joint
+from remat.fx_passes.compiled.joint_graph import (check_schedule, flat_outputs, is_sym,
+                                                  match_problem, mutated_inputs, output_descs,
+                                                  placeholder_kind, saved_descs)
+from remat.fx_passes.tracing.rng import RandomOp
 from remat.solvers.problem import Kind, Problem
 from remat.solvers.schedule import Schedule
 from remat.solvers.simulate import StepKind, step_order
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Partition", "partition", "partition_fn", "target_name"]
+__all__ = ["Partition", "partition", "partition_fn"]
 
 # node.meta["remat"]["role"] in the rewritten backward, so tools can tell recomputations apart.
 RECOMPUTE = "recompute"

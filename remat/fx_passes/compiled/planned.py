@@ -1,7 +1,7 @@
 """Run a model's training step under a plan.
 
 `planned_module(model, problem, schedule)` returns an `nn.Module` whose forward is the captured
-training step (the model's loss, traced as `remat.fx_passes.capture` traces it) compiled with
+training step (the model's loss, traced as `remat.fx_passes.tracing.capture` traces it) compiled with
 AOTAutograd and `rewrite.partition_fn`: the forward and backward graphs execute the schedule.
 Parameters, buffers, input mutations (BatchNorm running statistics) and tied weights stay the
 model's own, handled by AOTAutograd as in any torch.compile'd model, so an optimizer built on
@@ -12,7 +12,7 @@ code instead (TORCH-NOTES.md, "the dispatch-mode trap"). `PlannedModule.instrume
 modes inside the compiled forward and backward graphs instead, and counts the graph calls so a
 test can prove that the compiled graphs really ran.
 
-Compiling: `compile=True` hands the partitioned graphs to Inductor (`remat.fx_passes.inductor`).
+Compiling: `compile=True` hands the partitioned graphs to Inductor (`remat.fx_passes.compiled.inductor`).
 An outer `torch.compile(planned)` would trace into the step and partition the model again with
 its own partitioner, silently dropping the plan (TORCH-NOTES.md); the step is therefore opaque
 to dynamo: the outer compile runs it as one call, under remat's own compile. With
@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 from remat.errors import RematError
-from remat.fx_passes.inductor import inductor_compilers
-from remat.fx_passes.rewrite import Partition, partition_fn
-from remat.fx_passes.step_io import remat_error
+from remat.fx_passes.compiled.inductor import inductor_compilers
+from remat.fx_passes.compiled.rewrite import Partition, partition_fn
+from remat.fx_passes.tracing.step_io import remat_error
 from remat.solvers.problem import Problem
 from remat.solvers.schedule import Schedule
 
@@ -100,7 +100,7 @@ class PlannedModule(nn.Module):
         super().__init__()
         from torch._dynamo.backends.debugging import boxed_nop
 
-        from remat.fx_passes.capture import compile_step
+        from remat.fx_passes.tracing.capture import compile_step
 
         self.model = model
         self.problem = problem
@@ -189,7 +189,7 @@ def planned_module(model: nn.Module, problem: Problem, schedule: Schedule, *,
     returns=returns)` for inputs of the shapes the module is called with; anything else raises
     RematError at the first call. `returns`: "loss" (the forward returns the loss tensor) or
     "output" (the model's output with the loss attached to the plan, other tensors detached;
-    see `remat.fx_passes.step_io`). `training`: the mode the plan was made in; calling the
+    see `remat.fx_passes.tracing.step_io`). `training`: the mode the plan was made in; calling the
     module in the other mode raises RematError saying so."""
     return PlannedModule(model, problem, schedule, compile=compile, loss_fn=loss_fn,
                          returns=returns, training=training)

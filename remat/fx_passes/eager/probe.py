@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from remat.fx_passes.eager_policy import BlockPolicy, canonical
+from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ API
 ``capture(model, example_inputs=(), *, example_kwargs=None, loss_fn=None, name=None,
 returns="loss") -> Captured``
     Traces ``loss = loss_fn(model(*example_inputs, **example_kwargs))`` with dynamo
-    (``fullgraph=True``) and AOTAutograd (the step of `remat.fx_passes.step_io`: with
+    (``fullgraph=True``) and AOTAutograd (the step of `remat.fx_passes.tracing.step_io`: with
     ``returns="output"`` the step also returns the model's output), and returns the joint graph that AOTAutograd hands to its ``partition_fn``:
     functional ATen, ``node.meta["val"]`` a fake tensor (or tuple of them) on every node.
     Nothing runs: the capture stops before the forward is compiled, so real parameters are
@@ -24,7 +24,7 @@ returns="loss") -> Captured``
     ``loss.backward()``. Because dynamo and AOTAutograd trace the same code the same way, the
     joint graph it partitions has the same node names as `Captured.graph_module`.
 
-``default_loss(output)`` (from `remat.fx_passes.step_io`)
+``default_loss(output)`` (from `remat.fx_passes.tracing.step_io`)
     The loss in the model's output: the output itself when it is a tensor, or its ``.loss``
     (Hugging Face ``ModelOutput``) / ``["loss"]`` / first element; a floating scalar.
 
@@ -45,8 +45,8 @@ import torch
 from torch import fx
 
 from remat.errors import CaptureError, RematError
-from remat.fx_passes.rng import snapshot_random_ops
-from remat.fx_passes.step_io import (capture_failure, check_inputs, default_loss, progress,
+from remat.fx_passes.tracing.rng import snapshot_random_ops
+from remat.fx_passes.tracing.step_io import (capture_failure, check_inputs, default_loss, progress,
                                      quiet_torch_logs, step_function)
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from torch import fx
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat.fx_passes.rng import unwrapped
+from remat.fx_passes.tracing.rng import unwrapped
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ no Python targets, random ops it knows how to run. Three things stand between th
   replace_random.py"). With ``fallback_random`` the step runs aten's random kernels instead,
   in eager's order on eager's generator: the same masks as eager, so the same gradients.
 - Snapshots. remat's `RandomOp` and `rng_state` targets become PyTorch's RNG-state operators,
-  which Inductor runs as fallbacks (`remat.fx_passes.rng.as_rng_state_ops`); a recomputed
+  which Inductor runs as fallbacks (`remat.fx_passes.tracing.rng.as_rng_state_ops`); a recomputed
   dropout then replays the mask its forward drew.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from torch import fx
 
 from remat.errors import RematError
-from remat.fx_passes.rng import as_rng_state_ops
+from remat.fx_passes.tracing.rng import as_rng_state_ops
 
 __all__ = ["inductor_compilers"]
 

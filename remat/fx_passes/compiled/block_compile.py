@@ -23,11 +23,11 @@ import torch
 from torch import fx
 
 from remat.errors import RematError
-from remat.fx_passes.capture import Captured, prepare_joint
-from remat.fx_passes.lower import lower
-from remat.fx_passes.planned import _Hooks, _instrumented
-from remat.fx_passes.rewrite import Partition, partition
-from remat.fx_passes.step_io import remat_error
+from remat.fx_passes.tracing.capture import Captured, prepare_joint
+from remat.fx_passes.lowering.lower import lower
+from remat.fx_passes.compiled.planned import _Hooks, _instrumented
+from remat.fx_passes.compiled.rewrite import Partition, partition
+from remat.fx_passes.tracing.step_io import remat_error
 from remat.solvers.problem import Phase
 from remat.solvers.schedule import drop_unneeded, make_schedule, recomputable
 
@@ -92,7 +92,7 @@ def compile_block(module: torch.nn.Module, plan: BlockPlan,
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
 
-    from remat.fx_passes.inductor import inductor_compilers
+    from remat.fx_passes.compiled.inductor import inductor_compilers
 
     if getattr(module, "_remat_policy", None) is not None or hasattr(module, "_remat_block"):
         raise RematError(f"block {plan.path!r} is already wrapped by a remat plan; apply or "

@@ -1,36 +1,23 @@
 """The joint graph as AOTAutograd hands it over, and whether it is the graph a problem was
 lowered from: node matching, the roles of its placeholders and outputs, and the checks that a
 schedule may run on it (nothing random, mutating or reading a mutated input runs twice).
-Used by `remat.fx_passes.rewrite`."""
+Used by `remat.fx_passes.compiled.rewrite`."""
 from __future__ import annotations
 
 import logging
-import operator
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from remat.errors import RematError
-from remat.fx_passes.rng import RandomOp, draws, has_side_effects, rng_state
-from remat.fx_passes.storage import remat_meta, storage_pass
+from remat.fx_passes.tracing.names import target_name
+from remat.fx_passes.tracing.rng import draws, has_side_effects, rng_state
+from remat.fx_passes.measuring.storage import remat_meta, storage_pass
 from remat.solvers.problem import Kind, Phase, Problem
 from remat.solvers.schedule import Schedule, make_schedule
 
 log = logging.getLogger(__name__)
-
-
-def target_name(target: Any) -> str:
-    """The name of an fx node's target as `Op.target` spells it ("aten.mm.default")."""
-    if isinstance(target, (torch._ops.OpOverload, RandomOp)):
-        return str(target)
-    if target is operator.getitem:
-        return "getitem"
-    if isinstance(target, str):
-        return target
-    module = getattr(target, "__module__", "") or ""
-    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", repr(target))
-    return f"{module}.{name}" if module and module != "_operator" else name
 
 
 # --- matching the joint graph to the problem -------------------------------------------------

@@ -126,7 +126,7 @@ def measure_partitioned(model: torch.nn.Module, inputs, partition_fn: Callable, 
     """One training step of `model` compiled with `partition_fn` (PyTorch's `default_partition`
     saves everything the backward needs), with a tracker inside its graphs. Gradients are
     cleared again afterwards; `graph_calls` proves the compiled graphs ran."""
-    from remat.fx_passes.capture import compile_step
+    from remat.fx_passes.tracing.capture import compile_step
 
     tracker = MemoryTracker()
     step = compile_step(model, partition_fn, loss_fn=loss_fn, **tracking_compilers(tracker))

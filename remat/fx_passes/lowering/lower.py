@@ -19,7 +19,7 @@ Rules (DESIGN.md, "The execution model"):
   A multi-output op is a TUPLE whose ``temp`` is the bytes of all its outputs, and its getitems
   are TENSOR ops of cost 0 with the tuple as only input.
 - Random ops (dropout, rand, bernoulli) are recomputable: each reads a snapshot of its
-  generator, an op of its own (``<op>_rng_state``, see `remat.fx_passes.rng`) that is RANDOM,
+  generator, an op of its own (``<op>_rng_state``, see `remat.fx_passes.tracing.rng`) that is RANDOM,
   not recomputable, and saved only when the random op is recomputed. A random op with an
   explicit generator has no snapshot and is RANDOM itself. In-place writes, and forward ops
   that read an input the step mutates (BatchNorm running statistics, which change after the
@@ -35,11 +35,11 @@ import types
 
 from torch import fx
 
-from remat.fx_passes.capture import Captured
-from remat.fx_passes.profile import profile as run_profile
-from remat.fx_passes.joint_graph import target_name
-from remat.fx_passes.rng import RandomOp, draws, has_side_effects, rng_state, state_bytes
-from remat.fx_passes.storage import remat_meta
+from remat.fx_passes.tracing.capture import Captured
+from remat.fx_passes.measuring.profile import profile as run_profile
+from remat.fx_passes.tracing.names import target_name
+from remat.fx_passes.tracing.rng import RandomOp, draws, has_side_effects, rng_state, state_bytes
+from remat.fx_passes.measuring.storage import remat_meta
 from remat.solvers.problem import Kind, Op, Phase, Problem, Reason
 
 log = logging.getLogger(__name__)

@@ -98,7 +98,7 @@ class RandomOp:
         self.replay = replay
         self.__name__ = op.__name__
         self.__qualname__ = getattr(op, "__qualname__", op.__name__)
-        self.__module__ = "remat.fx_passes.rng"
+        self.__module__ = "remat.fx_passes.tracing.rng"
 
     def replaying(self) -> "RandomOp":
         return RandomOp(self.op, self.device, replay=True)

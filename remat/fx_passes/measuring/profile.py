@@ -2,10 +2,10 @@
 
 ``profile(captured, *, target="h100", measure=False, device=None) -> Profile``
 runs, in order,
-- `storage_pass` (remat.fx_passes.storage): ``bytes``, ``alias_of``, ``tuple_bytes``;
+- `storage_pass` (remat.fx_passes.measuring.storage): ``bytes``, ``alias_of``, ``tuple_bytes``;
 - `flops_pass`: ``flops`` from ``torch.utils.flop_counter``'s registry;
 - `module_pass`: ``module``, the module path of the op ("h.3.attn"), backward ops included;
-- `scratch_pass` (remat.fx_passes.scratch): ``scratch``, the bytes a kernel allocates while it
+- `scratch_pass` (remat.fx_passes.measuring.scratch): ``scratch``, the bytes a kernel allocates while it
   runs beyond its outputs, measured by the allocator when the graph was captured with real
   tensors, else from the workspace model (``scratch_source`` says which);
 - `time_pass`: ``time`` in seconds, the roofline for `target` or, with ``measure=True``, the
@@ -16,23 +16,23 @@ The returned `Profile` holds totals and the target; per-node numbers stay in the
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import dataclass
 
 import torch
 from torch import fx
 
-from remat.fx_passes.capture import Captured
-from remat.fx_passes.devices import Device, device as lookup_device
-from remat.fx_passes.flops import node_flops
-from remat.fx_passes.scratch import scratch_pass
-from remat.fx_passes.storage import remat_meta, storage_pass
-from remat.fx_passes.timing import measure_node, roofline
+from remat.fx_passes.tracing.capture import Captured
+from remat.fx_passes.tracing.names import module_path
+from remat.fx_passes.measuring.devices import Device, device as lookup_device
+from remat.fx_passes.measuring.flops import node_flops
+from remat.fx_passes.measuring.scratch import scratch_pass
+from remat.fx_passes.measuring.storage import remat_meta, storage_pass
+from remat.fx_passes.measuring.timing import measure_node, roofline
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Profile", "flops_pass", "module_pass", "module_path", "profile", "time_pass"]
+__all__ = ["Profile", "flops_pass", "module_pass", "profile", "time_pass"]
 
 
 @dataclass(frozen=True)
@@ -58,18 +58,6 @@ def flops_pass(gm: fx.GraphModule) -> int:
         remat_meta(node)["flops"] = flops
         total += flops
     return total
-
-
-_PREFIX = re.compile(r"^(?:L|G)\[['\"][^'\"]*['\"]\]\.?")
-_INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
-
-
-def module_path(qualified: str) -> str:
-    """dynamo's "L['self'].h[3].attn" or "G['model'].layers['0']" -> "h.3.attn"."""
-    path = _PREFIX.sub("", qualified)
-    path = _INDEX.sub(r".\1", path)
-    path = re.sub(r"\._modules\.|\.modules\.", ".", path)
-    return path.strip(".")
 
 
 def _stack(node: fx.Node) -> dict | None:

@@ -40,8 +40,8 @@ from typing import Any, Sequence
 
 from torch import nn
 
-from remat.fx_passes.capture import Captured, capture
-from remat.fx_passes.replicate_graph import TRACED, NotUniform, replicated_fields
+from remat.fx_passes.tracing.capture import Captured, capture
+from remat.fx_passes.tracing.replicate_graph import TRACED, NotUniform, replicated_fields
 
 log = logging.getLogger(__name__)
 

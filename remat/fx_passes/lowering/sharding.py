@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from remat.fx_passes.capture import Captured
-from remat.fx_passes.lower import parameter_gradients
+from remat.fx_passes.tracing.capture import Captured
+from remat.fx_passes.lowering.lower import parameter_gradients
 from remat.solvers import make_schedule
 from remat.solvers.baselines import block_of
 from remat.solvers.problem import Kind, Op, Phase, Problem, Reason

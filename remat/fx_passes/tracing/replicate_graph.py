@@ -1,4 +1,4 @@
-"""The graph half of `remat.fx_passes.replicate`: find the three traced blocks' regions in the
+"""The graph half of `remat.fx_passes.tracing.replicate`: find the three traced blocks' regions in the
 joint graph, check that they are interchangeable, and build the full joint graph.
 
 `replicated_fields(traced, model, path, count)` returns the fields of the full model's
@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from remat.fx_passes.capture import Captured
-from remat.fx_passes.profile import module_path
-from remat.fx_passes.rng import SUFFIX, rng_state
+from remat.fx_passes.tracing.capture import Captured
+from remat.fx_passes.tracing.names import module_path
+from remat.fx_passes.tracing.rng import SUFFIX, rng_state
 from remat.solvers.problem import Phase
 
 __all__ = ["NotUniform", "TRACED", "replicated_fields"]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from remat.fx_passes.devices import Device
+from remat.fx_passes.measuring.devices import Device
 
 log = logging.getLogger(__name__)
 

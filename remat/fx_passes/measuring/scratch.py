@@ -8,7 +8,7 @@
   CPU the allocator's events come from torch.profiler, one session for the whole graph, each
   op delimited by two marker allocations of sizes nothing else allocates; on CUDA,
   ``max_memory_allocated`` around each op.
-- **model** (meta/fake capture, no real run possible): `remat.fx_passes.workspace`'s model per
+- **model** (meta/fake capture, no real run possible): `remat.fx_passes.measuring.workspace`'s model per
   op family, calibrated from such measurements.
 Views and getitems allocate nothing and are not run. The pass restores the CPU generator
 (random ops draw while measured) and draws its random inputs from a private generator.
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import fx
 
-from remat.fx_passes.allocator import cpu_memory_events, paired
-from remat.fx_passes.storage import remat_meta
-from remat.fx_passes.workspace import workspace_bytes
+from remat.fx_passes.measuring.allocator import cpu_memory_events, paired
+from remat.fx_passes.measuring.storage import remat_meta
+from remat.fx_passes.measuring.workspace import workspace_bytes
 
 log = logging.getLogger(__name__)
 

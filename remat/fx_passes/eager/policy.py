@@ -1,6 +1,6 @@
-"""Apply a plan in eager mode: each block's forward wrapped in place with non-reentrant
-`torch.utils.checkpoint` and a selective-checkpoint policy that caches (MUST_SAVE) exactly the
-ops whose outputs the plan keeps and recomputes (PREFER_RECOMPUTE) the rest.
+"""Plan per-block selective checkpointing for eager mode: which ops of each block a policy may
+cache (MUST_SAVE) and which it recomputes (PREFER_RECOMPUTE), and the problem the eager
+planner solves (`eager_problem`). `remat.fx_passes.eager.apply` wraps the blocks.
 
 The plan is made on AOTAutograd's joint graph; the policy sees the ATen ops that eager
 PyTorch dispatches below autograd. The two agree op for op except where functionalization or
@@ -10,7 +10,7 @@ a decomposition differs, and this module spells those out (`expected_ops`):
 - dropout on the CPU is ``empty_like, bernoulli_, div_, mul`` in eager but ``native_dropout``
   (a tuple of output and boolean mask) in the joint graph; the eager noise tensor is in the
   input's dtype, so `eager_problem` gives the mask those bytes.
-Where the model has weights, `remat.fx_passes.eager_probe` records what eager PyTorch really
+Where the model has weights, `remat.fx_passes.eager.probe` records what eager PyTorch really
 dispatches in each block (one forward) and matches it to the joint graph's ops. At run time ops are
 matched by position within the block: the policy counts the ops it is called for, and an op
 other than the expected one (or a different count) raises RematError naming the block.
@@ -22,58 +22,28 @@ shift the draws of every later random op of the block).
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import operator
-from dataclasses import dataclass, replace
-from functools import partial
+from dataclasses import replace
 from typing import Any, Sequence
 
 import torch
 from torch import fx
 
 from remat.errors import RematError
-from remat.fx_passes.capture import Captured
-from remat.fx_passes.lower import op_nodes
-from remat.fx_passes.rng import rng_state, state_bytes
+from remat.fx_passes.tracing.capture import Captured
+from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
+from remat.fx_passes.eager.probe import aligned
+from remat.fx_passes.lowering.lower import op_nodes
+from remat.fx_passes.tracing.rng import rng_state, state_bytes
 from remat.solvers.eager import EagerBlocks
 from remat.solvers.problem import Kind, Phase, Problem, recompute_blocker
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BlockPolicy", "apply_eager", "block_paths", "eager_blocks", "eager_problem",
-           "with_cache"]
+__all__ = ["block_paths", "eager_blocks", "eager_problem"]
 
 _CPU_DROPOUT = ("aten.empty_like.default", "aten.bernoulli_.float", "aten.div_.Scalar")
-
-
-# Ops that functionalization turns into others: compared as one.
-_SAME = {"aten._unsafe_view.default": "aten.view.default",
-         "aten.lift_fresh_copy.default": "aten.lift_fresh.default"}
-
-
-def canonical(op_name: str) -> str:
-    """An op's name as both sides compare it (`_SAME`)."""
-    return _SAME.get(op_name, op_name)
-
-
-@dataclass(frozen=True)
-class BlockPolicy:
-    """What one block's policy expects and caches: `ops[k]` is the k-th op the policy is
-    called for (canonical name), `joint[k]` the joint-graph ops it stands for, `cache` the
-    positions it returns MUST_SAVE for."""
-
-    path: str
-    ops: tuple[str, ...]
-    joint: tuple[tuple[int, ...], ...]
-    cacheable: tuple[bool, ...]
-    made_after: tuple[tuple[int, int], ...] = ()
-    """(joint op, joint op): eager makes the first after the second (CPU dropout's output
-    after its noise)."""
-    life: tuple[tuple[int, int], ...] = ()
-    """(joint op, joint op): in the probe, the first's tensor lived until the second ran
-    (Python variables keep tensors beyond their last use, until the block returns)."""
-    cache: frozenset[int] = frozenset()
 
 
 def block_paths(model: torch.nn.Module, problem: Problem, names: Sequence[str] | None,
@@ -154,8 +124,6 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
     policies = {p: expected_ops(problem, nodes, p, members, captured.device)
                 for p, members in ops.items()}
     if observed is not None:
-        from remat.fx_passes.eager_probe import aligned
-
         policies = {p: aligned(pol, *observed[p]) for p, pol in policies.items()}
     cacheable = frozenset(j for pol in policies.values()
                           for joint, ok in zip(pol.joint, pol.cacheable) if ok for j in joint)
@@ -259,66 +227,3 @@ def eager_problem(problem: Problem, nodes: list[fx.Node], device: str) -> Proble
     return Problem(tuple(ops), name=problem.name, source=problem.source)
 
 
-def with_cache(policy: BlockPolicy, cached: frozenset[int]) -> BlockPolicy:
-    """The block's policy caching the positions whose joint ops are in `cached`."""
-    cache = frozenset(k for k, (joint, ok) in enumerate(zip(policy.joint, policy.cacheable))
-                      if ok and any(j in cached for j in joint))
-    return replace(policy, cache=cache)
-
-
-def apply_eager(model: torch.nn.Module, policies: dict[str, BlockPolicy]) -> torch.nn.Module:
-    """Wrap each block's forward in place (parameter names unchanged, so `fully_shard`, DDP
-    and state dicts see the same model). Returns `model`."""
-    for path, policy in policies.items():
-        module = model.get_submodule(path)
-        if getattr(module, "_remat_policy", None) is not None:
-            raise RematError(f"block {path!r} is already wrapped by a remat plan; apply a plan "
-                             "once, to a fresh model")
-        module._remat_policy = policy
-        module.forward = partial(_checkpointed, module.forward, policy)
-    return model
-
-
-def _checkpointed(forward, policy: BlockPolicy, *args, **kwargs):
-    from torch.utils.checkpoint import checkpoint
-
-    counters: list[Any] = []
-
-    def contexts():
-        counter = itertools.count()
-        counters.append(counter)
-        return _contexts(policy, counter)
-
-    out = checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
-    if counters:
-        seen = next(counters[0])
-        if seen != len(policy.ops):
-            raise RematError(
-                f"block {policy.path!r}: the run called {seen} ops where the plan's capture had "
-                f"{len(policy.ops)}; the block's ops differ between capture and run (other "
-                "shapes, flags such as use_cache, or code paths): plan with the inputs and "
-                "settings you train with")
-    return out
-
-
-def _contexts(policy: BlockPolicy, counter):
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    # torch 2.13 asks once per op, in the forward, and replays the answers in the
-    # recomputation; 2.11 asks again for each op it recomputes (`ctx.is_recompute`), and
-    # must get the forward's answer for the same position.
-    recomputed = itertools.count()
-
-    def decide(ctx, op, *args, **kwargs):
-        k = next(recomputed if ctx.is_recompute else counter)
-        name = canonical(str(op))
-        if k >= len(policy.ops) or policy.ops[k] != name:
-            expected = policy.ops[k] if k < len(policy.ops) else "nothing more"
-            raise RematError(
-                f"block {policy.path!r}: op {k} of the run is {name} where the plan's capture "
-                f"had {expected}; the block's ops differ between capture and run: plan with "
-                "the inputs and settings you train with")
-        return CheckpointPolicy.MUST_SAVE if k in policy.cache else \
-            CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(decide)

@@ -1,0 +1,45 @@
+"""What one block's selective-checkpoint policy expects and caches, as plain data: made by the
+planner (`remat.fx_passes.eager.policy`), matched against what eager PyTorch dispatches
+(`remat.fx_passes.eager.probe`), and applied to the model on every rank
+(`remat.fx_passes.eager.apply`). Picklable, so one rank can plan and send it to the others."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["BlockPolicy", "canonical", "with_cache"]
+
+
+# Ops that functionalization turns into others: compared as one.
+_SAME = {"aten._unsafe_view.default": "aten.view.default",
+         "aten.lift_fresh_copy.default": "aten.lift_fresh.default"}
+
+
+def canonical(op_name: str) -> str:
+    """An op's name as both sides compare it (`_SAME`)."""
+    return _SAME.get(op_name, op_name)
+
+
+@dataclass(frozen=True)
+class BlockPolicy:
+    """What one block's policy expects and caches: `ops[k]` is the k-th op the policy is
+    called for (canonical name), `joint[k]` the joint-graph ops it stands for, `cache` the
+    positions it returns MUST_SAVE for."""
+
+    path: str
+    ops: tuple[str, ...]
+    joint: tuple[tuple[int, ...], ...]
+    cacheable: tuple[bool, ...]
+    made_after: tuple[tuple[int, int], ...] = ()
+    """(joint op, joint op): eager makes the first after the second (CPU dropout's output
+    after its noise)."""
+    life: tuple[tuple[int, int], ...] = ()
+    """(joint op, joint op): in the probe, the first's tensor lived until the second ran
+    (Python variables keep tensors beyond their last use, until the block returns)."""
+    cache: frozenset[int] = frozenset()
+
+
+def with_cache(policy: BlockPolicy, cached: frozenset[int]) -> BlockPolicy:
+    """The block's policy caching the positions whose joint ops are in `cached`."""
+    cache = frozenset(k for k, (joint, ok) in enumerate(zip(policy.joint, policy.cacheable))
+                      if ok and any(j in cached for j in joint))
+    return replace(policy, cache=cache)
