@@ -69,6 +69,7 @@ def plan_dict(plan: Any) -> dict:
     import torch
 
     import remat
+    from remat.fx_passes.tracing.replicate import ReplicatedCapture
 
     prepared = plan.prepared
     captured = prepared.captured
@@ -85,7 +86,7 @@ def plan_dict(plan: Any) -> dict:
         "versions": {"torch": torch.__version__, "remat": remat.__version__},
         "model": captured.model_name, "execution": plan.execution, "mode": mode,
         "target": plan.target, "device": captured.device,
-        "replicated": type(captured).__name__ == "ReplicatedCapture",
+        "replicated": isinstance(captured, ReplicatedCapture),
         "inputs": inputs, "kwargs": kwargs, "returns": prepared.returns,
         "loss_fn": qualified(prepared.loss_fn),
         "training": plan.training.to_dict(),
