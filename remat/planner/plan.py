@@ -187,6 +187,21 @@ class Plan:
                 "schedule": self.schedule.to_dict(self.problem),
                 "report": self.report().to_dict()}
 
+    def save(self, path) -> None:
+        """Write the plan to `path` as a JSON plan file (`remat.planner.plan_file`), which
+        ``remat.load_plan(path, model)`` makes a plan again on the model, without solving."""
+        from remat.planner.plan_file import save
+
+        save(self, path)
+
+    def __reduce_ex__(self, protocol):
+        # The plan holds the model and its captured graph (fake tensors, fx code), which
+        # pickle cannot carry; a file holds what makes the plan again on a model.
+        raise TypeError("a remat Plan cannot be pickled: it holds its model and the captured "
+                        "graph. Save it with plan.save(path) and load it onto the model with "
+                        "remat.load_plan(path, model), or send it to other ranks with "
+                        "remat.broadcast_plan; plan.schedule pickles")
+
     def __repr__(self) -> str:
         budget = "" if self.memory.budget is None else f" of {format_size(self.memory.budget)}"
         return (f"<Plan {self.schedule.strategy} {self.status.value}: peak "
