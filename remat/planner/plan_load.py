@@ -72,7 +72,7 @@ def loads_plan(text: str, model: Any, *, loss_fn: Callable | None = None,
                        target=body["target"], loss_fn=loss_fn, returns=body["returns"],
                        replicate=body["replicated"])
     if body["host_bandwidth"] is not None:
-        prepared = prepared.with_host_link(body["host_bandwidth"])
+        prepared = prepared.with_host_link(body["host_bandwidth"], training.host_memory)
     _check_graph(body, prepared, source)
 
     entry = body["schedule"]

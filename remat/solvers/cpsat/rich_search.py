@@ -5,6 +5,9 @@ bound proven over the rich space (`recompute_bound(rich=True)`); when the single
 meets it, that plan is the rich optimum too and is returned; else the rest of the limit goes to
 the rich model (`RichModel`) started from the single plan, whose answer is taken only when it
 costs less. "rich": the rich model alone, started from the caller's hint or the best baseline.
+With a host link, the answer then goes through the offload search (`offload_search`: keep in
+host memory what the plan recomputes, where the transfers hide), which scales where the rich
+model is not built; its result is taken only when it costs less.
 One deadline bounds the whole call. Statuses use only bounds valid over the rich space: the
 rich bound, and CP-SAT's own bound on the rich model (which spans that space) where it counts
 bytes exactly.
@@ -21,6 +24,7 @@ from ortools.sat.python import cp_model
 
 from remat.errors import BudgetError, SolverError
 from remat.solvers.bound import recompute_bound
+from remat.solvers.offload_search import improve_by_offload
 from remat.solvers.cpsat.hints import Pool
 from remat.solvers.cpsat.rich_model import RichModel
 from remat.solvers.cpsat.search import Progress, Trace, cp_solver
@@ -36,6 +40,7 @@ SINGLE_SHARE = 0.85
 BOUND_SHARE = 0.1
 PEAK_STAGE_SHARE = 0.1
 BASELINE_SHARE = 0.1
+OFFLOAD_SHARE = 0.2
 # Building the rich model takes about this many schedule evaluations (65 to 170 measured on
 # synthetic transformers of 200 to 1,000 ops); it is built only within this share of the
 # time left.
@@ -58,8 +63,10 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
     below: BudgetError | None = None  # the single model's, where nothing of its space fits
     single_step_bound: float | None = None
     if options.model == "auto":
+        # With a host link, the offload search (`done`) gets a share of its own.
+        share = SINGLE_SHARE - (OFFLOAD_SHARE if problem.host_bandwidth else 0.0)
         try:
-            hint = single(replace(options, time_limit=SINGLE_SHARE * options.time_limit))
+            hint = single(replace(options, time_limit=share * options.time_limit))
         except BudgetError as error:  # the rich space may fit below the single's least peak
             below = error
         else:
@@ -84,6 +91,13 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
     fallback = "single" if options.model == "auto" else "rich"
 
     def done(schedule: Schedule, bound: float, model: str) -> Schedule:
+        if problem.host_bandwidth:  # offload where it pays, at any size (offload_search)
+            progress.update(stage="offloading where the transfers hide")
+            improved = improve_by_offload(problem, budget, evaluate(problem, schedule),
+                                          deadline=deadline)
+            if improved is not schedule and improved.cost < full_cost(problem, schedule):
+                info["offload_search"] = improved.info["offload_search"]
+                schedule = improved
         cost = full_cost(problem, schedule)
         info["model"] = model
         return evaluate(problem, schedule, strategy="optimal", budget=budget, bound=bound,
@@ -165,7 +179,9 @@ def rich_units(problem: Problem, options: SolverOptions) -> Units:
     runs = (options.max_copies + 1) * sum(problem.ops[v].cost for v in problem.forward)
     bandwidth = problem.host_bandwidth
     moved = sum(2 * problem.ops[v].size / bandwidth for v in problem.candidates) if bandwidth else 0
-    return replace(units, cost=max(units.cost, (runs + moved) / MAX_RICH_COST_UNITS))
+    # With a host link, the transfers are timed on the step's own clock (rich_offload).
+    clock = problem.total_cost if bandwidth else 0
+    return replace(units, cost=max(units.cost, (runs + moved + clock) / MAX_RICH_COST_UNITS))
 
 
 def search_rich(problem: Problem, budget: int, options: SolverOptions, units: Units,
@@ -179,7 +195,9 @@ def search_rich(problem: Problem, budget: int, options: SolverOptions, units: Un
     m = model.model
     info.update(rich_variables=len(m.Proto().variables),
                 rich_build_time=time.perf_counter() - began)
-    valid = units.exact_bytes  # the model spans the rich space: its bound holds there
+    # The model spans the rich space, so its bound holds there, unless it offloads: then its
+    # transfers' cost is an upper bound (rich_offload) and its bound holds for itself only.
+    valid = units.exact_bytes and not model.load
     capacity = units.capacity(budget)
     if model.fixed_peak > capacity:
         return None, math.inf if valid else 0.0
