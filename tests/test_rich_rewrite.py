@@ -175,14 +175,6 @@ def test_the_report_shows_offloaded_bytes_and_further_recomputations(step):
     assert "offloaded to host" in table and "recomputations" in table and "hidden" in table
 
 
-def test_offload_needs_compiled_execution():
-    with pytest.raises(ValueError, match="offload=True needs execution=\"compiled\""):
-        import remat
-
-        remat.optimize(LongSkip(), budget="1GB", example_inputs=(torch.randn(4, 64),),
-                       execution="eager", offload=True)
-
-
 def test_optimize_with_offload_plans_and_runs_it(step):
     """`optimize(offload=True)` at the single model's smallest activation peak: the plan keeps
     saved values in host memory (a fast host link makes that cheaper than recomputing), runs

@@ -47,10 +47,42 @@ class EagerPlan(Plan):
     def block_policies(self) -> dict:
         """Each block's policy (picklable): plan on one rank, send these to the others and
         call `remat.fx_passes.eager.apply.apply_eager(model, policies)` there."""
-        from remat.fx_passes.eager.block_policy import with_cache
+        from remat.fx_passes.eager.block_policy import with_cache, with_offload
 
         cached = frozenset(self.to_graph[v] for v in self.schedule.info["cached"])
-        return {p: with_cache(pol, cached) for p, pol in self.policies.items()}
+        policies = {p: with_cache(pol, cached) for p, pol in self.policies.items()}
+        for path, (inputs, prefetch) in self._offloads().items():
+            policies[path] = with_offload(policies[path], inputs, prefetch)
+        return policies
+
+    def _offloads(self) -> dict[str, tuple[list, list]]:
+        """Per block: the (shape, dtype) of the inputs it offloads, and the blocks whose
+        offloaded inputs load when it unpacks its own (`remat.solvers.eager_offload`)."""
+        from remat.fx_passes.lowering.lower import op_nodes
+        from remat.solvers.eager import block_runs
+        from remat.solvers.eager_offload import offloadable
+
+        schedule, problem = self.schedule, self.eager_problem
+        if not schedule.offload_at:
+            return {}
+        runs = block_runs(problem, self.structure, schedule.info["cached"])
+        eligible = offloadable(problem, self.structure, runs)
+        at_trigger = {run.trigger: run.name for run in runs if run.trigger is not None}
+        nodes = op_nodes(self.prepared.captured, self.prepared.sharded.graph)
+        plans: dict[str, tuple[list, list]] = {}
+        for s, load in sorted(schedule.offload_at.items()):
+            block, val = eligible[s], nodes[self.to_graph[s]].meta["val"]
+            plans.setdefault(block, ([], []))[0].append((tuple(val.shape), str(val.dtype)))
+            ahead = plans.setdefault(at_trigger[load], ([], []))[1]
+            if block not in ahead:
+                ahead.append(block)
+        return plans
+
+    def offload_timeline(self):
+        from remat.solvers.eager import eager_transfers
+
+        return self.eager_problem, eager_transfers(self.eager_problem, self.structure,
+                                                   self.schedule)
 
     def apply(self, model: Any):
         from remat.fx_passes.eager.apply import apply_eager
@@ -100,9 +132,9 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
     # the schedule it returns is then costed in seconds like every other.
     costed = with_objective(problem, (solver_options or SolverOptions()).objective)
     try:
-        schedule = plan_eager(costed, structure, max(allowance, 0), seeds)
+        schedule = _plan(costed, structure, max(allowance, 0), seeds)
         schedule = eager_schedule(problem, structure, schedule.info["cached"],
-                                  budget=max(allowance, 0))
+                                  offload=schedule.info["offload"], budget=max(allowance, 0))
         if allowance < 0:
             raise BudgetError("the state alone exceeds the budget", budget=allowance,
                               smallest=schedule.peak)
@@ -119,6 +151,36 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
 
 
 
+def _plan(problem, structure, budget: int, seeds):
+    """`plan_eager`'s policy, and where the problem has a host link, the same with the block
+    inputs whose transfers hide (`remat.solvers.eager_offload.choose_offloads`, judged under
+    the first policy's cache) kept in host memory, whichever costs less."""
+    from remat.solvers.eager import block_runs
+    from remat.solvers.eager_offload import choose_offloads, offloadable
+
+    best, failed = None, None
+    try:
+        best = plan_eager(problem, structure, budget, seeds)
+    except BudgetError as e:  # offloading may fit where caching less cannot
+        failed = e
+    if problem.host_bandwidth:
+        cache = best.info["cached"] if best is not None else ()
+        eligible = offloadable(problem, structure, block_runs(problem, structure, ()))
+        chosen = choose_offloads(problem, eligible, lambda offload: eager_schedule(
+            problem, structure, cache, offload=offload, strict=False))
+        if chosen:
+            try:
+                other = plan_eager(problem, structure, budget, [*seeds, cache], offload=chosen)
+            except BudgetError:
+                other = None
+            if other is not None and (best is None
+                                      or (other.cost, other.peak) < (best.cost, best.peak)):
+                best = other
+    if best is None:
+        raise failed
+    return best
+
+
 def eager_step(prepared, paths: Sequence[str], *, observed=None, policies=None):
     """(structure, policies, eager problem, its ops' joint-graph ops) of the eager step whose
     blocks are `paths`: their policies `observed` by a probe, derived from the joint graph, or
@@ -132,6 +194,8 @@ def eager_step(prepared, paths: Sequence[str], *, observed=None, policies=None):
     # collectives of FSDP2 are inserted among them as in the compiled mode (gathered
     # parameters, full gradients until their reduce-scatter), and the blocks renumbered.
     problem = eager_problem(joint, op_nodes(captured, joint), captured.device)
+    problem = dataclasses.replace(problem, host_bandwidth=joint.host_bandwidth,
+                                  host_capacity=joint.host_capacity)
     to_graph = tuple(range(len(problem)))
     if prepared.sharded.problem is not joint:
         sharded = shard_step(problem, captured, prepared.training)

@@ -44,22 +44,21 @@ def optimize(model: Any, budget: int | str | None = None, *,
     `execution="eager"` plans for per-block selective checkpointing in an eager loop
     (FSDP2, DDP): `model = plan.apply(model)` wraps the blocks (the repeated children, or the
     modules named in `blocks`) in place; see `remat.planner.eager_plan`. `offload=True` lets
-    the plan keep saved values in host memory between the forward and the backward, costed by
-    their bytes over the target's host link (`Device.host_link`) both ways (compiled execution;
-    the solver's rich model, `SolverOptions(model="rich"|"auto")`, decides)."""
+    the plan keep saved values in host memory between the forward and the backward (at most
+    `Training.host_memory` bytes), their transfers on copy streams beside the compute over the
+    target's host link (`Device.host_link`), costed by what the step waits for them
+    (`remat.solvers.overlap`). Compiled execution: the solver's rich model and offload search
+    decide (`SolverOptions(model="rich"|"auto")`); eager execution: the block inputs that
+    checkpoint saves, through saved-tensor hooks (`remat.solvers.eager_offload`)."""
     if execution not in ("compiled", "eager"):
         raise ValueError(f"execution must be \"compiled\" or \"eager\", not {execution!r}")
     if blocks is not None and execution != "eager":
         raise ValueError("blocks= names the modules to checkpoint in execution=\"eager\"")
     whole, activations = _one_budget(budget, activation_budget)
-    if offload and execution != "compiled":
-        raise ValueError("offload=True needs execution=\"compiled\": checkpoint's eager "
-                         "recomputation has no host copies; plan compiled, or use "
-                         "torch.autograd.graph.save_on_cpu yourself")
     prepared = prepare(model, example_inputs, example_kwargs=example_kwargs, training=training,
                        target=target, loss_fn=loss_fn, returns=returns)
     if offload:
-        prepared = prepared.with_host_link(target_device(target).host_link)
+        prepared = prepared.with_host_link(target_device(target).host_link, training.host_memory)
     if execution == "eager":
         return plan_eager_mode(model, prepared, budget=whole, activation_budget=activations,
                                target=target, solver=solver, solver_options=solver_options,

@@ -86,6 +86,7 @@ def loads_plan(text: str, model: Any, *, loss_fn: Callable | None = None,
                                                             policies=policies)
         _check_problem(body, problem, source)
         schedule = eager_schedule(problem, structure, entry["info"]["cached"],
+                                  offload=entry["info"].get("offload", ()),
                                   strategy=entry["strategy"], status=Status(entry["status"]),
                                   budget=entry["budget"])
         schedule = dataclasses.replace(schedule, bound=entry["bound"],

@@ -31,9 +31,11 @@ from types import MappingProxyType
 from typing import Iterable, Mapping
 
 from remat.errors import BudgetError
+from remat.solvers.eager_offload import offload_points, offloadable
+from remat.solvers.overlap import Transfers, transfers
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
 from remat.solvers.schedule import Schedule, Status
-from remat.solvers.simulate import Timeline, step_order, steps_of, timeline_of
+from remat.solvers.simulate import StepKind, Timeline, step_order, steps_of, timeline_of
 
 log = logging.getLogger(__name__)
 
@@ -162,39 +164,83 @@ def _pack_position(problem: Problem, blocks: EagerBlocks, b: int, members: set[i
 
 
 def eager_schedule(problem: Problem, blocks: EagerBlocks, cached: Iterable[int], *,
-                   strategy: str = "eager", status: Status = Status.HEURISTIC,
-                   budget: int | None = None) -> Schedule:
+                   offload: Iterable[int] = (), strict: bool = True, strategy: str = "eager",
+                   status: Status = Status.HEURISTIC, budget: int | None = None) -> Schedule:
     """The `Schedule` that the eager mode runs for a policy caching `cached`: `saved` is what
     the forward keeps for the backward (cached values, and everything outside the blocks that
     the backward reads), `recomputed` what the checkpoints run again and `recompute_at` their
-    triggers. Its `peak` is `eager_timeline`'s, not `simulate`'s."""
+    triggers. Its `peak` is `eager_timeline`'s, not `simulate`'s. `offload`: block inputs
+    kept in host memory (`remat.solvers.eager_offload`; `offload_at` their loads), their
+    transfers timed by `remat.solvers.overlap` (the cost includes what the step waits); one
+    that this cache makes impossible raises ValueError, or with `strict=False` (a planner's
+    trial) stays on the device, as `offload_at` then says."""
     runs = block_runs(problem, blocks, cached)
-    timeline = eager_timeline(problem, blocks, runs)
+    offload = frozenset(offload)
+    loads, issues = {}, {}
+    if offload:
+        eligible = offloadable(problem, blocks, runs)
+        refused = sorted(offload - eligible.keys())
+        if not strict:
+            offload, refused = offload & eligible.keys(), []
+        if refused:
+            raise ValueError(f"the eager mode cannot offload {problem.ops[refused[0]].name!r}: "
+                             "only the input of one checkpointed block that nothing else holds")
+        loads, issues = offload_points(blocks, runs, offload, eligible)
+    timeline, moved = eager_timeline(problem, blocks, runs, loads=loads, issues=issues)
     in_blocks = set(blocks.block_of())
     recomputed = {v: run.trigger for run in runs for v in run.recomputed}
     needed_outside = {problem.root[s] for b in problem.backward for s in problem.storage_inputs[b]
                       if s < problem.num_forward and problem.root[s] not in in_blocks}
     saved = frozenset(needed_outside | {v for run in runs for v in run.cached})
+    exposed = moved.exposed if moved is not None else 0.0
     return Schedule(
         saved=saved, recomputed=frozenset(recomputed), recompute_at=MappingProxyType(recomputed),
         strategy=strategy, status=status, budget=budget,
-        cost=sum(problem.ops[v].cost for v in recomputed),
+        cost=sum(problem.ops[v].cost for v in recomputed) + exposed,
         recompute_flops=sum(problem.ops[v].flops for v in recomputed), peak=timeline.peak,
+        offload_at=MappingProxyType(loads), exposed_time=exposed,
+        transfer_time=moved.link_time if moved is not None else 0.0,
         info={"execution": "eager", "cached": tuple(sorted(v for r in runs for v in r.cached)),
+              "offload": tuple(sorted(offload)),
               "blocks": {r.name: {"trigger": r.trigger, "stop": r.stop,
                                   "recomputed": len(r.recomputed), "cached": len(r.cached)}
                          for r in runs}})
 
 
-def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) -> Timeline:
-    """The memory of the step in eager mode, step by step (see the module's docstring)."""
+def eager_transfers(problem: Problem, blocks: EagerBlocks, schedule: Schedule
+                    ) -> Transfers | None:
+    """The transfer timeline of an eager schedule's offloads (None: it offloads nothing)."""
+    offload = schedule.info.get("offload", ())
+    if not offload:
+        return None
+    runs = block_runs(problem, blocks, schedule.info["cached"])
+    loads, issues = offload_points(blocks, runs, offload, offloadable(problem, blocks, runs))
+    return eager_timeline(problem, blocks, runs, loads=loads, issues=issues)[1]
+
+
+def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun], *,
+                   loads: Mapping[int, int] | None = None,
+                   issues: Mapping[int, int] | None = None) -> tuple[Timeline, Transfers | None]:
+    """The memory of the step in eager mode, step by step (see the module's docstring), and
+    the timeline of its offloads' transfers (`loads`: value -> the backward op its load is
+    placed before; `issues`: value -> the forward op after which its copy to host is issued;
+    `remat.solvers.eager_offload.offload_points`): an offloaded value's device copy lives from
+    its op to its last forward read or the end of its copy to host, its loaded copy from its
+    load to what would have held it in the backward."""
     ops = problem.ops
     nf = problem.num_forward
     at = {v: run.trigger for run in runs if run.trigger is not None for v in run.recomputed}
-    order = step_order(problem, Schedule(saved=frozenset(), recomputed=frozenset(at),
-                                         recompute_at=at))
+    pseudo = Schedule(saved=frozenset(), recomputed=frozenset(at), recompute_at=at,
+                      offload_at=dict(loads or {}))
+    order = step_order(problem, pseudo)
     step_of, again = steps_of(order, len(ops))
     end = len(order) - 1
+    moved = None
+    if loads:
+        moved = transfers(problem, pseudo, order, join_forward=False,
+                          issue_after={v: step_of[b] for v, b in (issues or {}).items()})
+    load_step = {i: t for t, (i, kind) in enumerate(order) if kind is StepKind.RELOAD}
+    forward_end = step_of[nf - 1] if nf else -1
 
     block_of = blocks.block_of()
     owner = blocks.owner
@@ -259,7 +305,13 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
                 copy.append(read_at(r))
             else:
                 original.append(read_at(r))
-        hold(op.size, made, max(original))
+        if moved is not None and i in moved.by_value:  # in host memory in between
+            late = [t for t in original if t > forward_end]
+            hold(op.size, made, max([t for t in original if t <= forward_end]
+                                    + [moved.by_value[i].released]))
+            hold(op.size, load_step[i], max(late, default=load_step[i]))
+        else:
+            hold(op.size, made, max(original))
         if recomputed:
             start = again[i] if t is None else again[t] + 1
             hold(op.size, start, max(copy, default=start))
@@ -267,23 +319,26 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
     for run in runs:
         if run.end is not None and blocks.state_bytes:
             hold(blocks.state_bytes, step_of[blocks.ops[run.name][0]], step_of[run.end])
-    return timeline_of(problem, order, held)
+    return timeline_of(problem, order, held), moved
 
 
 def plan_eager(problem: Problem, blocks: EagerBlocks, budget: int,
-               seeds: Iterable[Iterable[int]]) -> Schedule:
+               seeds: Iterable[Iterable[int]], offload: Iterable[int] = ()) -> Schedule:
     """The cheapest eager policy found from `seeds` (cache sets, e.g. what the exact plan
     saves, nothing, everything cacheable) whose eager peak fits `budget`: each seed is
     repaired by caching less (the most bytes per second of recompute first) until it fits,
     then improved by caching more (the most recompute seconds per byte first) while it fits.
+    `offload`: block inputs kept in host memory (never cached), where the cache allows it.
     A heuristic: status HEURISTIC. Raises BudgetError with the least peak seen when no
     seed fits however little it caches."""
+    offload = frozenset(offload)  # in host memory: never cached as well
     candidates = [v for v in sorted(blocks.cacheable) if problem.ops[v].size > 0
-                  and problem.ops[v].kind is Kind.TENSOR]
+                  and problem.ops[v].kind is Kind.TENSOR and v not in offload]
     eps = 1e-15
 
     def run(cached) -> Schedule:
-        return eager_schedule(problem, blocks, cached, budget=budget)
+        return eager_schedule(problem, blocks, cached, offload=offload, strict=False,
+                              budget=budget)
 
     best: Schedule | None = None
     least = None

@@ -13,7 +13,9 @@ result fits the budget and the host's capacity and costs less (or, for the first
 - **keep instead of recompute**: a recomputed value (most recompute time first) is saved and
   offloaded, loaded back at its recomputation's place or earlier (more of the load hidden,
   held longer), whichever fits and costs least.
-Passes repeat until neither move improves or the deadline passes. A heuristic: the result is
+Values are taken in groups that grow while they pay and shrink where they do not (a 7B
+step's evaluation takes a tenth of a second). Passes repeat until neither move improves or the
+deadline passes. A heuristic: the result is
 never worse than the schedule it starts from, and is exactly priced; nothing is claimed about
 optimality.
 """
@@ -29,6 +31,8 @@ from remat.solvers.schedule import Schedule, drop_unneeded, evaluate, make_sched
 # How many earlier load positions a value is tried at besides its recomputation's (halving
 # the distance to the backward's start each time).
 EARLIER_TRIES = 3
+# How many of the largest saved values the first move considers.
+ROOM_CANDIDATES = 256
 
 
 def improve_by_offload(problem: Problem, budget: int, schedule: Schedule, *,
@@ -83,62 +87,89 @@ def _first_need(problem: Problem, schedule: Schedule, v: int) -> int | None:
 
 
 def _positions(problem: Problem, latest: int) -> list[int]:
-    """`latest`, then a few earlier backward positions."""
+    """`latest`, then EARLIER_TRIES earlier backward positions (halving the distance to the
+    backward's start, down to it)."""
     nf, found = problem.num_forward, [latest]
     for _ in range(EARLIER_TRIES):
-        earlier = nf + (found[-1] - nf) // 2
-        if earlier >= found[-1]:
-            break
-        found.append(earlier)
+        found.append(nf + (found[-1] - nf) // 2)
     return found
 
 
 def _make_room(problem: Problem, budget: int, best: Schedule, deadline: float):
-    """One pass of the first move; (the improved schedule or None, schedules tried)."""
-    ops, improved, tried = problem.ops, None, 0
+    """One pass of the first move over the ROOM_CANDIDATES largest saved values; (the improved
+    schedule or None, schedules tried)."""
+    ops = problem.ops
     candidates = sorted((v for v in best.saved if v not in best.offload_at
                          and ops[v].kind is Kind.TENSOR and ops[v].size
-                         and v not in problem.pinned), key=lambda v: (-ops[v].size, v))
-    for v in candidates:
-        if time.perf_counter() >= deadline:
-            break
-        need = _first_need(problem, best, v)
-        if need is None:
-            continue
-        trial = _try(problem, best.recomputed, best.recompute_at, best.again,
-                     {**best.offload_at, v: need})
-        tried += 1
-        if trial is not None and _fits(problem, budget, trial) and trial.cost <= best.cost \
-                and trial.peak < best.peak:
-            best = improved = trial
-    return improved, tried
+                         and v not in problem.pinned and _first_need(problem, best, v)),
+                        key=lambda v: (-ops[v].size, v))[:ROOM_CANDIDATES]
+
+    def offloaded(current: Schedule, group: list[int]) -> Schedule | None:
+        loads = {v: _first_need(problem, current, v) for v in group}
+        return _try(problem, current.recomputed, current.recompute_at, current.again,
+                    {**current.offload_at, **loads})
+
+    def better(current: Schedule, trial: Schedule) -> bool:
+        return _fits(problem, budget, trial) and trial.cost <= current.cost \
+            and trial.peak < current.peak
+
+    return _in_groups(candidates, best, offloaded, better, deadline)
 
 
 def _keep_instead(problem: Problem, budget: int, best: Schedule, deadline: float):
     """One pass of the second move; (the improved schedule or None, schedules tried)."""
-    ops, improved, tried = problem.ops, None, 0
-    candidates = sorted((v for v in best.recomputed if ops[v].kind is Kind.TENSOR
-                         and ops[v].size and ops[v].cost > 0 and v not in best.again),
-                        key=lambda v: (-ops[v].cost, v))
-    for v in candidates:
-        if time.perf_counter() >= deadline:
-            break
-        if v not in best.recomputed:  # dropped by an earlier move of this pass
-            continue
+    ops = problem.ops
+
+    def alone(v: int) -> bool:  # a tuple op's tensor whose siblings are not recomputed
         t = tuple_of(problem, v)
-        if t is not None and any(g in best.recomputed for g in problem.users[t] if g != v):
-            continue  # its tuple op runs again for its other tensors anyway
-        recomputed = drop_unneeded(problem, set(best.recomputed) - {v} - ({t} if t else set()))
-        at = {u: b for u, b in best.recompute_at.items() if u in recomputed}
-        again = {u: ps for u, ps in best.again.items()
+        return t is None or not any(g in best.recomputed for g in problem.users[t] if g != v)
+
+    candidates = sorted((v for v in best.recomputed if ops[v].kind is Kind.TENSOR
+                         and ops[v].size and ops[v].cost > 0 and v not in best.again
+                         and alone(v)), key=lambda v: (-ops[v].cost, v))
+
+    def kept(current: Schedule, group: list[int], earlier: int = 0) -> Schedule | None:
+        group = [v for v in group if v in current.recomputed]
+        if not group:
+            return None
+        tuples = {t for t in map(lambda v: tuple_of(problem, v), group) if t is not None}
+        recomputed = drop_unneeded(problem, set(current.recomputed) - set(group) - tuples)
+        at = {u: b for u, b in current.recompute_at.items() if u in recomputed}
+        again = {u: ps for u, ps in current.again.items()
                  if u in recomputed or all(p < problem.num_forward for p in ps)}
-        choice = None
-        for b in _positions(problem, best.recompute_at[v]):
-            trial = _try(problem, recomputed, at, again, {**best.offload_at, v: b})
-            tried += 1
-            if trial is not None and _fits(problem, budget, trial) and trial.cost < best.cost \
-                    and (choice is None or (trial.cost, trial.peak) < (choice.cost, choice.peak)):
-                choice = trial
-        if choice is not None:
-            best = improved = choice
+        loads = {v: _positions(problem, current.recompute_at[v])[earlier] for v in group}
+        return _try(problem, recomputed, at, again, {**current.offload_at, **loads})
+
+    def better(current: Schedule, trial: Schedule) -> bool:
+        return _fits(problem, budget, trial) and trial.cost < current.cost
+
+    return _in_groups(candidates, best, kept, better, deadline, retries=EARLIER_TRIES)
+
+
+def _in_groups(candidates: list[int], best: Schedule, move, better, deadline: float,
+               retries: int = 0):
+    """Apply `move(schedule, group)` to consecutive groups of `candidates`, keeping each
+    result `better` than the schedule so far: a group that is taken doubles the next one's
+    size, one that is not halves it, down to one value, which is then tried `retries` more
+    times (`move(schedule, [v], k)`) before it is passed. (the improved schedule or None,
+    schedules tried): O(log n) tries per value refused, where one by one is n tries."""
+    improved, tried, i, size = None, 0, 0, max(1, len(candidates) // 8)
+    while i < len(candidates) and time.perf_counter() < deadline:
+        group = candidates[i:i + size]
+        trial = move(best, group)
+        tried += trial is not None
+        if trial is not None and better(best, trial):
+            best = improved = trial
+            i, size = i + size, 2 * size
+            continue
+        if size > 1:
+            size //= 2
+            continue
+        for k in range(1, retries + 1):
+            trial = move(best, group, k)
+            tried += trial is not None
+            if trial is not None and better(best, trial):
+                best = improved = trial
+                break
+        i += 1
     return improved, tried

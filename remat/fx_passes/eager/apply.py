@@ -13,6 +13,7 @@ import torch
 
 from remat.errors import RematError
 from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
+from remat.fx_passes.eager.offload import EagerOffloads
 
 __all__ = ["apply_eager"]
 
@@ -20,6 +21,7 @@ __all__ = ["apply_eager"]
 def apply_eager(model: torch.nn.Module, policies: dict[str, BlockPolicy]) -> torch.nn.Module:
     """Wrap each block's forward in place (parameter names unchanged, so `fully_shard`, DDP
     and state dicts see the same model). Returns `model`."""
+    offloads = EagerOffloads.of(policies)  # inputs kept in host memory, where planned
     for path, policy in policies.items():
         module = model.get_submodule(path)
         if getattr(module, "_remat_policy", None) is not None:
@@ -27,6 +29,8 @@ def apply_eager(model: torch.nn.Module, policies: dict[str, BlockPolicy]) -> tor
                              "once, to a fresh model")
         module._remat_policy = policy
         module.forward = partial(_checkpointed, module.forward, policy)
+        if offloads is not None:
+            module.forward = offloads.wrap(path, module.forward)
     return model
 
 

@@ -92,18 +92,29 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
 
     def done(schedule: Schedule, bound: float, model: str) -> Schedule:
         if problem.host_bandwidth:  # offload where it pays, at any size (offload_search)
-            progress.update(stage="offloading where the transfers hide")
-            improved = improve_by_offload(problem, budget, evaluate(problem, schedule),
-                                          deadline=deadline)
-            if improved is not schedule and improved.cost < full_cost(problem, schedule):
-                info["offload_search"] = improved.info["offload_search"]
-                schedule = improved
+            schedule = offloaded(schedule)
         cost = full_cost(problem, schedule)
         info["model"] = model
         return evaluate(problem, schedule, strategy="optimal", budget=budget, bound=bound,
                         status=(Status.OPTIMAL if cost - bound <= tolerance * cost
                                 else Status.FEASIBLE),
                         solve_time=time.perf_counter() - start, info=MappingProxyType(info))
+
+    def offloaded(schedule: Schedule) -> Schedule:
+        """The best of `schedule` and the fitting hint, each improved by the offload search
+        in half the time left."""
+        progress.update(stage="offloading where the transfers hide")
+        starts = [schedule] + ([hint] if fits and hint is not schedule else [])
+        best = schedule
+        for k, start_from in enumerate(starts):
+            share = (deadline - time.perf_counter()) / (len(starts) - k)
+            improved = improve_by_offload(problem, budget, evaluate(problem, start_from),
+                                          deadline=time.perf_counter() + share)
+            if improved.cost < full_cost(problem, best):
+                best = improved
+        if best is not schedule:
+            info["offload_search"] = best.info["offload_search"]
+        return best
 
     if fits and hint.cost == 0:  # nothing to gain: no schedule costs less than nothing
         info["rich_bound"] = 0.0
@@ -149,8 +160,11 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
                           " s) and no baseline fits; raise time_limit or the budget")
     progress.update(stage="searching the rich model")
     units = rich_units(problem, options)
+    # With a host link, the offload search (`done`) keeps a share of the limit.
+    rich_deadline = deadline - (OFFLOAD_SHARE * options.time_limit if problem.host_bandwidth
+                                else 0.0)
     found, searched = search_rich(problem, budget, options, units, hint if fits else None,
-                                  deadline, rich.value, progress, info)
+                                  rich_deadline, rich.value, progress, info)
     bound = max(rich.value, searched)
     if found is None and below is not None:
         if searched == math.inf:  # proven: nothing fits in the rich space either
