@@ -7,12 +7,16 @@ exactly: its plans fit and cost what they say, never less than the optimum. Wher
 comparable to the compute, it finds the optimum; what it cannot see are plans whose device copies
 are freed sooner because the compute waits for a load (measured on 40 random steps at a slow
 link: see the report of issue 26)."""
+import time
+
 import pytest
 
+from remat.errors import BudgetError
 from remat.solvers import Problem, SolverOptions, make_schedule, simulate, solve
+from remat.solvers.offload_search import improve_by_offload
 from remat.solvers.rich_brute import rich_brute_force, rich_smallest_peak
 from remat.solvers.schedule import price
-from remat.solvers.synthetic import random_problem
+from remat.solvers.synthetic import random_problem, transformer
 
 SEEDS = range(40)
 
@@ -44,3 +48,48 @@ def test_the_solver_finds_the_exhaustive_optimum_where_transfers_are_like_comput
         assert plan.cost == pytest.approx(oracle.cost, rel=1e-6, abs=1e-9), seed
         offloading += bool(plan.offload_at)
     assert offloading >= 5
+
+
+def test_the_rich_model_keeps_within_the_host_capacity():
+    """On steps whose optimum offloads, a host capacity below what it offloads: the solver's
+    plan holds no more in host memory, and still costs what the exhaustive search finds."""
+    checked = 0
+    for seed in SEEDS:
+        problem, budget = _step(seed, 20.0)
+        free = rich_brute_force(problem, budget, max_copies=1)
+        held = sum(problem.ops[v].size for v in free.offload_at)
+        if not held or free.cost == 0:
+            continue
+        capped = Problem(problem.ops, host_bandwidth=20.0, host_capacity=held - 1)
+        try:
+            oracle = rich_brute_force(capped, budget, max_copies=1)
+        except BudgetError:
+            continue
+        plan = solve(capped, budget, "optimal",
+                     SolverOptions(cost_resolution=1e-9, workers=2, time_limit=20,
+                                   model="rich", max_copies=1))
+        assert sum(capped.ops[v].size for v in plan.offload_at) <= held - 1
+        assert plan.cost == pytest.approx(oracle.cost, rel=1e-6, abs=1e-9), seed
+        checked += 1
+    assert checked >= 3
+
+
+def test_the_offload_search_keeps_in_host_memory_what_a_plan_recomputes():
+    """On a synthetic transformer over a PCIe-class link, the search turns recomputations
+    into offloads whose transfers hide: cheaper, within the budget and the host's capacity,
+    priced exactly; without a link it changes nothing."""
+    problem = transformer(layers=2, seq=512, d_model=512, heads=8)
+    linked = Problem(problem.ops, host_bandwidth=64e9)
+    budget = int(0.6 * simulate(linked, make_schedule(linked, [])).peak)
+    single = solve(linked, budget, "optimal", SolverOptions(time_limit=10, model="single"))
+    assert single.recomputed and not single.offload_at
+    assert improve_by_offload(problem, budget, single, deadline=time.perf_counter() + 30) \
+        is single
+    better = improve_by_offload(linked, budget, single, deadline=time.perf_counter() + 30)
+    assert better.offload_at and better.cost < single.cost and better.peak <= budget
+    assert better.cost == price(linked, better)[0]
+    assert better.info["offload_search"]["from_cost"] == single.cost
+    room = min(linked.ops[v].size for v in better.offload_at)
+    capped = Problem(problem.ops, host_bandwidth=64e9, host_capacity=room)
+    limited = improve_by_offload(capped, budget, single, deadline=time.perf_counter() + 30)
+    assert sum(capped.ops[v].size for v in limited.offload_at) <= room
