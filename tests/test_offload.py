@@ -129,3 +129,19 @@ def test_the_report_says_what_is_offloaded_and_how_much_is_hidden(plans, executi
     text = report.render()
     assert "Offloaded to host" in text and "hidden under compute" in text
     assert rows[0].name in text
+
+
+@pytest.mark.parametrize("execution", ["compiled", "eager"])
+def test_offload_plans_round_trip_through_plan_files(llama, plans, execution, tmp_path):
+    """A saved offload plan loads onto the model with the same offloads, peak and cost, and
+    (eager) the same block policies."""
+    model, *_ = llama
+    plan = plans[execution]
+    plan.save(tmp_path / "plan.json")
+    loaded = remat.load_plan(tmp_path / "plan.json", model)
+    assert dict(loaded.schedule.offload_at) == dict(plan.schedule.offload_at)
+    assert (loaded.schedule.peak, loaded.schedule.cost) == (plan.schedule.peak,
+                                                             plan.schedule.cost)
+    assert _problem(loaded).host_bandwidth == _problem(plan).host_bandwidth
+    if execution == "eager":
+        assert loaded.block_policies == plan.block_policies

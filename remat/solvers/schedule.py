@@ -234,6 +234,19 @@ def _check_every_copy_read(problem: Problem, schedule: Schedule) -> None:
                              "reader uses that copy")
 
 
+def check_host_memory(problem: Problem, schedule: Schedule) -> None:
+    """Raise SolverError when a strategy returns a schedule whose offloads need more host
+    memory than the problem has (`Problem.host_capacity`): a bug in the strategy."""
+    capacity = problem.host_capacity
+    held = sum(problem.ops[v].size for v in schedule.offload_at)
+    if capacity is not None and held > capacity:
+        from remat.errors import SolverError
+
+        raise SolverError(f"{schedule.strategy}: returned a schedule that keeps {held:,} bytes "
+                          f"in host memory, above the host's {capacity:,}; this is a bug in "
+                          "the strategy: please report it with the problem and the budget")
+
+
 def recomputable(problem: Problem) -> list[int]:
     """Candidates that a schedule may usefully recompute: tensors owning bytes (recomputing a
     zero-byte value frees nothing), with nothing forbidding it (randomness, mutation, being an
