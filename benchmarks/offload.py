@@ -4,12 +4,12 @@ activation budgets where offload pays: predicted step time and activation peak.
     PYTHONPATH=$PWD python benchmarks/offload.py                       # 7b and 70b, 60 s a solve
     PYTHONPATH=$PWD python benchmarks/offload.py --models 7b --fractions 0.4 --time-limit 30
 
-Each model is `examples/llama.py`'s factory (`seven_b`, `seventy_b`: bf16, sequence 4096,
-micro-batch 1, on meta tensors, three blocks traced and the middle one replicated), captured
-and profiled once for `--target` (op times: its roofline). The simulated peak counts the
-parameters' gradients the graph makes (one rank, no sharding), whatever the plan; budgets are
-the least peak recomputation reaches (found by the solver) plus `--fractions` of the range up to
-saving everything. Per budget, two solves of `remat.solvers.solve` with the same time limit:
+Each model is `examples/llama.py`'s 7B or 70B shape (`LLAMA_7B`, `LLAMA_70B`: bf16, sequence
+4096) as benchmarks/scale.py plans them (`prepared_problem`: the ZeRO configurations of one
+rank, meta tensors, three blocks traced and the middle one replicated), captured and profiled
+once for `--target` (op times: its roofline). Budgets are on the simulated peak of one rank's
+step (activations and the gradient shards the graph makes): the least peak recomputation
+reaches (found by the solver) plus `--fractions` of the range up to saving everything. Per budget, two solves of `remat.solvers.solve` with the same time limit:
 - **recompute only**: the problem without a host link (the exact solver, `model="auto"`);
 - **offload + recompute**: the same problem with the target's host link (`Device.host_link`,
   each way) and `--host-memory` of host memory: the single model's plan, then the offload
@@ -36,13 +36,26 @@ GiB = 2**30
 
 
 def prepared_problem(name: str, target: str):
-    from llama import seven_b, seventy_b
+    """The model's step as benchmarks/scale.py plans it: 7B at micro-batch 2 on 8 ranks under
+    ZeRO-2, 70B at micro-batch 1 on 64 ranks under ZeRO-3 (FSDP2's collectives in the step),
+    bf16-mixed AdamW, sequence 4096, on meta tensors."""
+    import torch
+    from llama import LLAMA_7B, LLAMA_70B, llama
 
     from remat.planner.prepare import prepare
+    from remat.planner.training import Training
 
-    model, inputs = (seven_b if name == "7b" else seventy_b)()
+    if name == "7b":
+        config, batch = LLAMA_7B, 2
+        training = Training(precision="bf16-mixed", optimizer="adamw", data_parallel=8,
+                            zero_stage=2)
+    else:
+        config, batch = LLAMA_70B, 1
+        training = Training(precision="bf16-mixed", optimizer="adamw", data_parallel=64,
+                            zero_stage=3)
+    model, inputs = llama(config, batch=batch, device="meta", dtype=torch.bfloat16)
     began = time.perf_counter()
-    problem = prepare(model, inputs, target=target).problem
+    problem = prepare(model, inputs, training=training, target=target).problem
     return problem, time.perf_counter() - began
 
 

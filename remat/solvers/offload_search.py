@@ -6,18 +6,18 @@ The rich CP-SAT model chooses offloads exactly on small steps only (`cpsat.rich_
 plan recomputes can instead be kept in host memory (its transfers hidden under the compute)
 and loaded back where the plan recomputed it, for none of the recompute time, and its inputs,
 read only by that recomputation, need not be kept at all. Two moves, each taken only when the
-result fits the budget and the host's capacity and costs less (or, for the first, no more):
-- **make room**: offload a value the plan saves (largest first), loaded back where the plan
-  first needs it, when the step waits no longer and the peak does not rise: room for the next
-  move;
+result fits the budget and the host's capacity and costs less (or, for the second, no more):
 - **keep instead of recompute**: a recomputed value (most recompute time first) is saved and
-  offloaded, loaded back at its recomputation's place or earlier (more of the load hidden,
-  held longer), whichever fits and costs least.
+  offloaded, loaded back where the compute before its recomputation's place hides the load
+  twice over, or at that place, or earlier (more of the load hidden, held longer): the first
+  that fits and costs less;
+- **make room** (when the first is stuck): offload a value the plan saves (the largest
+  first), loaded back where the compute before its first need hides it (or at that need),
+  when the step waits no longer and the peak drops: room for the first move.
 Values are taken in groups that grow while they pay and shrink where they do not (a 7B
 step's evaluation takes a tenth of a second). Passes repeat until neither move improves or the
-deadline passes. A heuristic: the result is
-never worse than the schedule it starts from, and is exactly priced; nothing is claimed about
-optimality.
+deadline passes. A heuristic: the result is never worse than the schedule it starts from, and
+is exactly priced; nothing is claimed about optimality.
 """
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ from remat.solvers.schedule import Schedule, drop_unneeded, evaluate, make_sched
 # the distance to the backward's start each time).
 EARLIER_TRIES = 3
 # How many of the largest saved values the first move considers.
-ROOM_CANDIDATES = 256
+ROOM_CANDIDATES = 32
+# A load is first tried where the compute before its need is this many times its transfer.
+HIDE = 2.0
 
 
 def improve_by_offload(problem: Problem, budget: int, schedule: Schedule, *,
@@ -43,14 +45,16 @@ def improve_by_offload(problem: Problem, budget: int, schedule: Schedule, *,
     if not problem.host_bandwidth:
         return schedule
     best, tried = schedule, 0
-    changed = True
-    while changed and time.perf_counter() < deadline:
-        changed = False
-        for move in (_make_room, _keep_instead):
-            found, count = move(problem, budget, best, deadline)
-            tried += count
-            if found is not None:
-                best, changed = found, True
+    while time.perf_counter() < deadline:
+        # Keep what the plan recomputes; make room only when that is stuck.
+        found, count = _keep_instead(problem, budget, best, deadline)
+        if found is None:
+            found, more = _make_room(problem, budget, best, deadline)
+            count += more
+        tried += count
+        if found is None:
+            break
+        best = found
     if best is schedule:
         return schedule
     info = {**schedule.info, "offload_search": {"tried": tried,
@@ -86,10 +90,16 @@ def _first_need(problem: Problem, schedule: Schedule, v: int) -> int | None:
     return min(needs, default=None)
 
 
-def _positions(problem: Problem, latest: int) -> list[int]:
-    """`latest`, then EARLIER_TRIES earlier backward positions (halving the distance to the
-    backward's start, down to it)."""
-    nf, found = problem.num_forward, [latest]
+def _positions(problem: Problem, latest: int, size: int) -> list[int]:
+    """Where to try a load needed before `latest`: first where the compute between hides its
+    transfer twice over (room for the loads queued beside it), then `latest` itself, then
+    EARLIER_TRIES earlier positions (halving the distance to the backward's start)."""
+    nf, ops = problem.num_forward, problem.ops
+    hidden, b = 0.0, latest
+    while b > nf and hidden < HIDE * size / problem.host_bandwidth:
+        b -= 1
+        hidden += ops[b].cost
+    found = [b, latest]
     for _ in range(EARLIER_TRIES):
         found.append(nf + (found[-1] - nf) // 2)
     return found
@@ -104,8 +114,9 @@ def _make_room(problem: Problem, budget: int, best: Schedule, deadline: float):
                          and v not in problem.pinned and _first_need(problem, best, v)),
                         key=lambda v: (-ops[v].size, v))[:ROOM_CANDIDATES]
 
-    def offloaded(current: Schedule, group: list[int]) -> Schedule | None:
-        loads = {v: _first_need(problem, current, v) for v in group}
+    def offloaded(current: Schedule, group: list[int], earlier: int = 0) -> Schedule | None:
+        loads = {v: _positions(problem, _first_need(problem, current, v), ops[v].size)[earlier]
+                 for v in group}
         return _try(problem, current.recomputed, current.recompute_at, current.again,
                     {**current.offload_at, **loads})
 
@@ -113,7 +124,7 @@ def _make_room(problem: Problem, budget: int, best: Schedule, deadline: float):
         return _fits(problem, budget, trial) and trial.cost <= current.cost \
             and trial.peak < current.peak
 
-    return _in_groups(candidates, best, offloaded, better, deadline)
+    return _in_groups(candidates, best, offloaded, better, deadline, retries=1)
 
 
 def _keep_instead(problem: Problem, budget: int, best: Schedule, deadline: float):
@@ -137,13 +148,14 @@ def _keep_instead(problem: Problem, budget: int, best: Schedule, deadline: float
         at = {u: b for u, b in current.recompute_at.items() if u in recomputed}
         again = {u: ps for u, ps in current.again.items()
                  if u in recomputed or all(p < problem.num_forward for p in ps)}
-        loads = {v: _positions(problem, current.recompute_at[v])[earlier] for v in group}
+        loads = {v: _positions(problem, current.recompute_at[v], ops[v].size)[earlier]
+                 for v in group}
         return _try(problem, recomputed, at, again, {**current.offload_at, **loads})
 
     def better(current: Schedule, trial: Schedule) -> bool:
         return _fits(problem, budget, trial) and trial.cost < current.cost
 
-    return _in_groups(candidates, best, kept, better, deadline, retries=EARLIER_TRIES)
+    return _in_groups(candidates, best, kept, better, deadline, retries=EARLIER_TRIES + 1)
 
 
 def _in_groups(candidates: list[int], best: Schedule, move, better, deadline: float,

@@ -40,7 +40,7 @@ SINGLE_SHARE = 0.85
 BOUND_SHARE = 0.1
 PEAK_STAGE_SHARE = 0.1
 BASELINE_SHARE = 0.1
-OFFLOAD_SHARE = 0.2
+OFFLOAD_SHARE = 0.3
 # Building the rich model takes about this many schedule evaluations (65 to 170 measured on
 # synthetic transformers of 200 to 1,000 ops); it is built only within this share of the
 # time left.
