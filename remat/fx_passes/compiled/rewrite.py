@@ -34,7 +34,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-import torch
 import torch.fx as fx
 
 from remat.errors import RematError

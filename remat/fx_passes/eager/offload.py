@@ -133,10 +133,11 @@ class EagerOffloads:
                     f"block {path!r}: the plan offloads inputs of shapes {specs} that the "
                     "block's checkpoint did not save in this run (other shapes or inputs than "
                     "planned): plan with the inputs you train with")
-            for item in inputs:
-                if item.offloaded:
-                    item.copy_out()
-            self.pending[path].append([i for i in inputs if i.offloaded])
+            offloaded = [item for item in inputs if item.offloaded]
+            for item in offloaded:
+                item.copy_out()
+            if offloaded:  # for the block that loads them ahead of their need
+                self.pending[path].append(offloaded)
             return out
 
         return run

@@ -53,7 +53,7 @@ class Transfers:
     def __init__(self, model, reads: dict[int, list]):
         self.model = model
         problem: Problem = model.problem
-        m, units, ops, n = model.model, model.units, problem.ops, len(problem)
+        m, units, ops = model.model, model.units, problem.ops
         nf = problem.num_forward
         unit, bandwidth = units.cost, problem.host_bandwidth
         starts = [0.0]
