@@ -127,7 +127,7 @@ def transfers(problem: Problem, schedule: Schedule, order: Sequence[tuple[int, S
     for v in sorted(offloaded, key=lambda v: (after[v], v)):
         issued_at.setdefault(after[v], []).append(v)
     loads = {}
-    waiting: dict[int, int] = {}  # a loaded value -> None until its first reader is found
+    waiting: dict[int, int] = {}  # a loaded value whose first reader is yet to come
     first_read: dict[int, int] = {}
     for t, (i, kind) in enumerate(order):
         if kind is StepKind.RELOAD:
