@@ -46,11 +46,28 @@ class EagerPlan(Plan):
     @property
     def block_policies(self) -> dict:
         """Each block's policy (picklable): plan on one rank, send these to the others and
-        call `remat.fx_passes.eager.apply.apply_eager(model, policies)` there."""
+        call `remat.fx_passes.eager.apply.apply_eager(model, policies)` there. For a plan made
+        for a range of shapes, each block's policy per bucket with the planned call's checks
+        (`guarded_policies`)."""
+        return self._plain_policies() if self.shapes is None else self.guarded_policies
+
+    def _plain_policies(self) -> dict:
         from remat.fx_passes.eager.block_policy import with_cache
 
         cached = frozenset(self.to_graph[v] for v in self.schedule.info["cached"])
         return {p: with_cache(pol, cached) for p, pol in self.policies.items()}
+
+    @property
+    def guarded_policies(self) -> dict:
+        """Each block's policy for each bucket of the planned shapes, with the planned call's
+        spec: `apply_eager` then checks every training call before it runs
+        (remat.fx_passes.eager.call_guard)."""
+        from remat.fx_passes.eager.call_guard import GuardedPolicy
+
+        plans = self.shapes.plans if self.shapes is not None else {None: self}
+        tables = {bucket: plan._plain_policies() for bucket, plan in plans.items()}
+        return {path: GuardedPolicy(path, tuple((b, t[path]) for b, t in tables.items()),
+                                    self.prepared.call_spec) for path in self.policies}
 
     def apply(self, model: Any):
         from remat.fx_passes.eager.apply import apply_eager
@@ -61,12 +78,18 @@ class EagerPlan(Plan):
                              "meta or fake tensors: load or initialize the weights first")
         check_eager_device(model, self.prepared.captured.device)
         check_no_cache(model)
-        return apply_eager(model, self.block_policies)
+        policies = (self._plain_policies() if self.prepared.call_spec is None
+                    else self.guarded_policies)
+        return apply_eager(model, policies)
 
     def compile_blocks(self, model: Any, *, inductor: bool = False):
         """The plan applied by compiling each block with remat's partitioner (torchtitan's
         per-block compile) instead of wrapping it in checkpoint: see
         `remat.planner.block_compile.compile_blocks`."""
+        if self.shapes is not None:
+            raise RematError("compile_blocks compiles each block for the planned shapes only; "
+                             "a plan for a range of shapes (dynamic=) runs with "
+                             "plan.apply(model)")
         return compile_blocks(self, model, inductor=inductor)
 
 

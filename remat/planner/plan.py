@@ -41,6 +41,8 @@ class Plan:
         self.memory = memory
         self.target = target
         self.solver_options = solver_options
+        self.shapes = None
+        """remat.planner.shapes.RangePlans for a plan made for a range of shapes (dynamic=)."""
 
     # -- the numbers
     @property
@@ -116,15 +118,24 @@ class Plan:
         from remat.fx_passes.lowering.sharding import project
 
         sharded = plan.prepared.sharded
+        buckets = None if self.shapes is None else {
+            bucket: (p.prepared.sharded.graph, project(p.prepared.sharded, p.schedule))
+            for bucket, p in self.shapes.plans.items()}
         return planned_module(model, sharded.graph, project(sharded, plan.schedule),
                               loss_fn=self.prepared.loss_fn, returns=self.prepared.returns,
-                              training=self.prepared.captured.training)
+                              training=self.prepared.captured.training,
+                              call_spec=self.prepared.call_spec, buckets=buckets)
 
     def _replan(self, model: Any, where: str) -> "Plan":
         """The same plan made on the graph `model`'s device produces: PyTorch picks kernels by
         device (attention on a CPU is another op than on meta), so the schedule of one graph
         cannot run on the other."""
         import torch
+
+        if self.shapes is not None:
+            raise RematError(f"the plan for a range of shapes was made on "
+                             f"{self.prepared.captured.device} tensors and the model is on "
+                             f"{where}: plan it on the device it trains on")
 
         def make(spec):
             if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], torch.dtype):
@@ -164,6 +175,8 @@ class Plan:
         if self.memory.budget is None:
             notes.append("only the activations were bounded (activation_budget=); the totals "
                          "add the configured state")
+        if self.shapes is not None:
+            notes.extend(self.shapes.notes())
         captured = prepared.captured
         title = (f"remat plan for {captured.model_name} in {self.training_mode} mode: "
                  f"{prepared.state.parameters:,} parameters, inputs {captured.input_shapes}, "
@@ -185,7 +198,8 @@ class Plan:
                 "mode": self.training_mode,
                 "memory": self.memory.to_dict(),
                 "schedule": self.schedule.to_dict(self.problem),
-                "report": self.report().to_dict()}
+                "report": self.report().to_dict(),
+                **({} if self.shapes is None else {"shapes": self.shapes.to_dict()})}
 
     def __repr__(self) -> str:
         budget = "" if self.memory.budget is None else f" of {format_size(self.memory.budget)}"

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from remat.errors import RematError
+from remat.fx_passes.compiled.call_checks import PlannedSteps, explained
 from remat.fx_passes.compiled.inductor import inductor_compilers
 from remat.fx_passes.compiled.rewrite import Partition, partition_fn
 from remat.fx_passes.tracing.step_io import remat_error
@@ -96,7 +97,8 @@ class PlannedModule(nn.Module):
 
     def __init__(self, model: nn.Module, problem: Problem, schedule: Schedule, *,
                  compile: bool = False, loss_fn: Callable | None = None,
-                 returns: str = "loss", training: bool | None = None):
+                 returns: str = "loss", training: bool | None = None,
+                 call_spec: Any = None, buckets: dict | None = None):
         super().__init__()
         from torch._dynamo.backends.debugging import boxed_nop
 
@@ -114,10 +116,16 @@ class PlannedModule(nn.Module):
         else:
             fw_compiler = _instrumented(fw, "forward", self._hooks)
             bw_compiler = _instrumented(bw, "backward", self._hooks)
-        self._step = _opaque_to_dynamo(compile_step(
-            model, partition_fn(problem, schedule, self.partitions.append),
-            fw_compiler=fw_compiler, bw_compiler=bw_compiler, loss_fn=loss_fn, reset=False,
-            returns=returns))
+        shape_range = call_spec.shape_range if call_spec is not None else None
+
+        def make(problem: Problem, schedule: Schedule, bucket: Any) -> Callable:
+            return _opaque_to_dynamo(explained(compile_step(
+                model, partition_fn(problem, schedule, self.partitions.append,
+                                    shape_range=shape_range),
+                fw_compiler=fw_compiler, bw_compiler=bw_compiler, loss_fn=loss_fn, reset=False,
+                returns=returns, shape_range=shape_range, bucket=bucket), bucket))
+
+        self._steps = PlannedSteps(make, problem, schedule, call_spec, buckets)
         self.compiled = compile
         self.training_mode = training
         """The mode (``model.training``) the plan was made in, None if unknown."""
@@ -135,8 +143,10 @@ class PlannedModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._check_mode()
+        self._steps.check(self.model, args, kwargs)
+        step = self._steps.step_for(self.model, args, kwargs)
         try:
-            return self._step(*args, **kwargs)
+            return step(*args, **kwargs)
         except Exception as e:
             inner = remat_error(e)
             if inner is not None and inner is not e:
@@ -182,7 +192,8 @@ class PlannedModule(nn.Module):
 
 def planned_module(model: nn.Module, problem: Problem, schedule: Schedule, *,
                    compile: bool = False, loss_fn: Callable | None = None,
-                   returns: str = "loss", training: bool | None = None) -> PlannedModule:
+                   returns: str = "loss", training: bool | None = None,
+                   call_spec: Any = None, buckets: dict | None = None) -> PlannedModule:
     """`model`'s training step running `schedule`: op by op (`compile=False`, the graphs that
     can be measured against the simulator), or through Inductor (`compile=True`). `problem`
     must be the one lowered from `capture(model, args, example_kwargs=kwargs, loss_fn=loss_fn,
@@ -190,9 +201,13 @@ def planned_module(model: nn.Module, problem: Problem, schedule: Schedule, *,
     RematError at the first call. `returns`: "loss" (the forward returns the loss tensor) or
     "output" (the model's output with the loss attached to the plan, other tensors detached;
     see `remat.fx_passes.tracing.step_io`). `training`: the mode the plan was made in; calling the
-    module in the other mode raises RematError saying so."""
+    module in the other mode raises RematError saying so. `call_spec`
+    (`remat.fx_passes.tracing.call_checks.CallSpec`): what a training call must look like,
+    checked before each; with a range of shapes, `buckets` gives each bucket's problem and
+    schedule (`remat.fx_passes.compiled.call_checks`)."""
     return PlannedModule(model, problem, schedule, compile=compile, loss_fn=loss_fn,
-                         returns=returns, training=training)
+                         returns=returns, training=training, call_spec=call_spec,
+                         buckets=buckets)
 
 
 _OPAQUE_REASON = ("remat's planned step is compiled with its own partitioner, and an outer "
