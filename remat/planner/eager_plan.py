@@ -98,6 +98,7 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
                     blocks: Sequence[str] | None, example_inputs: Sequence[Any] | None = None,
                     example_kwargs: dict[str, Any] | None = None):
     from remat.fx_passes.eager.policy import block_paths, eager_blocks, eager_problem
+    from remat.fx_passes.tracing.call_checks import uncached_autocast
     from remat.fx_passes.eager.probe import probe
     from remat.fx_passes.lowering.lower import op_nodes
 
@@ -105,7 +106,9 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
     paths = block_paths(model, joint, blocks, block_of)
     observed = None
     if example_inputs is not None and not prepared.meta_weights:
-        observed = probe(model, _as_tuple(example_inputs), paths, example_kwargs or {})
+        # As the applied blocks run: autocast casting each weight at each use (apply.py).
+        with uncached_autocast():
+            observed = probe(model, _as_tuple(example_inputs), paths, example_kwargs or {})
     else:
         log.info("eager: no weights to run the blocks with; their eager ops are derived from "
                  "the joint graph (plan.apply's run checks them)")

@@ -14,6 +14,7 @@ import torch
 from remat.errors import RematError
 from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
 from remat.fx_passes.eager.call_guard import current, guard_calls, mismatch_cause
+from remat.fx_passes.tracing.call_checks import autocast_state, uncached_autocast
 
 __all__ = ["apply_eager"]
 
@@ -40,14 +41,16 @@ def _checkpointed(forward, planned: Any, *args, **kwargs):
 
     policy = current(planned)
     block = getattr(forward, "__self__", None)
+    autocast = autocast_state()  # read here: inside dispatch, autocast reads as off
     counters: list[Any] = []
 
     def contexts():
         counter = itertools.count()
         counters.append(counter)
-        return _contexts(policy, counter, lambda: mismatch_cause(planned, block))
+        return _contexts(policy, counter, lambda: mismatch_cause(planned, block, autocast))
 
-    out = checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+    with uncached_autocast():  # the same casts at each call and in the recomputation
+        out = checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
     if counters:
         seen = next(counters[0])
         if seen != len(policy.ops):
@@ -55,7 +58,7 @@ def _checkpointed(forward, planned: Any, *args, **kwargs):
                 f"block {policy.path!r}: the run called {seen} ops where the plan's capture had "
                 f"{len(policy.ops)}; the block's ops differ between capture and run (other "
                 "shapes, flags such as use_cache, or code paths): plan with the inputs and "
-                f"settings you train with{mismatch_cause(planned, block)}")
+                f"settings you train with{mismatch_cause(planned, block, autocast)}")
     return out
 
 

@@ -87,14 +87,16 @@ def guard_calls(model: torch.nn.Module, policies: dict[str, Any]) -> dict[str, A
     return {path: _Selected(p, selection) for path, p in policies.items()}
 
 
-def mismatch_cause(policy: Any, block: torch.nn.Module | None) -> str:
+def mismatch_cause(policy: Any, block: torch.nn.Module | None,
+                   autocast: tuple = ()) -> str:
     """Why a block's ops may differ from its plan's, where the planned call says: appended to
-    the error of a block whose run dispatches other ops."""
+    the error of a block whose run dispatches other ops. `autocast`: the state the block was
+    called in (read on entry: inside dispatch, autocast reads as off)."""
     if not isinstance(policy, _Selected):
         return ("; plan.apply(model) checks the call's inputs, autocast and parameters before "
                 "it runs, apply_eager with plain policies does not")
     spec = policy.guarded.spec
-    cause = spec.autocast_cause()
+    cause = spec.autocast_cause(autocast)
     if cause is None and isinstance(block, torch.nn.Module):
         cause = spec.parameters_cause(block, prefix=policy.guarded.path + ".")
     return f"; the cause: {cause}" if cause else ""

@@ -14,15 +14,16 @@ module's own mode check deals with it).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
 from remat.errors import RematError
 from remat.fx_passes.tracing.dynamic import DimRange, ShapeRange
 
-__all__ = ["CallSpec", "InputSpec", "autocast_state", "describe_autocast"]
+__all__ = ["CallSpec", "InputSpec", "autocast_state", "describe_autocast", "uncached_autocast"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "hpu", "mps")
 _PLAIN = (int, float, bool, str, type(None))
@@ -38,6 +39,19 @@ def autocast_state() -> tuple[tuple[str, str], ...]:
         except (RuntimeError, TypeError, AttributeError):  # a device this torch lacks
             continue
     return tuple(active)
+
+
+@contextlib.contextmanager
+def uncached_autocast() -> Iterator[None]:
+    """The autocast state now, with its cache of cast weights off. Cached, a weight is cast
+    (an op) at its first use in an autocast context and not at later ones, nor when
+    checkpoint recomputes a block: an eager block would dispatch other ops at each call.
+    Uncached, every use casts, in the forward and the recomputation alike."""
+    with contextlib.ExitStack() as stack:
+        for device, dtype in autocast_state():
+            stack.enter_context(torch.autocast(device, dtype=getattr(torch, dtype),
+                                               cache_enabled=False))
+        yield
 
 
 def describe_autocast(state: tuple[tuple[str, str], ...]) -> str:
@@ -190,8 +204,9 @@ class CallSpec:
                         "the planned range, which must agree within a call")
         return None
 
-    def autocast_cause(self) -> str | None:
-        now = autocast_state()
+    def autocast_cause(self, now: tuple | None = None) -> str | None:
+        """Why the autocast state `now` (the current one by default) is not the planned."""
+        now = autocast_state() if now is None else now
         if now == self.autocast:
             return None
         return (f"the call runs {describe_autocast(now)} but the plan was made "

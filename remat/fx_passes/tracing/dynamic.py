@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import operator
 import re
 from dataclasses import dataclass
@@ -116,8 +117,9 @@ class ShapeRange:
             low = 2 if r.lo == 1 and r.hi > 1 else r.lo
             parts.append(DimRange(r.name, low, r.hi))
             choices.append(parts)
+        # The largest first: the bucket of the range's largest shape is the plan's own.
         return sorted((Bucket(tuple(c)) for c in itertools.product(*choices)),
-                      key=lambda b: [-p.hi for p in b.parts])
+                      key=lambda b: -math.prod(p.hi for p in b.parts))
 
     def bucket_of(self, sizes: dict[str, int]) -> Bucket:
         for bucket in self.buckets():
