@@ -62,7 +62,7 @@ def _checkpointed(forward, planned: Any, *args, **kwargs):
     return out
 
 
-def _contexts(policy: BlockPolicy, counter, cause):
+def _contexts(policy: BlockPolicy, counter, cause=lambda: ""):
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     # torch 2.13 asks once per op, in the forward, and replays the answers in the
