@@ -1,0 +1,101 @@
+"""The applied model stays a model: evaluation (no_grad, inference_mode, eval(), generate) runs
+it plainly in both execution modes, with outputs equal to the untouched model's; training in
+the other mode than the plan's is refused at the backward. A tiny Hugging Face GPT-2 built from a config, nothing downloaded."""
+import copy
+
+import pytest
+import torch
+
+import remat
+from remat.errors import RematError
+
+pytest.importorskip("transformers")
+
+VOCAB, SEQ, BATCH = 128, 16, 4
+
+
+def gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                        use_cache=False)  # dropout 0.1 by default
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config).train()
+
+
+def batch(seq: int = SEQ):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (BATCH, seq), generator=g)
+    return {"input_ids": ids, "labels": ids}
+
+
+def applied(mode: str):
+    """(the untouched model, the model the plan runs on, what to call for a step)."""
+    model = gpt2()
+    untouched = copy.deepcopy(model)
+    # checkpoint every block: the plan recomputes inside each block, dropout included
+    plan = remat.optimize(model, activation_budget=10**9, example_kwargs=batch(),
+                          execution=mode, solver="checkpoint_blocks")
+    if mode == "eager":
+        step = plan.apply(model)
+        assert plan.recompute_flops >= 0
+    else:
+        step = plan.module
+        assert plan.recompute_flops > 0
+    return untouched, model, step
+
+
+def same_call(a, b, kwargs, seed=3):
+    torch.manual_seed(seed)
+    out_a = a(**kwargs)
+    torch.manual_seed(seed)
+    out_b = b(**kwargs)
+    return out_a, out_b
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_evaluation_runs_the_applied_model_plainly(mode):
+    untouched, model, step = applied(mode)
+    longer = batch(seq=24)  # another shape than planned: fine without the plan
+    for kwargs in (batch(), longer):
+        with torch.no_grad():  # train mode, dropout on: the same masks from the same seed
+            mine, theirs = same_call(step, untouched, kwargs)
+        assert torch.equal(mine.loss, theirs.loss) and torch.equal(mine.logits, theirs.logits)
+        with torch.inference_mode():
+            mine, theirs = same_call(step, untouched, kwargs)
+        assert torch.equal(mine.loss, theirs.loss) and torch.equal(mine.logits, theirs.logits)
+    model.eval(), untouched.eval()
+    with torch.no_grad():
+        mine, theirs = same_call(step, untouched, longer)
+    assert torch.equal(mine.logits, theirs.logits)
+    mine, theirs = same_call(step, untouched, batch())  # eval() with grad enabled: runs ...
+    assert torch.equal(mine.loss, theirs.loss)
+    with pytest.raises(RematError, match="planned in train mode, but the model is in eval mode "
+                                         r"now; call model.train\(\)"):
+        mine.loss.backward()  # ... but training on it without the plan is refused
+    prompt = batch()["input_ids"][:, :4]
+    generate = dict(max_new_tokens=5, do_sample=False, attention_mask=torch.ones_like(prompt),
+                    pad_token_id=0, use_cache=True)  # the cache a training plan never sees
+    assert torch.equal(step.generate(prompt, **generate), untouched.generate(prompt, **generate))
+    model.train(), untouched.train()
+    # Nothing requires grad (a frozen model), grad enabled: no graph, nothing to plan.
+    for p in (*model.parameters(), *untouched.parameters()):
+        p.requires_grad_(False)
+    mine, theirs = same_call(step, untouched, longer)
+    assert torch.equal(mine.loss, theirs.loss) and not mine.loss.requires_grad
+    for p in (*model.parameters(), *untouched.parameters()):
+        p.requires_grad_(True)
+    # After all that, a training step still runs the plan, with eager's gradients. (The
+    # refused backward above may have left gradients in the layers after the blocks.)
+    model.zero_grad(set_to_none=True)
+    mine, theirs = same_call(step, untouched, batch())
+    mine.loss.backward(), theirs.loss.backward()
+    assert torch.equal(mine.loss, theirs.loss)
+    for (name, a), b in zip(untouched.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_an_eager_training_call_of_other_ops_than_planned_is_still_refused():
+    _, model, _ = applied("eager")
+    with pytest.raises(RematError, match="ops differ between capture and run"):
+        model(**batch(), use_cache=True)  # grad on, train mode: the plan must hold
