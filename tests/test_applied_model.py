@@ -1,6 +1,7 @@
 """The applied model stays a model: evaluation (no_grad, inference_mode, eval(), generate) runs
 it plainly in both execution modes, with outputs equal to the untouched model's; training in
-the other mode than the plan's is refused at the backward. A tiny Hugging Face GPT-2 built from a config, nothing downloaded."""
+the other mode than the plan's is refused at the backward; planning leaves the model and its
+config as they were. A tiny Hugging Face GPT-2 built from a config, nothing downloaded."""
 import copy
 
 import pytest
@@ -99,3 +100,39 @@ def test_an_eager_training_call_of_other_ops_than_planned_is_still_refused():
     _, model, _ = applied("eager")
     with pytest.raises(RematError, match="ops differ between capture and run"):
         model(**batch(), use_cache=True)  # grad on, train mode: the plan must hold
+
+
+def snapshot(model) -> dict:
+    """Every module's attributes (by identity for objects, by value for plain data), each
+    parameter's gradient and requires_grad, the config and the generation config."""
+    seen = {}
+    for name, module in model.named_modules():
+        for key, value in vars(module).items():
+            if key in ("_parameters", "_buffers", "_modules"):
+                value = {k: id(v) for k, v in value.items()}
+            elif not isinstance(value, (str, int, float, bool, type(None))):
+                value = id(value)
+            seen[(name, key)] = value
+        for key, p in module.named_parameters(recurse=False):
+            seen[(name, key, "grad")] = id(p.grad) if p.grad is not None else None
+            seen[(name, key, "requires_grad")] = p.requires_grad
+    seen["config"] = model.config.to_dict()
+    seen["generation_config"] = model.generation_config.to_dict()
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_planning_leaves_the_model_and_its_config_as_they_were(mode):
+    model = gpt2()
+    assert model.loss_type is None  # GPT2LMHeadModel's own: the Trainer reads it
+    before = snapshot(model)
+    rng = torch.get_rng_state()
+    plan = remat.optimize(model, activation_budget=10**9, example_kwargs=batch(),
+                          execution=mode, solver="checkpoint_blocks")
+    assert snapshot(model) == before
+    assert torch.equal(torch.get_rng_state(), rng)  # nor the generator the user trains with
+    if mode == "compiled":  # the planned step names the loss only while it runs
+        for _ in range(2):
+            plan.module(**batch()).loss.backward()
+        assert model.loss_type is None and model.transformer.loss_type is None
+        assert len(plan.module.partitions) == 1  # and it was compiled once
