@@ -323,20 +323,17 @@ def _loss_types_named(modules: list[torch.nn.Module]):
     the fallback keeps the same loss without the warning. Put back afterwards, exactly: the
     Trainer reads loss_type to count the tokens it divides the loss by, so a model left with
     it set would train with another normalisation than the untouched model."""
-    before = [module.__dict__.get("loss_type", _ABSENT) for module in modules]
+    own = [("loss_type" in vars(module), module) for module in modules]  # else a class's
     for module in modules:
         module.loss_type = "ForCausalLM"
     try:
         yield
     finally:
-        for module, value in zip(modules, before):
-            if value is _ABSENT:
-                del module.loss_type
+        for had, module in own:
+            if had:
+                module.loss_type = None
             else:
-                module.loss_type = value
-
-
-_ABSENT = object()
+                del module.loss_type
 
 
 def _is_stop(e: BaseException | None) -> bool:
