@@ -13,6 +13,7 @@ _LAZY = {
     "max_batch": "remat.planner.sweep",
     "parse_size": "remat.planner.budget",
     "compile_blocks": "remat.planner.block_compile",
+    "for_trainer": "remat.planner.hf",
 }
 
 __all__ = ["BudgetError", "CaptureError", "RematError", "SolverError", *_LAZY]

@@ -3,12 +3,14 @@ it plainly in both execution modes, with outputs equal to the untouched model's;
 the other mode than the plan's is refused at the backward; planning leaves the model and its
 config as they were. A tiny Hugging Face GPT-2 built from a config, nothing downloaded."""
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 import remat
 from remat.errors import RematError
+from remat.fx_passes.eager.apply import apply_eager
 
 pytest.importorskip("transformers")
 
@@ -34,16 +36,16 @@ def applied(mode: str):
     """(the untouched model, the model the plan runs on, what to call for a step)."""
     model = gpt2()
     untouched = copy.deepcopy(model)
-    # checkpoint every block: the plan recomputes inside each block, dropout included
     plan = remat.optimize(model, activation_budget=10**9, example_kwargs=batch(),
                           execution=mode, solver="checkpoint_blocks")
-    if mode == "eager":
-        step = plan.apply(model)
-        assert plan.recompute_flops >= 0
-    else:
-        step = plan.module
+    if mode == "compiled":  # checkpoint every block: recomputed, dropout included
         assert plan.recompute_flops > 0
-    return untouched, model, step
+        return untouched, model, plan.module
+    # The eager plan caches everything at this budget: recompute every op of each block.
+    policies = {path: dataclasses.replace(policy, cache=frozenset())
+                for path, policy in plan.block_policies.items()}
+    assert all(policy.training is True for policy in policies.values())
+    return untouched, apply_eager(model, policies), model
 
 
 def same_call(a, b, kwargs, seed=3):
