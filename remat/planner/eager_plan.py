@@ -50,7 +50,9 @@ class EagerPlan(Plan):
         from remat.fx_passes.eager.block_policy import with_cache
 
         cached = frozenset(self.to_graph[v] for v in self.schedule.info["cached"])
-        return {p: with_cache(pol, cached) for p, pol in self.policies.items()}
+        mode = self.prepared.captured.training  # a block in the other mode runs plainly
+        return {p: dataclasses.replace(with_cache(pol, cached), training=mode)
+                for p, pol in self.policies.items()}
 
     def apply(self, model: Any):
         from remat.fx_passes.eager.apply import apply_eager

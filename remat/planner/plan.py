@@ -77,7 +77,8 @@ class Plan:
     @property
     def training_mode(self) -> str:
         """"train" or "eval": the mode the model was in when planned. Dropout and BatchNorm
-        make other graphs in the other mode; the planned module refuses to run in it."""
+        make other graphs in the other mode: there the planned module runs the model itself, and
+        refuses a backward through its output."""
         return "train" if self.prepared.captured.training else "eval"
 
     # -- running it

@@ -2,7 +2,13 @@
 non-reentrant `torch.utils.checkpoint` and a selective-checkpoint policy that caches
 (MUST_SAVE) exactly the ops the plan keeps and recomputes (PREFER_RECOMPUTE) the rest. Ops are
 matched by position within the block: the policy counts the ops it is called for, and an op
-other than the expected one (or a different count) raises RematError naming the block."""
+other than the expected one (or a different count) raises RematError naming the block.
+
+A block call that records no autograd graph (``torch.no_grad()``, ``torch.inference_mode()``,
+``generate()``, nothing requiring grad) runs the block plainly: nothing is kept for a backward,
+so there is nothing to plan or check. One in the other mode than the plan's (``model.eval()``
+with grad enabled) runs plainly too, and a backward through it is refused
+(`remat.fx_passes.tracing.plain`)."""
 from __future__ import annotations
 
 import itertools
@@ -13,6 +19,7 @@ import torch
 
 from remat.errors import RematError
 from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
+from remat.fx_passes.tracing.plain import records_graph, refuse_backward, wrong_mode_message
 
 __all__ = ["apply_eager"]
 
@@ -26,12 +33,18 @@ def apply_eager(model: torch.nn.Module, policies: dict[str, BlockPolicy]) -> tor
             raise RematError(f"block {path!r} is already wrapped by a remat plan; apply a plan "
                              "once, to a fresh model")
         module._remat_policy = policy
-        module.forward = partial(_checkpointed, module.forward, policy)
+        module.forward = partial(_checkpointed, module, module.forward, policy)
     return model
 
 
-def _checkpointed(forward, policy: BlockPolicy, *args, **kwargs):
+def _checkpointed(module: torch.nn.Module, forward, policy: BlockPolicy, *args, **kwargs):
     from torch.utils.checkpoint import checkpoint
+
+    if not records_graph(module.parameters(), args, kwargs):
+        return forward(*args, **kwargs)
+    if policy.training is not None and module.training != policy.training:
+        return refuse_backward(forward(*args, **kwargs), wrong_mode_message(
+            policy.training, module.training, f"block {policy.path!r}: "))
 
     counters: list[Any] = []
 

@@ -30,8 +30,9 @@ returns="loss") -> Captured``
 
 Dynamo caches compiled frames per code object; `capture` and `compile_step` reset dynamo
 (``torch._dynamo.reset()``) so that captures never see each other's caches or recompile limits.
-For Hugging Face GPT-2 set ``model.loss_type = "ForCausalLM"`` first (a warning in its loss
-lookup is a graph break otherwise; `capture` does it for models that have the attribute unset).
+Hugging Face causal LMs whose ``loss_type`` is None (GPT-2) warn in their loss lookup, a graph
+break: `capture` and the compiled step name the loss they fall back to while they trace and
+run, and put the attribute back after (the Trainer reads it to count the loss's tokens).
 """
 from __future__ import annotations
 
@@ -179,12 +180,21 @@ def compile_step(model: torch.nn.Module, partition_fn: Callable, *,
                  returns: str = "loss") -> Callable:
     """``step(*args, **kwargs) -> loss`` (or the model's output, `returns`) compiled through
     `capture`'s path with ``partition_fn``."""
-    _prepare(model)
     if reset:
         torch._dynamo.reset()
     backend = make_backend(partition_fn, fw_compiler=fw_compiler, bw_compiler=bw_compiler)
-    return torch.compile(step_function(model, loss_fn, returns), backend=backend,
-                         fullgraph=True, dynamic=False)
+    compiled = torch.compile(step_function(model, loss_fn, returns), backend=backend,
+                             fullgraph=True, dynamic=False)
+    unnamed = _unnamed_loss_types(model)
+    if not unnamed:
+        return compiled
+
+    def step(*args, **kwargs):
+        # Named at every call, as when captured: dynamo guards on the attribute.
+        with _loss_types_named(unnamed):
+            return compiled(*args, **kwargs)
+
+    return step
 
 
 class _Stop(Exception):
@@ -199,7 +209,6 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
     example_kwargs = dict(example_kwargs or {})
-    _prepare(model)
     check_inputs(model, example_inputs, example_kwargs)
     start = time.perf_counter()
     seen: dict[str, Any] = {"device": next((str(p.device) for p in model.parameters()), "")}
@@ -228,7 +237,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
     label = name or type(model).__name__
     failure: Exception | None = None
     with _fake_meta_tensors(model, (example_inputs, example_kwargs), fake_device) as faked, \
-            quiet_torch_logs(), progress(label):
+            _loss_types_named(_unnamed_loss_types(model)), quiet_torch_logs(), progress(label):
         args, kwargs = faked
         try:
             with torch.enable_grad():
@@ -301,13 +310,30 @@ def _fake_meta_tensors(model: torch.nn.Module, inputs: tuple[tuple, dict], devic
             table[key] = value
 
 
-def _prepare(model: torch.nn.Module) -> None:
-    # Hugging Face models whose loss_type is unset warn (warning_once) and fall back to the
-    # causal-LM loss: dynamo cannot trace that logging call and breaks the graph there. Naming
-    # the fallback keeps the same loss without the warning, also for a model wrapped in another.
-    for module in model.modules():
-        if hasattr(module, "loss_type") and getattr(module, "loss_type", None) is None:
-            module.loss_type = "ForCausalLM"
+def _unnamed_loss_types(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules (a Hugging Face model, also inside a wrapper) whose ``loss_type`` is None."""
+    return [module for module in model.modules()
+            if hasattr(module, "loss_type") and getattr(module, "loss_type", None) is None]
+
+
+@contextlib.contextmanager
+def _loss_types_named(modules: list[torch.nn.Module]):
+    """Hugging Face models whose loss_type is unset warn (warning_once) and fall back to the
+    causal-LM loss: dynamo cannot trace that logging call and breaks the graph there. Naming
+    the fallback keeps the same loss without the warning. Put back afterwards, exactly: the
+    Trainer reads loss_type to count the tokens it divides the loss by, so a model left with
+    it set would train with another normalisation than the untouched model."""
+    own = [("loss_type" in vars(module), module) for module in modules]  # else a class's
+    for module in modules:
+        module.loss_type = "ForCausalLM"
+    try:
+        yield
+    finally:
+        for had, module in own:
+            if had:
+                module.loss_type = None
+            else:
+                del module.loss_type
 
 
 def _is_stop(e: BaseException | None) -> bool:
