@@ -127,7 +127,11 @@ def _parser() -> argparse.ArgumentParser:
                       help="also the trade-off curve: one plan per budget")
     plan.add_argument("--budgets", help="budgets of the sweep, comma-separated (default: eight "
                                         "from checkpoint-every-block's peak to save-all's)")
-    plan.add_argument("--json", metavar="FILE", help="write the plan (and sweep) as JSON")
+    plan.add_argument("--json", metavar="FILE", help="write the plan's figures and report "
+                                                     "(and the sweep) as JSON, for tools")
+    plan.add_argument("--out", metavar="FILE", help="write the plan as a plan file, which "
+                                                    "remat.load_plan(FILE, model) loads "
+                                                    "onto the model without solving")
     plan.add_argument("--plot", metavar="FILE", help="with --sweep: a PNG of the curve")
 
     demo = sub.add_parser("demo", help="plan a 7B model on meta tensors for an 80 GB device, "
@@ -185,6 +189,9 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"plan written to {args.json}")
+    if args.out:
+        plan.save(args.out)
+        print(f"plan file written to {args.out}: remat.load_plan({args.out!r}, model)")
     return 0
 
 

@@ -55,7 +55,9 @@ class EagerPlan(Plan):
         from remat.fx_passes.eager.block_policy import with_cache
 
         cached = frozenset(self.to_graph[v] for v in self.schedule.info["cached"])
-        return {p: with_cache(pol, cached) for p, pol in self.policies.items()}
+        mode = self.prepared.captured.training  # a block in the other mode runs plainly
+        return {p: dataclasses.replace(with_cache(pol, cached), training=mode)
+                for p, pol in self.policies.items()}
 
     @property
     def guarded_policies(self) -> dict:
@@ -97,13 +99,11 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
                     target: str, solver: Strategy | str, solver_options: SolverOptions | None,
                     blocks: Sequence[str] | None, example_inputs: Sequence[Any] | None = None,
                     example_kwargs: dict[str, Any] | None = None):
-    from remat.fx_passes.eager.policy import block_paths, eager_blocks, eager_problem
+    from remat.fx_passes.eager.policy import block_paths
     from remat.fx_passes.tracing.call_checks import uncached_autocast
     from remat.fx_passes.eager.probe import probe
-    from remat.fx_passes.lowering.lower import op_nodes
 
-    captured, joint = prepared.captured, prepared.sharded.graph
-    paths = block_paths(model, joint, blocks, block_of)
+    paths = block_paths(model, prepared.sharded.graph, blocks, block_of)
     observed = None
     if example_inputs is not None and not prepared.meta_weights:
         # As the applied blocks run: autocast casting each weight at each use (apply.py).
@@ -112,17 +112,7 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
     else:
         log.info("eager: no weights to run the blocks with; their eager ops are derived from "
                  "the joint graph (plan.apply's run checks them)")
-    structure, policies = eager_blocks(captured, joint, paths, observed)
-    # Checkpoint's recomputations run the graph's ops with eager's bytes; under ZeRO-2/3 the
-    # collectives of FSDP2 are inserted among them as in the compiled mode (gathered
-    # parameters, full gradients until their reduce-scatter), and the blocks renumbered.
-    problem = eager_problem(joint, op_nodes(captured, joint), captured.device)
-    to_graph = tuple(range(len(problem)))
-    if prepared.sharded.problem is not joint:
-        sharded = shard_step(problem, captured, prepared.training)
-        problem, to_graph = sharded.problem, sharded.graph_index
-        structure = structure.renumbered({g: i for i, g in enumerate(to_graph)
-                                          if g is not None})
+    structure, policies, problem, to_graph = eager_step(prepared, paths, observed=observed)
     strategy = Strategy(solver)
     allowance = prepared.allowance(budget, activation_budget)
     seeds: list[frozenset[int]] = [frozenset(), structure.cacheable]
@@ -155,6 +145,28 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
                      activation_budget=activation_budget, policies=policies,
                      structure=structure, eager_problem=problem, to_graph=to_graph)
 
+
+
+def eager_step(prepared, paths: Sequence[str], *, observed=None, policies=None):
+    """(structure, policies, eager problem, its ops' joint-graph ops) of the eager step whose
+    blocks are `paths`: their policies `observed` by a probe, derived from the joint graph, or
+    given (a saved plan's, `remat.planner.plan_file`)."""
+    from remat.fx_passes.eager.policy import eager_blocks, eager_problem
+    from remat.fx_passes.lowering.lower import op_nodes
+
+    captured, joint = prepared.captured, prepared.sharded.graph
+    structure, policies = eager_blocks(captured, joint, paths, observed, policies=policies)
+    # Checkpoint's recomputations run the graph's ops with eager's bytes; under ZeRO-2/3 the
+    # collectives of FSDP2 are inserted among them as in the compiled mode (gathered
+    # parameters, full gradients until their reduce-scatter), and the blocks renumbered.
+    problem = eager_problem(joint, op_nodes(captured, joint), captured.device)
+    to_graph = tuple(range(len(problem)))
+    if prepared.sharded.problem is not joint:
+        sharded = shard_step(problem, captured, prepared.training)
+        problem, to_graph = sharded.problem, sharded.graph_index
+        structure = structure.renumbered({g: i for i, g in enumerate(to_graph)
+                                          if g is not None})
+    return structure, policies, problem, to_graph
 
 
 def check_no_cache(model: Any) -> None:

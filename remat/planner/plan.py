@@ -79,7 +79,8 @@ class Plan:
     @property
     def training_mode(self) -> str:
         """"train" or "eval": the mode the model was in when planned. Dropout and BatchNorm
-        make other graphs in the other mode; the planned module refuses to run in it."""
+        make other graphs in the other mode: there the planned module runs the model itself, and
+        refuses a backward through its output."""
         return "train" if self.prepared.captured.training else "eval"
 
     # -- running it
@@ -200,6 +201,25 @@ class Plan:
                 "schedule": self.schedule.to_dict(self.problem),
                 "report": self.report().to_dict(),
                 **({} if self.shapes is None else {"shapes": self.shapes.to_dict()})}
+
+    def save(self, path) -> None:
+        """Write the plan to `path` as a JSON plan file (`remat.planner.plan_file`), which
+        ``remat.load_plan(path, model)`` makes a plan again on the model, without solving."""
+        from remat.planner.plan_file import save
+
+        if self.shapes is not None:
+            raise RematError("plan.save: a plan file holds a plan for fixed shapes; a plan for "
+                             f"a range of shapes ({self.shapes.shape_range}) is made by "
+                             "remat.optimize(..., dynamic=...) on each run")
+        save(self, path)
+
+    def __reduce_ex__(self, protocol):
+        # The plan holds the model and its captured graph (fake tensors, fx code), which
+        # pickle cannot carry; a file holds what makes the plan again on a model.
+        raise TypeError("a remat Plan cannot be pickled: it holds its model and the captured "
+                        "graph. Save it with plan.save(path) and load it onto the model with "
+                        "remat.load_plan(path, model), or send it to other ranks with "
+                        "remat.broadcast_plan; plan.schedule pickles")
 
     def __repr__(self) -> str:
         budget = "" if self.memory.budget is None else f" of {format_size(self.memory.budget)}"

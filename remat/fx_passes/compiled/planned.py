@@ -33,7 +33,8 @@ from remat.errors import RematError
 from remat.fx_passes.compiled.call_checks import PlannedSteps, explained
 from remat.fx_passes.compiled.inductor import inductor_compilers
 from remat.fx_passes.compiled.rewrite import Partition, partition_fn
-from remat.fx_passes.tracing.step_io import remat_error
+from remat.fx_passes.tracing.plain import records_graph, refuse_backward, wrong_mode_message
+from remat.fx_passes.tracing.step_io import remat_error, step_function
 from remat.solvers.problem import Problem
 from remat.solvers.schedule import Schedule
 
@@ -129,6 +130,10 @@ class PlannedModule(nn.Module):
         self.compiled = compile
         self.training_mode = training
         """The mode (``model.training``) the plan was made in, None if unknown."""
+        # What a call without the plan returns: the model's own output, or the loss where the
+        # planned step returns the loss.
+        self._plain = model if returns == "output" and loss_fn is None \
+            else step_function(model, loss_fn, returns)
 
     @torch.compiler.disable(recursive=False)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -142,7 +147,15 @@ class PlannedModule(nn.Module):
             raise RematError(_FULLGRAPH_REFUSED) from e
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._check_mode()
+        # Evaluation (no_grad, inference_mode, nothing requiring grad) keeps nothing for a
+        # backward: the model runs itself. The other mode than the plan's traces other ops
+        # (dropout, BatchNorm): it runs itself too, and only a backward through it is refused.
+        if not records_graph(self.model.parameters(), args, kwargs):
+            return self._plain(*args, **kwargs)
+        if self.training_mode is not None and self.model.training != self.training_mode:
+            return refuse_backward(self._plain(*args, **kwargs),
+                                   wrong_mode_message(self.training_mode, self.model.training))
+        # A training call: what changed since the plan was made is named before anything runs.
         self._steps.check(self.model, args, kwargs)
         step = self._steps.step_for(self.model, args, kwargs)
         try:
@@ -153,17 +166,10 @@ class PlannedModule(nn.Module):
                 raise inner from e
             raise
 
-    def _check_mode(self) -> None:
-        # Dropout and BatchNorm trace other graphs in the other mode: the plan names ops of
-        # the mode it was made in, and would fail in the other with a graph mismatch.
-        if self.training_mode is None or self.model.training == self.training_mode:
-            return
-        planned, now = ("train", "eval") if self.training_mode else ("eval", "train")
-        call = "model.train()" if self.training_mode else "model.eval()"
-        raise RematError(
-            f"planned in {planned} mode, but the model is in {now} mode now; call "
-            f"{call} before running the plan, or plan the model again in {now} mode (for "
-            f"validation, run the original model under torch.no_grad())")
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's own ``generate`` (Hugging Face): generation records no graph, so it
+        runs the model plainly, as `forward` does under ``torch.no_grad()``."""
+        return self.model.generate(*args, **kwargs)
 
     @property
     def partition(self) -> Partition:
@@ -200,8 +206,11 @@ def planned_module(model: nn.Module, problem: Problem, schedule: Schedule, *,
     returns=returns)` for inputs of the shapes the module is called with; anything else raises
     RematError at the first call. `returns`: "loss" (the forward returns the loss tensor) or
     "output" (the model's output with the loss attached to the plan, other tensors detached;
-    see `remat.fx_passes.tracing.step_io`). `training`: the mode the plan was made in; calling the
-    module in the other mode raises RematError saying so. `call_spec`
+    see `remat.fx_passes.tracing.step_io`). `training`: the mode the plan was made in; a call in
+    the other mode runs the model itself, and a backward through it raises RematError saying
+    so. Calls that record no autograd graph (``torch.no_grad()``, ``torch.inference_mode()``,
+    nothing requiring grad) run the model itself, without the plan
+    (`remat.fx_passes.tracing.plain`). `call_spec`
     (`remat.fx_passes.tracing.call_checks.CallSpec`): what a training call must look like,
     checked before each; with a range of shapes, `buckets` gives each bucket's problem and
     schedule (`remat.fx_passes.compiled.call_checks`)."""

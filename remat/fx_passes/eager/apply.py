@@ -2,7 +2,13 @@
 non-reentrant `torch.utils.checkpoint` and a selective-checkpoint policy that caches
 (MUST_SAVE) exactly the ops the plan keeps and recomputes (PREFER_RECOMPUTE) the rest. Ops are
 matched by position within the block: the policy counts the ops it is called for, and an op
-other than the expected one (or a different count) raises RematError naming the block."""
+other than the expected one (or a different count) raises RematError naming the block.
+
+A block call that records no autograd graph (``torch.no_grad()``, ``torch.inference_mode()``,
+``generate()``, nothing requiring grad) runs the block plainly: nothing is kept for a backward,
+so there is nothing to plan or check. One in the other mode than the plan's (``model.eval()``
+with grad enabled) runs plainly too, and a backward through it is refused
+(`remat.fx_passes.tracing.plain`)."""
 from __future__ import annotations
 
 import itertools
@@ -15,6 +21,7 @@ from remat.errors import RematError
 from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
 from remat.fx_passes.eager.call_guard import current, guard_calls, mismatch_cause
 from remat.fx_passes.tracing.call_checks import autocast_state, uncached_autocast
+from remat.fx_passes.tracing.plain import records_graph, refuse_backward, wrong_mode_message
 
 __all__ = ["apply_eager"]
 
@@ -32,22 +39,27 @@ def apply_eager(model: torch.nn.Module, policies: dict[str, BlockPolicy]) -> tor
     for path, policy in policies.items():
         module = model.get_submodule(path)
         module._remat_policy = policy
-        module.forward = partial(_checkpointed, module.forward, policy)
+        module.forward = partial(_checkpointed, module, module.forward, policy)
     return model
 
 
-def _checkpointed(forward, planned: Any, *args, **kwargs):
+def _checkpointed(module: torch.nn.Module, forward, planned: Any, *args, **kwargs):
     from torch.utils.checkpoint import checkpoint
 
-    policy = current(planned)
-    block = getattr(forward, "__self__", None)
+    policy = current(planned)  # the block's policy for the call's shapes
+    if not records_graph(module.parameters(), args, kwargs):
+        return forward(*args, **kwargs)
+    if policy.training is not None and module.training != policy.training:
+        return refuse_backward(forward(*args, **kwargs), wrong_mode_message(
+            policy.training, module.training, f"block {policy.path!r}: "))
     autocast = autocast_state()  # read here: inside dispatch, autocast reads as off
+
     counters: list[Any] = []
 
     def contexts():
         counter = itertools.count()
         counters.append(counter)
-        return _contexts(policy, counter, lambda: mismatch_cause(planned, block, autocast))
+        return _contexts(policy, counter, lambda: mismatch_cause(planned, module, autocast))
 
     with uncached_autocast():  # the same casts at each call and in the recomputation
         out = checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
@@ -58,7 +70,7 @@ def _checkpointed(forward, planned: Any, *args, **kwargs):
                 f"block {policy.path!r}: the run called {seen} ops where the plan's capture had "
                 f"{len(policy.ops)}; the block's ops differ between capture and run (other "
                 "shapes, flags such as use_cache, or code paths): plan with the inputs and "
-                f"settings you train with{mismatch_cause(planned, block, autocast)}")
+                f"settings you train with{mismatch_cause(planned, module, autocast)}")
     return out
 
 

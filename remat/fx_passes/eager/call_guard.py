@@ -21,6 +21,7 @@ import torch
 from remat.errors import RematError
 from remat.fx_passes.eager.block_policy import BlockPolicy
 from remat.fx_passes.tracing.call_checks import CallSpec
+from remat.fx_passes.tracing.plain import records_graph
 
 __all__ = ["GuardedPolicy", "Selection", "current", "guard_calls", "mismatch_cause"]
 
@@ -72,8 +73,10 @@ def guard_calls(model: torch.nn.Module, policies: dict[str, Any]) -> dict[str, A
     selection = Selection()
 
     def check(module, args, kwargs):
-        # A call under no_grad, or in the other train/eval mode, is not the planned step.
-        if torch.is_grad_enabled() and module.training == spec.training:
+        # A call that records no graph (no_grad, nothing requiring grad), or in the other
+        # train/eval mode, is not the planned step: the blocks run it plainly (apply.py).
+        if module.training == spec.training and records_graph(module.parameters(), args,
+                                                              kwargs):
             spec.check(module, args, kwargs)
         if spec.shape_range is not None:
             sizes = spec.shape_range.sizes_of(args, kwargs)

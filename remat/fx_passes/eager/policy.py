@@ -79,11 +79,13 @@ def _block_for(module: str, paths: Sequence[str]) -> str | None:
 
 
 def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
-                 observed: dict[str, list[str]] | None = None
+                 observed: dict[str, list[str]] | None = None, *,
+                 policies: dict[str, BlockPolicy] | None = None
                  ) -> tuple[EagerBlocks, dict[str, BlockPolicy]]:
     """The solver's view of the blocks (ops, owners, packers, what may be cached) and each
     block's op sequence: the `observed` one (`probe`) aligned with the joint graph where
-    given, else the one derived from the joint graph."""
+    given, else the one derived from the joint graph; or the `policies` given (a saved
+    plan's, `remat.planner.plan_file`), as they are."""
     nodes = op_nodes(captured, problem)
     ops: dict[str, list[int]] = {p: [] for p in paths}
     owner: dict[int, str] = {}
@@ -122,8 +124,11 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
             run = []
         if seq is not None:
             run.append(b)
-    policies = {p: expected_ops(problem, nodes, p, members, captured.device)
-                for p, members in ops.items()}
+    if policies is None:
+        policies = {p: expected_ops(problem, nodes, p, members, captured.device)
+                    for p, members in ops.items()}
+    elif observed is not None:
+        raise ValueError("eager_blocks: give observed ops or policies, not both")
     if observed is not None:
         policies = {p: aligned(pol, *observed[p]) for p, pol in policies.items()}
     cacheable = frozenset(j for pol in policies.values()

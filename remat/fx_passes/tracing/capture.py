@@ -30,8 +30,9 @@ returns="loss") -> Captured``
 
 Dynamo caches compiled frames per code object; `capture` and `compile_step` reset dynamo
 (``torch._dynamo.reset()``) so that captures never see each other's caches or recompile limits.
-For Hugging Face GPT-2 set ``model.loss_type = "ForCausalLM"`` first (a warning in its loss
-lookup is a graph break otherwise; `capture` does it for models that have the attribute unset).
+Hugging Face causal LMs whose ``loss_type`` is None (GPT-2) warn in their loss lookup, a graph
+break: `capture` and the compiled step name the loss they fall back to while they trace and
+run, and put the attribute back after (the Trainer reads it to count the loss's tokens).
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ from remat.errors import CaptureError, RematError
 from remat.fx_passes.tracing.call_checks import autocast_state
 from remat.fx_passes.tracing.dynamic import (Bucket, ShapeRange, concretize, mark, marked,
                                              tracing_sizes)
+from remat.fx_passes.tracing.fake_weights import fake_meta_tensors
 from remat.fx_passes.tracing.rng import snapshot_random_ops
 from remat.fx_passes.tracing.step_io import (capture_failure, check_inputs, default_loss, progress,
                                      quiet_torch_logs, step_function)
@@ -190,13 +192,23 @@ def compile_step(model: torch.nn.Module, partition_fn: Callable, *,
     """``step(*args, **kwargs) -> loss`` (or the model's output, `returns`) compiled through
     `capture`'s path with ``partition_fn``; with `shape_range`, one graph for every call in
     `bucket`, its sizes symbolic as `capture` traces them."""
-    _prepare(model)
     if reset:
         torch._dynamo.reset()
     backend = make_backend(partition_fn, fw_compiler=fw_compiler, bw_compiler=bw_compiler)
     compiled = torch.compile(step_function(model, loss_fn, returns), backend=backend,
                              fullgraph=True, dynamic=False)
-    return compiled if shape_range is None else marked(compiled, shape_range, bucket)
+    if shape_range is not None:
+        compiled = marked(compiled, shape_range, bucket)
+    unnamed = _unnamed_loss_types(model)
+    if not unnamed:
+        return compiled
+
+    def step(*args, **kwargs):
+        # Named at every call, as when captured: dynamo guards on the attribute.
+        with _loss_types_named(unnamed):
+            return compiled(*args, **kwargs)
+
+    return step
 
 
 class _Stop(Exception):
@@ -211,7 +223,6 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
     example_kwargs = dict(example_kwargs or {})
-    _prepare(model)
     check_inputs(model, example_inputs, example_kwargs)
     bucket = None
     if shape_range is not None:
@@ -244,8 +255,8 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
     compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
     label = name or type(model).__name__
     failure: Exception | None = None
-    with _fake_meta_tensors(model, (example_inputs, example_kwargs), fake_device) as faked, \
-            quiet_torch_logs(), progress(label):
+    with fake_meta_tensors(model, (example_inputs, example_kwargs), fake_device) as faked, \
+            _loss_types_named(_unnamed_loss_types(model)), quiet_torch_logs(), progress(label):
         args, kwargs = faked
         try:
             with torch.enable_grad(), (tracing_sizes() if shape_range is not None
@@ -279,57 +290,30 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
     return captured
 
 
+def _unnamed_loss_types(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules (a Hugging Face model, also inside a wrapper) whose ``loss_type`` is None."""
+    return [module for module in model.modules()
+            if hasattr(module, "loss_type") and getattr(module, "loss_type", None) is None]
+
+
 @contextlib.contextmanager
-def _fake_meta_tensors(model: torch.nn.Module, inputs: tuple[tuple, dict], device: str):
-    """Stand fake tensors on `device` in for meta parameters, buffers and inputs (`inputs` is
-    ``(args, kwargs)``) while tracing.
-
-    Tracing meta tensors directly loses backward formulas (under fake mode on the meta device
-    nll_loss has no autograd kernel: cross-entropy then gets no gradient at all), so a model
-    built on meta is traced as if on `device`, without allocating anything. Shared (tied)
-    tensors stay shared; the model gets its meta tensors back afterwards."""
-    args, kwargs = inputs
-    tensors = [*model.parameters(), *model.buffers(), *args, *kwargs.values()]
-    if not any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors):
-        yield inputs
-        return
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    memo: dict[int, torch.Tensor] = {}
-
-    def fake(t):
-        if not isinstance(t, torch.Tensor) or t.device.type != "meta":
-            return t
-        if id(t) not in memo:
-            with mode:
-                new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
-            if isinstance(t, torch.nn.Parameter):
-                new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
-            memo[id(t)] = new
-        return memo[id(t)]
-
-    swapped = []
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for key, value in list(table.items()):
-                if value is not None and value.device.type == "meta":
-                    swapped.append((table, key, value))
-                    table[key] = fake(value)
+def _loss_types_named(modules: list[torch.nn.Module]):
+    """Hugging Face models whose loss_type is unset warn (warning_once) and fall back to the
+    causal-LM loss: dynamo cannot trace that logging call and breaks the graph there. Naming
+    the fallback keeps the same loss without the warning. Put back afterwards, exactly: the
+    Trainer reads loss_type to count the tokens it divides the loss by, so a model left with
+    it set would train with another normalisation than the untouched model."""
+    own = [("loss_type" in vars(module), module) for module in modules]  # else a class's
+    for module in modules:
+        module.loss_type = "ForCausalLM"
     try:
-        yield tuple(fake(x) for x in args), {k: fake(v) for k, v in kwargs.items()}
+        yield
     finally:
-        for table, key, value in swapped:
-            table[key] = value
-
-
-def _prepare(model: torch.nn.Module) -> None:
-    # Hugging Face models whose loss_type is unset warn (warning_once) and fall back to the
-    # causal-LM loss: dynamo cannot trace that logging call and breaks the graph there. Naming
-    # the fallback keeps the same loss without the warning, also for a model wrapped in another.
-    for module in model.modules():
-        if hasattr(module, "loss_type") and getattr(module, "loss_type", None) is None:
-            module.loss_type = "ForCausalLM"
+        for had, module in own:
+            if had:
+                module.loss_type = None
+            else:
+                del module.loss_type
 
 
 def _is_stop(e: BaseException | None) -> bool:
