@@ -229,3 +229,57 @@ def test_a_range_is_refused_where_it_cannot_be_planned():
     with pytest.raises(RematError, match="real weights"):
         remat.optimize(meta, activation_budget=10**9, example_inputs=meta_inputs,
                        dynamic={"batch": (1, 4)})
+
+
+class PaddedTo40(torch.nn.Module):
+    """Pads the sequence with zeros to 40 positions: the padding holds more bytes the shorter
+    the sequence, the one op of the step that does not grow with it."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.inner = torch.nn.Linear(width, 4 * width)
+        self.outer = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x):
+        padding = x.new_zeros(x.shape[0], 40 - x.shape[1], x.shape[2])
+        y = self.outer(torch.relu(self.inner(torch.cat([x, padding], dim=1))))
+        return y.square().mean()
+
+
+def test_bytes_that_shrink_as_the_range_grows_are_planned_at_their_worst():
+    torch.manual_seed(0)
+    model = PaddedTo40().train()
+    eager = copy.deepcopy(model)
+    plan = remat.optimize(model, activation_budget=10**8, example_inputs=(torch.randn(2, 16, 16),),
+                          solver="save_all", dynamic={"batch": (2, 4), "seq": (8, 32)})
+    (proof,) = [p.prepared.range_proof for p in plan.shapes.plans.values()]
+    assert not proof.proven
+    (name, at_largest, planned), = proof.worst_case
+    # (40 - seq) positions of 16 floats per sequence: 4 x 8 x 64 at the largest shape, and
+    # 4 x 32 x 64 at seq 8, where the plan holds it.
+    assert (at_largest, planned) == (4 * 8 * 64, 4 * 32 * 64)
+    op = next(o for o in plan.problem.ops if o.name == name)
+    assert op.size == planned
+    assert "planned at their worst" in "\n".join(plan.report().notes)
+    x = torch.randn(4, 8, 16, requires_grad=False)
+    held = activations(plan.module, model, (x,), seed=0)
+    assert held <= plan.activation_peak
+    eager(x).backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_a_block_called_alone_names_the_cause(fixed):
+    """A block called outside the model's planned call (no call check ran): its op mismatch
+    names the cause it can see, here autocast."""
+    run, model, (tokens, _) = fixed
+    if run is not model:
+        pytest.skip("eager blocks only")
+    x = model.tok_embeddings(tokens)
+    from examples.llama import rotary
+
+    cos, sin = rotary(tokens.shape[1], CONFIG.hidden // CONFIG.heads, CONFIG.rope_theta, "cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RematError, match="block 'layers.0': op .* the cause: the call runs "
+                                             "under torch.autocast"):
+            model.layers[0](x, cos, sin)
