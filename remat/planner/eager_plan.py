@@ -68,8 +68,9 @@ class EagerPlan(Plan):
 
         plans = self.shapes.plans if self.shapes is not None else {None: self}
         tables = {bucket: plan._plain_policies() for bucket, plan in plans.items()}
-        return {path: GuardedPolicy(path, tuple((b, t[path]) for b, t in tables.items()),
-                                    self.prepared.call_spec) for path in self.policies}
+        spec = dataclasses.replace(self.prepared.call_spec, scalars_free=True)
+        return {path: GuardedPolicy(path, tuple((b, t[path]) for b, t in tables.items()), spec)
+                for path in self.policies}
 
     def apply(self, model: Any):
         from remat.fx_passes.eager.apply import apply_eager

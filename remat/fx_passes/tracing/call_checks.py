@@ -104,6 +104,9 @@ class CallSpec:
     param_dtypes: tuple[tuple[str, str], ...]
     training: bool = True
     """The model's mode when planned: a call in the other mode is not the planned step."""
+    scalars_free: bool = False
+    """Inputs without a dimension (plain values, 0-dim tensors) may come and go: an eager
+    plan's blocks never see them. A compiled step traces each into its graph."""
 
     @classmethod
     def of(cls, model: torch.nn.Module, args: tuple, kwargs: dict,
@@ -142,12 +145,20 @@ class CallSpec:
     def _inputs_cause(self, args: tuple, kwargs: dict) -> str | None:
         planned = [s.key for s in self.inputs]
         given = [*range(len(args)), *kwargs]
+        if self.scalars_free:
+            # Eager blocks see the batch, not the loss's scalars (the Trainer's
+            # num_items_in_batch): only inputs with a dimension must be the planned ones.
+            planned = [s.key for s in self.inputs if s.tensor and s.shape]
+            given = sorted((k for k in given if _has_dims(_value(args, kwargs, k))), key=str)
+            planned = sorted(planned, key=str)
         if planned != given:
             return (f"the call's inputs are {_keys(given)} but the plan was made for "
                     f"{_keys(planned)}: call the planned step with the inputs it was planned "
                     "with (the same keywords, in the same order), or plan again with these")
         for spec in self.inputs:
-            value = args[spec.key] if isinstance(spec.key, int) else kwargs[spec.key]
+            if spec.key not in given:
+                continue
+            value = _value(args, kwargs, spec.key)
             cause = self._input_cause(spec, value)
             if cause is not None:
                 return cause
@@ -195,7 +206,7 @@ class CallSpec:
         seen: dict[str, tuple[int, str]] = {}
         for d in self.shape_range.dims:
             value = args[d.input] if isinstance(d.input, int) else kwargs.get(d.input)
-            if not isinstance(value, torch.Tensor):
+            if not isinstance(value, torch.Tensor) or value.dim() <= d.dim:
                 continue
             size = int(value.shape[d.dim])
             first = seen.setdefault(d.name, (size, str(d)))
@@ -240,6 +251,14 @@ class CallSpec:
     # -- saying it
     def describe(self) -> str:
         return "; ".join(s.describe() for s in self.inputs)
+
+
+def _value(args: tuple, kwargs: dict, key: str | int) -> Any:
+    return args[key] if isinstance(key, int) else kwargs[key]
+
+
+def _has_dims(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
 def _keys(keys: list) -> str:

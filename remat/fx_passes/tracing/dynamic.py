@@ -245,7 +245,8 @@ def _source_name(source: Any) -> str:
 
 
 def symbol_names(joint: fx.GraphModule, shape_range: ShapeRange) -> dict[str, str]:
-    """Each symbol of a symbolic graph whose source is a named input dimension -> the name (the step is traced as ``step(*args, **kwargs)``: sources are ``L['args'][0]`` and
+    """Each symbol of a symbolic graph whose source is a named input dimension -> the name
+    (the step is traced as ``step(*args, **kwargs)``: sources are ``L['args'][0]`` and
     ``L['kwargs']['input_ids']``)."""
     shape_env = _shape_env(joint)
     if shape_env is None:
