@@ -283,3 +283,35 @@ def test_a_block_called_alone_names_the_cause(fixed):
         with pytest.raises(RematError, match="block 'layers.0': op .* the cause: the call runs "
                                              "under torch.autocast"):
             model.layers[0](x, cos, sin)
+
+
+def test_eager_plans_batches_with_and_without_padding():
+    """Hugging Face's attention skips its mask for a batch without padding: other ops in each
+    block. An eager plan for a range is made for both kinds, and each call runs its own."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2,
+                                       n_head=2, use_cache=False)).train()
+    eager = copy.deepcopy(model)
+
+    def lm_batch(b, s, padding):
+        ids = torch.randint(0, 64, (b, s), generator=torch.Generator().manual_seed(b * s))
+        mask = torch.ones_like(ids)
+        mask[0, s - padding:] = 0
+        return {"input_ids": ids, "attention_mask": mask,
+                "labels": ids.masked_fill(mask == 0, -100)}
+
+    plan = remat.optimize(model, activation_budget=10**9, example_kwargs=lm_batch(2, 8, 3),
+                          solver="checkpoint_blocks", execution="eager",
+                          dynamic={"batch": (2, 4), "seq": (8, 16)})
+    assert [str(b) for b in plan.shapes.plans] == ["batch 2..4, seq 8..16, with padding",
+                                                   "batch 2..4, seq 8..16, without padding"]
+    plan.apply(model)
+    for k, batch in enumerate([lm_batch(3, 12, 4), lm_batch(4, 16, 0), lm_batch(2, 9, 1)]):
+        for m in (model, eager):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(k)
+            m(**batch).loss.backward()
+        for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+            assert torch.equal(p.grad, q.grad), (k, name)

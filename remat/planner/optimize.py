@@ -91,7 +91,8 @@ def optimize(model: Any, budget: int | str | None = None, *,
         return plan_one(example_inputs, example_kwargs)
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
         else (example_inputs,)
-    return plan_range(model, dynamic, dynamic_dims, args, dict(example_kwargs or {}), plan_one)
+    return plan_range(model, dynamic, dynamic_dims, args, dict(example_kwargs or {}), plan_one,
+                      execution)
 
 
 def _one_budget(budget, activation_budget) -> tuple[int | None, int | None]:

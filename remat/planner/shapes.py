@@ -16,6 +16,7 @@ training, and a call outside the range is refused before it runs
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -29,6 +30,18 @@ log = logging.getLogger(__name__)
 __all__ = ["RangePlans", "parse_range", "plan_range"]
 
 DEFAULT_DIMS = {"batch": 0, "seq": 1}
+PADDING = "attention_mask"  # the input whose zeros are padding (Hugging Face's name)
+
+
+def _padded(mask, padded: bool):
+    """A mask like the example's, without padding (all ones) or with (its last position,
+    the last sequence's end, masked)."""
+    import torch
+
+    mask = torch.ones_like(mask)
+    if padded:
+        mask.view(-1)[-1] = 0
+    return mask
 
 
 def parse_range(dynamic: dict, dynamic_dims: dict | None, args: tuple, kwargs: dict):
@@ -133,11 +146,17 @@ class RangePlans:
 
 
 def plan_range(model: Any, dynamic: dict, dynamic_dims: dict | None, args: tuple,
-               kwargs: dict, plan_one: Callable):
+               kwargs: dict, plan_one: Callable, execution: str = "compiled"):
     """Plan every bucket of the range `dynamic` names: ``plan_one(args, kwargs, shape_range)``
     at each bucket's largest shape (made from the example: tiled or cut along the named
-    dimensions). Returns the largest bucket's plan, its `shapes` the `RangePlans`."""
-    from remat.fx_passes.tracing.dynamic import resized
+    dimensions). Returns the largest bucket's plan, its `shapes` the `RangePlans`.
+
+    Eager PyTorch runs other ops on other data where a model branches on it: Hugging Face's
+    attention skips its mask for a batch without padding. An eager plan whose inputs hold an
+    ``attention_mask`` is therefore made for each bucket twice, with padding and without (the
+    example's mask all ones, or its last position masked), and each call runs the policies of
+    its kind. A compiled plan traces one path for both."""
+    from remat.fx_passes.tracing.dynamic import Bucket, resized
     from remat.planner.prepare import has_meta_weights
 
     if has_meta_weights(model):
@@ -145,12 +164,19 @@ def plan_range(model: Any, dynamic: dict, dynamic_dims: dict | None, args: tuple
                          "weights (each bucket's graph is traced where it runs); load or "
                          "initialize the weights, or plan fixed shapes on meta tensors")
     shape_range = parse_range(dynamic, dynamic_dims, args, kwargs)
+    mask = kwargs.get(PADDING)
+    if execution == "eager" and getattr(mask, "dim", lambda: 0)() >= 2:
+        shape_range = dataclasses.replace(shape_range, padding=PADDING)
     start = time.perf_counter()
     plans = {}
-    for bucket in shape_range.buckets():
-        log.info("planning bucket %s of the range %s", bucket, shape_range)
-        b_args, b_kwargs = resized(args, kwargs, shape_range, bucket.largest)
-        plans[bucket] = plan_one(b_args, b_kwargs, shape_range)
+    for shapes in shape_range.buckets():
+        for padded in ((None,) if shape_range.padding is None else (True, False)):
+            bucket = Bucket(shapes.parts, padded)
+            log.info("planning bucket %s of the range %s", bucket, shape_range)
+            b_args, b_kwargs = resized(args, kwargs, shape_range, bucket.largest)
+            if padded is not None:
+                b_kwargs[PADDING] = _padded(b_kwargs[PADDING], padded)
+            plans[bucket] = plan_one(b_args, b_kwargs, shape_range)
     main = next(iter(plans.values()))
     main.shapes = RangePlans(shape_range, plans, time.perf_counter() - start)
     return main

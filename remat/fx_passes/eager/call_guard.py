@@ -36,8 +36,15 @@ class GuardedPolicy:
     spec: CallSpec
 
     def policy(self, bucket: Any) -> BlockPolicy:
+        """The policy for the call's bucket (None: no call check ran, as for a block called
+        alone: the plan's own, the first)."""
+        if bucket is None:
+            return self.by_bucket[0][1]
         table = dict(self.by_bucket)
-        return table.get(bucket, self.by_bucket[0][1])
+        if bucket not in table:
+            raise RematError(f"block {self.path!r}: the plan has no policy for {bucket}; plan "
+                             "the range the model is called with")
+        return table[bucket]
 
 
 @dataclass
@@ -78,10 +85,11 @@ def guard_calls(model: torch.nn.Module, policies: dict[str, Any]) -> dict[str, A
         if module.training == spec.training and records_graph(module.parameters(), args,
                                                               kwargs):
             spec.check(module, args, kwargs)
-        if spec.shape_range is not None:
-            sizes = spec.shape_range.sizes_of(args, kwargs)
+        shapes = spec.shape_range
+        if shapes is not None:
             try:
-                selection.bucket = spec.shape_range.bucket_of(sizes)
+                selection.bucket = shapes.bucket_of(shapes.sizes_of(args, kwargs),
+                                                    shapes.padded(args, kwargs))
             except KeyError:  # outside the range: not a planned training call (checked above)
                 selection.bucket = None
         return None

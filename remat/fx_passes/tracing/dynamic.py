@@ -76,9 +76,12 @@ class InputDim:
 
 @dataclass(frozen=True, order=True)
 class Bucket:
-    """One compiled graph's share of a range: per name, a pinned size or an interval."""
+    """One compiled graph's share of a range: per name, a pinned size or an interval; for
+    an eager plan whose ops depend on padding (`ShapeRange.padding`), also whether the
+    batch has padding."""
 
     parts: tuple[DimRange, ...]
+    padded: bool | None = None
 
     @property
     def largest(self) -> dict[str, int]:
@@ -89,15 +92,21 @@ class Bucket:
         return {p.name: p for p in self.parts if not p.pinned}
 
     def __str__(self) -> str:
-        return ", ".join(str(p) for p in self.parts)
+        shapes = ", ".join(str(p) for p in self.parts)
+        return shapes if self.padded is None else \
+            f"{shapes}, {'with' if self.padded else 'without'} padding"
 
 
 @dataclass(frozen=True)
 class ShapeRange:
-    """Named sizes with their ranges, and the input dimensions that carry each name."""
+    """Named sizes with their ranges, and the input dimensions that carry each name.
+    `padding`: the input whose zeros mark padding (an attention mask), where the step's ops
+    depend on whether a batch has any: eager Hugging Face attention skips its mask for a
+    batch without padding. None: they do not (a traced graph has one path)."""
 
     ranges: tuple[DimRange, ...]
     dims: tuple[InputDim, ...]
+    padding: str | int | None = None
 
     def range_of(self, name: str) -> DimRange:
         return next(r for r in self.ranges if r.name == name)
@@ -121,11 +130,16 @@ class ShapeRange:
         return sorted((Bucket(tuple(c)) for c in itertools.product(*choices)),
                       key=lambda b: -math.prod(p.hi for p in b.parts))
 
-    def bucket_of(self, sizes: dict[str, int]) -> Bucket:
+    def bucket_of(self, sizes: dict[str, int], padded: bool | None = None) -> Bucket:
         for bucket in self.buckets():
             if all(p.lo <= sizes[p.name] <= p.hi for p in bucket.parts):
-                return bucket
+                return Bucket(bucket.parts, padded if self.padding is not None else None)
         raise KeyError(sizes)  # sizes are checked against the range before (call_checks)
+
+    def padded(self, args: tuple, kwargs: dict) -> bool | None:
+        """Whether the call's batch has padding (a zero in the `padding` input)."""
+        mask = _input(args, kwargs, self.padding) if self.padding is not None else None
+        return None if not isinstance(mask, torch.Tensor) else bool((mask == 0).any())
 
     def dims_of(self, key: str | int) -> list[InputDim]:
         return [d for d in self.dims if d.input == key]
