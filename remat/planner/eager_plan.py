@@ -4,7 +4,10 @@ model's blocks in place.
 
 The plan is made for what the eager mode holds (`remat.solvers.eager`): the exact solver's
 plan for the compiled mode is one seed among others (checkpoint every block whole, cache
-everything cacheable), each repaired until its eager peak fits and improved while it does.
+everything cacheable), each repaired until its eager peak fits and improved while it does;
+with the `optimal` strategy, that policy hints the exact search over the eager timeline
+(`remat.solvers.cpsat.eager_search`), whose plan is OPTIMAL or FEASIBLE with a proven gap.
+`SolverOptions.time_limit` bounds the three together.
 """
 from __future__ import annotations
 
@@ -21,10 +24,17 @@ from remat.planner.prepare import (check_eager_device, check_same_parameters,
                                    has_meta_weights, shard_step)
 from remat.solvers import SolverOptions, Strategy, solve
 from remat.solvers.baselines import block_of
+from remat.solvers.cpsat.eager_search import optimal_eager
+from remat.solvers.deadline import Deadline
 from remat.solvers.eager import eager_schedule, plan_eager
 from remat.solvers.objective import with_objective
 
 log = logging.getLogger(__name__)
+
+# Shares of the time limit: the compiled plan that seeds the heuristic, and the heuristic
+# (whose plan hints the exact eager search, which has the rest).
+COMPILED_SEED_SHARE = 0.25
+HEURISTIC_SHARE = 0.15
 
 
 class EagerPlan(Plan):
@@ -99,22 +109,38 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
                                           if g is not None})
     strategy = Strategy(solver)
     allowance = prepared.allowance(budget, activation_budget)
+    options = solver_options or SolverOptions()
+    # One deadline for the eager solve: the compiled seed, the heuristic, the exact search.
+    deadline = Deadline(options.time_limit)
     seeds: list[frozenset[int]] = [frozenset(), structure.cacheable]
     try:
         # Checkpoint recomputes each value at most once, in the backward: the single model's
         # space is the one this seed is for.
-        single = dataclasses.replace(solver_options or SolverOptions(), model="single")
+        single = dataclasses.replace(options, model="single",
+                                     time_limit=deadline.share(COMPILED_SEED_SHARE))
         compiled = solve(problem, max(allowance, 0), strategy, single)
         seeds.insert(0, compiled.saved)
     except (BudgetError, SolverError) as e:
         log.info("eager: no compiled-mode plan to start from (%s); seeding from baselines", e)
     # The eager planner weighs ops by their cost under the objective (seconds, or FLOPs);
     # the schedule it returns is then costed in seconds like every other.
-    costed = with_objective(problem, (solver_options or SolverOptions()).objective)
+    costed = with_objective(problem, options.objective)
     try:
-        schedule = plan_eager(costed, structure, max(allowance, 0), seeds)
-        schedule = eager_schedule(problem, structure, schedule.info["cached"],
-                                  budget=max(allowance, 0))
+        heuristic = plan_eager(costed, structure, max(allowance, 0), seeds,
+                               deadline.within(deadline.share(HEURISTIC_SHARE)))
+    except BudgetError as e:
+        if strategy is not Strategy.OPTIMAL:
+            raise budget_error_in_user_terms(prepared, e, budget=budget,
+                                             strategy=strategy) from None
+        heuristic = None
+    try:
+        if strategy is Strategy.OPTIMAL:  # exact over the eager timeline, from the heuristic
+            schedule = optimal_eager(problem, structure, max(allowance, 0), options,
+                                     hint=None if heuristic is None else heuristic.info["cached"],
+                                     deadline=deadline)
+        else:
+            schedule = eager_schedule(problem, structure, heuristic.info["cached"],
+                                      budget=max(allowance, 0))
         if allowance < 0:
             raise BudgetError("the state alone exceeds the budget", budget=allowance,
                               smallest=schedule.peak)

@@ -16,9 +16,11 @@ def random_eager(seed: int, *, max_forward: int = 9, max_backward: int = 7,
                  max_cacheable: int = 10) -> tuple[Problem, EagerBlocks]:
     rng = random.Random(seed)
     problem = random_problem(rng, max_forward=max_forward, max_backward=max_backward)
+    while problem.num_forward < max_forward // 2 or len(problem.backward) < max_backward // 2:
+        problem = random_problem(rng, max_forward=max_forward, max_backward=max_backward)
     ops, nf = problem.ops, problem.num_forward
     # Blocks: one to three runs of consecutive forward ops, the loss outside (a model's head).
-    cuts = sorted(rng.sample(range(nf), min(nf, rng.randint(2, 4))))
+    cuts = sorted({rng.randint(0, 1), nf - 1, *rng.sample(range(nf), min(nf, rng.randint(0, 2)))})
     blocks: dict[str, tuple[int, ...]] = {}
     for k, (a, b) in enumerate(zip(cuts, cuts[1:])):
         members = tuple(range(a + rng.randint(0, 1), b))

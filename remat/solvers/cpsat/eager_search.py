@@ -66,7 +66,9 @@ def optimal_eager(problem: Problem, blocks: EagerBlocks, budget: int, options: S
     deadline.enter("eager: the model")
     costed = with_objective(problem, options.objective)
     units = eager_units(costed, blocks, options)
-    info: dict = {"execution": "eager", "byte_unit": units.byte, "exact": units.exact_bytes}
+    info: dict = {"execution": "eager", "model": "eager", "bound_from": "CP-SAT search",
+                  "objective": options.objective, "byte_unit": units.byte,
+                  "exact": units.exact_bytes}
     start = _evaluated(costed, blocks, hint, budget) if hint is not None else None
     if start is not None and start.peak > budget:
         start = None  # a policy that does not fit starts nothing
