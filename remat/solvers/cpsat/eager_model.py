@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from remat.solvers.cpsat.units import Profile, Units
-from remat.solvers.eager import BlockRun, EagerBlocks, block_runs
+from remat.solvers.eager import EagerBlocks, block_runs
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
 
 TRUE = True  # a literal that always holds (an op that always runs, a term with no condition)
@@ -392,4 +392,4 @@ def _check(problem: Problem, blocks: EagerBlocks) -> None:
                              "op before it")
 
 
-__all__ = ["BlockRun", "EagerModel"]
+__all__ = ["EagerModel"]

@@ -106,7 +106,9 @@ def optimal_eager(problem: Problem, blocks: EagerBlocks, budget: int, options: S
         m.Add(model.cost <= best)
         m.Minimize(model.peak)
         model.hint(cached)
-        status2, solver = _solve(model, options, deadline, deadline.left(), "least peak")
+        status2, solver = _solve(model, options, deadline,
+                                 min(deadline.left(), PEAK_STAGE_SHARE * deadline.limit),
+                                 "least peak")
         if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             cached = model.decision(solver.Value)
             info["peak_stage"] = "proven" if status2 == cp_model.OPTIMAL else "stopped"
