@@ -69,7 +69,7 @@ def optimal_eager(problem: Problem, blocks: EagerBlocks, budget: int, options: S
     info: dict = {"execution": "eager", "model": "eager", "bound_from": "CP-SAT search",
                   "objective": options.objective, "byte_unit": units.byte,
                   "exact": units.exact_bytes}
-    start = _evaluated(costed, blocks, hint, budget) if hint is not None else None
+    start = None if hint is None else eager_schedule(costed, blocks, hint, budget=budget)
     if start is not None and start.peak > budget:
         start = None  # a policy that does not fit starts nothing
     if not deadline.check("eager: the model"):
@@ -162,10 +162,6 @@ def _solve(model: EagerModel, options: SolverOptions, deadline: Deadline, second
         raise SolverError(f"eager: CP-SAT refused the model ({model.model.Validate()}); "
                           "this is a bug: please report it")
     return status, solver
-
-
-def _evaluated(problem: Problem, blocks: EagerBlocks, cached, budget: int) -> Schedule:
-    return eager_schedule(problem, blocks, cached, budget=budget)
 
 
 def _result(problem: Problem, blocks: EagerBlocks, schedule: Schedule | None, bound: float,
