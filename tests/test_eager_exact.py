@@ -13,7 +13,7 @@ from remat.solvers.cpsat.driver import OPTIMAL_TOLERANCE
 from remat.solvers.cpsat.eager_model import EagerModel
 from remat.solvers.cpsat.eager_search import eager_units, least_eager_peak, optimal_eager
 from remat.solvers.deadline import Deadline
-from remat.solvers.eager import EagerBlocks, eager_schedule, plan_eager
+from remat.solvers.eager import EagerBlocks, cheapest_prefix, eager_schedule, plan_eager
 from remat.solvers.eager_brute import eager_brute_force, eager_smallest_peak
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Kind
@@ -58,8 +58,11 @@ def test_the_optimum_is_brute_force_and_never_worse_than_the_heuristic(seed, whe
     high = eager_schedule(problem, blocks, blocks.cacheable).peak
     budget = low + int(where * max(0, high - low))
     oracle = eager_brute_force(problem, blocks, budget)
+    seed = cheapest_prefix(problem, blocks, budget)
+    if eager_schedule(problem, blocks, ()).peak <= budget:  # the bisection starts from a fit
+        assert eager_schedule(problem, blocks, seed).peak <= budget
     try:
-        heuristic = plan_eager(problem, blocks, budget, [(), blocks.cacheable])
+        heuristic = plan_eager(problem, blocks, budget, [seed, (), blocks.cacheable])
     except BudgetError:
         heuristic = None
     exact = checked(problem, blocks, optimal_eager(

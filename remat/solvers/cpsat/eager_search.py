@@ -195,9 +195,12 @@ def _least(problem: Problem, blocks: EagerBlocks, budget: int, options: SolverOp
     least, floor = least_eager_peak(problem, blocks, options, deadline=deadline)
     if least.peak <= budget:
         return _result(problem, blocks, least, 0.0, budget, deadline, info, "least peak")
-    sure = "proven" if floor >= least.peak else f"no policy peaks below {floor:,} bytes (proven)"
+    if floor >= least.peak:
+        words = f"the least eager peak of any per-block policy is {least.peak:,} bytes (proven)"
+    else:
+        words = (f"the least eager peak found within the time limit is {least.peak:,} bytes"
+                 + (f"; no policy peaks below {floor:,} bytes (proven)" if floor else ""))
     raise BudgetError(
-        f"eager: no checkpoint policy fits a budget of {budget:,} bytes of activations; the "
-        f"least eager peak of any per-block policy is {least.peak:,} bytes ({sure}); "
+        f"eager: no checkpoint policy fits a budget of {budget:,} bytes of activations; {words}; "
         "checkpoint more modules (blocks=) or raise the budget", budget=budget,
         smallest=least.peak, schedule=least)
