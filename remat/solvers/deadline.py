@@ -25,12 +25,15 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-__all__ = ["Clock", "Deadline", "OutOfTime"]
+__all__ = ["Clock", "Deadline", "OutOfTime", "modelled", "ticker"]
 
 Clock = Callable[[], float]
 
 # How often the watchdog of `guard` looks at the clock.
 WATCH_SECONDS = 0.02
+# Deterministic mode: a part's time left follows the wall clock (and the call is marked cut)
+# once the wall clock's share is behind the plan by more than this share of the planned limit.
+SLOWER_MARGIN = 0.25
 
 
 class OutOfTime(Exception):
@@ -55,24 +58,30 @@ class Deadline:
     """`seconds` from now on `clock`; in deterministic mode, planned on deterministic time."""
 
     def __init__(self, seconds: float, *, clock: Clock = time.perf_counter,
-                 deterministic: bool = False, _parent: "Deadline | None" = None,
-                 _end: float | None = None):
+                 deterministic: bool = False, planned: float | None = None,
+                 _parent: "Deadline | None" = None, _end: float | None = None,
+                 _wall_end: float | None = None):
+        """`seconds` of wall clock from now; `planned`: the seconds the stages plan with (in
+        deterministic mode, deterministic seconds; default `seconds`)."""
         if not seconds >= 0:
             raise ValueError(f"a deadline needs a non-negative number of seconds, not {seconds!r}")
         self.clock, self.deterministic = clock, deterministic
+        self.limit = seconds if planned is None else planned
         if _parent is None:
             self.root, self.record = self, _Record()
             self.virtual = 0.0  # deterministic mode: the deterministic seconds spent so far
             self.wall_start = clock()
             self.wall_end = self.wall_start + seconds
+            self.wall_ratio = seconds / self.limit if self.limit > 0 else 1.0
             self.start = self.now()
-            self.end = self.start + seconds
+            self.end = self.start + self.limit
         else:
             self.root, self.record = _parent.root, _parent.record
-            self.wall_start, self.wall_end = _parent.wall_start, _parent.wall_end
+            self.wall_start = _parent.wall_start
+            self.wall_end = min(_parent.wall_end, _wall_end if _wall_end is not None
+                                else _parent.wall_end)
             self.start = _parent.now()
-            self.end = min(_end if _end is not None else self.start + seconds, _parent.end)
-        self.limit = seconds
+            self.end = min(_end if _end is not None else self.start + self.limit, _parent.end)
 
     # --- Reading it.
 
@@ -89,8 +98,17 @@ class Deadline:
         return self.now() - self.root.start
 
     def left(self) -> float:
-        """Seconds left on the planning clock, never negative."""
-        return max(0.0, self.end - self.now())
+        """Seconds left, never negative: on the planning clock, and in deterministic mode on
+        this part's share of the wall clock too when that is less (a machine slower than the
+        plan: the stages then adapt as on the wall clock, and the call is marked cut)."""
+        planned = self.end - self.now()
+        if self.deterministic:
+            wall = (self.wall_end - self.clock()) / self.root.wall_ratio
+            # A margin for the work counted only once it is done (a stage's evaluations).
+            if wall < planned - SLOWER_MARGIN * self.root.limit:
+                self._cut()
+                planned = wall
+        return max(0.0, planned)
 
     def wall_left(self) -> float:
         """Seconds left on `clock` before the call's hard end, never negative."""
@@ -106,22 +124,49 @@ class Deadline:
         if self.end - self.now() <= 0:
             return True
         if self.wall_end - self.clock() <= 0:
-            if self.deterministic and self.record.cut is None:
-                self.record.cut = self.record.stages[-1][0] if self.record.stages else "start"
+            if self.deterministic:
+                self._cut()
             return True
         return False
+
+    def _cut(self) -> None:
+        """Deterministic mode: the wall clock decided something; name the stage it did in."""
+        if self.record.cut is None:
+            self.record.cut = self.record.stages[-1][0] if self.record.stages else "start"
 
     # --- Parts and stages.
 
     def within(self, seconds: float) -> "Deadline":
-        """A part of this call: `seconds` from now, never past this deadline's end."""
-        return Deadline(max(0.0, seconds), clock=self.clock, deterministic=self.deterministic,
-                        _parent=self)
+        """A part of this call: `seconds` from now (planning clock), never past this deadline's
+        end; in deterministic mode its share of the wall clock ends in proportion."""
+        seconds = max(0.0, seconds)
+        return Deadline(0.0, clock=self.clock, deterministic=self.deterministic,
+                        planned=seconds, _parent=self,
+                        _wall_end=self._wall_after(seconds))
 
     def until(self, end: float) -> "Deadline":
         """A part of this call that ends at `end` on the planning clock (or this one's end)."""
-        return Deadline(max(0.0, end - self.now()), clock=self.clock,
-                        deterministic=self.deterministic, _parent=self, _end=end)
+        seconds = max(0.0, end - self.now())
+        return Deadline(0.0, clock=self.clock, deterministic=self.deterministic,
+                        planned=seconds, _parent=self, _end=end,
+                        _wall_end=self._wall_after(seconds))
+
+    def _wall_after(self, seconds: float) -> float | None:
+        """Deterministic mode: the wall-clock end of a part of `seconds` planned seconds, the
+        same share of the wall clock (`wall_ratio`: the limit over the planned seconds)."""
+        if not self.deterministic:
+            return None
+        return self.clock() + seconds * self.root.wall_ratio
+
+    def reserving(self, seconds: float) -> "Deadline":
+        """This deadline less `seconds` kept at its end for the caller to turn the stages'
+        answer into a result: on the wall clock, and on the planning clock unless it is
+        deterministic (whose plan ends well before the wall clock's end anyway)."""
+        seconds = max(0.0, seconds)
+        end = self.end if self.deterministic else self.end - seconds
+        return Deadline(0.0, clock=self.clock, deterministic=self.deterministic,
+                        planned=max(0.0, end - self.now()), _parent=self, _end=end,
+                        _wall_end=self.wall_end - seconds)
 
     def enter(self, stage: str) -> None:
         self.record.stages.append((stage, round(self.elapsed(), 3)))
@@ -166,22 +211,25 @@ class Deadline:
 
     # --- CP-SAT.
 
-    def limit_solver(self, parameters, seconds: float | None = None) -> None:
+    def limit_solver(self, parameters, seconds: float | None = None,
+                     weight: float = 1.0) -> None:
         """Set a CP-SAT solver's limits: `seconds` (default: what is left) on the planning
         clock, never past the wall clock's end. Deterministic mode limits the deterministic
-        time and leaves the wall-clock limit as the safety net."""
+        time, `weight` seconds a deterministic second of this kind of model (`DTIME_WEIGHT`),
+        and leaves the wall-clock limit as the safety net (the caller makes the search itself
+        deterministic: one worker, or the interleaved search)."""
         planned = self.left() if seconds is None else max(0.0, min(seconds, self.left()))
         if self.deterministic:
-            parameters.max_deterministic_time = max(planned, 1e-3)
+            parameters.max_deterministic_time = max(planned / weight, 1e-3)
             parameters.max_time_in_seconds = max(self.wall_left(), 1e-3)
         else:
             parameters.max_time_in_seconds = max(min(planned, self.wall_left()), 1e-3)
 
     @contextmanager
-    def guard(self, solver, stage: str = "CP-SAT") -> Iterator[None]:
+    def guard(self, solver, stage: str = "CP-SAT", weight: float = 1.0) -> Iterator[None]:
         """Run a CP-SAT solve inside this: a watchdog stops its search once the deadline
         passes, presolve included; in deterministic mode the deterministic time the solve
-        spent is counted afterwards."""
+        spent, times `weight`, is counted afterwards."""
         done = threading.Event()
 
         def watch() -> None:
@@ -189,6 +237,7 @@ class Deadline:
                 if self.wall_end - self.clock() <= 0 or (
                         not self.deterministic and self.end - self.clock() <= 0):
                     solver.StopSearch()
+                    self.stop(stage, "stopped at the deadline")
                     return
 
         watchdog = threading.Thread(target=watch, name="remat-deadline", daemon=True)
@@ -199,6 +248,42 @@ class Deadline:
             done.set()
             watchdog.join()
             if self.deterministic:
-                self.root.virtual += solver.response_proto.deterministic_time
+                self.root.virtual += weight * solver.response_proto.deterministic_time
                 if self.wall_end - self.clock() <= 0 and self.record.cut is None:
                     self.record.cut = stage
+
+
+# A loop's ticker looks at the clock once in this many calls (a clock read costs about as much as
+# a constraint added: 60 ns).
+TICK_EVERY = 64
+
+
+def ticker(deadline: Deadline | None, stage: str) -> Callable[[], None]:
+    """A function for a long loop that cannot return a partial result (a model's
+    construction) to call each turn: OutOfTime once `deadline` passes (never, when None)."""
+    if deadline is None:
+        return lambda: None
+    turns = 0
+
+    def tick() -> None:
+        nonlocal turns
+        turns += 1
+        if turns % TICK_EVERY == 0:
+            deadline.raise_if_expired(stage)
+    return tick
+
+
+# Modelled seconds per op of the problem of the Python work that deterministic mode charges
+# (`modelled`): about what each took in CPU seconds here, rounded up (an evaluation,
+# make_schedule and simulate, 4 to 40 us an op; a relaxation's step 4 to 7 us to build; the
+# single model 60 to 200 us, the rich one 500 to 1,500 us).
+WORK_PER_OP = {"evaluation": 1e-5, "relaxation step": 1e-5, "model": 2.5e-4, "rich model": 1.5e-3}
+# CPU seconds a CP-SAT deterministic second takes, by kind of model, which deterministic mode
+# charges (`guard`, `limit_solver`'s `weight`): measured here on one worker, the single model's
+# least-cost search 4 to 10 (its least-peak stage 5 to 30), the relaxations 2 to 4.
+DTIME_WEIGHT = {"model": 10.0, "relaxation": 4.0}
+
+
+def modelled(work: str, ops: int) -> float:
+    """The modelled seconds of `work` (a key of WORK_PER_OP) on a problem of `ops` ops."""
+    return WORK_PER_OP[work] * ops
