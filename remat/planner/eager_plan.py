@@ -58,13 +58,31 @@ class EagerPlan(Plan):
     @property
     def block_policies(self) -> dict:
         """Each block's policy (picklable): plan on one rank, send these to the others and
-        call `remat.fx_passes.eager.apply.apply_eager(model, policies)` there."""
+        call `remat.fx_passes.eager.apply.apply_eager(model, policies)` there. For a plan made
+        for a range of shapes, each block's policy per bucket with the planned call's checks
+        (`guarded_policies`)."""
+        return self._plain_policies() if self.shapes is None else self.guarded_policies
+
+    def _plain_policies(self) -> dict:
         from remat.fx_passes.eager.block_policy import with_cache
 
         cached = frozenset(self.to_graph[v] for v in self.schedule.info["cached"])
         mode = self.prepared.captured.training  # a block in the other mode runs plainly
         return {p: dataclasses.replace(with_cache(pol, cached), training=mode)
                 for p, pol in self.policies.items()}
+
+    @property
+    def guarded_policies(self) -> dict:
+        """Each block's policy for each bucket of the planned shapes, with the planned call's
+        spec: `apply_eager` then checks every training call before it runs
+        (remat.fx_passes.eager.call_guard)."""
+        from remat.fx_passes.eager.call_guard import GuardedPolicy
+
+        plans = self.shapes.plans if self.shapes is not None else {None: self}
+        tables = {bucket: plan._plain_policies() for bucket, plan in plans.items()}
+        spec = dataclasses.replace(self.prepared.call_spec, scalars_free=True)
+        return {path: GuardedPolicy(path, tuple((b, t[path]) for b, t in tables.items()), spec)
+                for path in self.policies}
 
     def apply(self, model: Any):
         from remat.fx_passes.eager.apply import apply_eager
@@ -75,12 +93,18 @@ class EagerPlan(Plan):
                              "meta or fake tensors: load or initialize the weights first")
         check_eager_device(model, self.prepared.captured.device)
         check_no_cache(model)
-        return apply_eager(model, self.block_policies)
+        policies = (self._plain_policies() if self.prepared.call_spec is None
+                    else self.guarded_policies)
+        return apply_eager(model, policies)
 
     def compile_blocks(self, model: Any, *, inductor: bool = False):
         """The plan applied by compiling each block with remat's partitioner (torchtitan's
         per-block compile) instead of wrapping it in checkpoint: see
         `remat.planner.block_compile.compile_blocks`."""
+        if self.shapes is not None:
+            raise RematError("compile_blocks compiles each block for the planned shapes only; "
+                             "a plan for a range of shapes (dynamic=) runs with "
+                             "plan.apply(model)")
         return compile_blocks(self, model, inductor=inductor)
 
 
@@ -148,12 +172,15 @@ def eager_structure(model: Any, prepared, blocks: Sequence[str] | None,
     collectives), the blocks' structure, each block's policy, and for each op of the problem
     the joint-graph op it is (None: a collective)."""
     from remat.fx_passes.eager.policy import block_paths
+    from remat.fx_passes.tracing.call_checks import uncached_autocast
     from remat.fx_passes.eager.probe import probe
 
     paths = block_paths(model, prepared.sharded.graph, blocks, block_of)
     observed = None
     if example_inputs is not None and not prepared.meta_weights:
-        observed = probe(model, _as_tuple(example_inputs), paths, example_kwargs or {})
+        # As the applied blocks run: autocast casting each weight at each use (apply.py).
+        with uncached_autocast():
+            observed = probe(model, _as_tuple(example_inputs), paths, example_kwargs or {})
     else:
         log.info("eager: no weights to run the blocks with; their eager ops are derived from "
                  "the joint graph (plan.apply's run checks them)")

@@ -35,14 +35,18 @@ def for_trainer(model: Any, budget: int | str | None = None, *,
                 example_kwargs: dict[str, Any], training: Training = Training(),
                 target: str = "h100", solver: Strategy | str = Strategy.OPTIMAL,
                 solver_options: SolverOptions | None = None,
-                blocks: Sequence[str] | None = None) -> Any:
+                blocks: Sequence[str] | None = None, dynamic: dict | None = None,
+                dynamic_dims: dict | None = None) -> Any:
     """`model` (a Hugging Face ``PreTrainedModel``, or a PEFT model around one) set up to be
     planned and checkpointed by remat when a ``Trainer`` with
     ``TrainingArguments(activation_checkpointing=True)`` starts training. Returns `model`.
 
     `example_kwargs` is one batch as the Trainer's data collator makes it (``input_ids``,
     ``labels``, ``attention_mask`` if the collator adds one): the blocks are planned for the
-    ops they run on it. The other arguments are `remat.optimize`'s. After ``train()`` began,
+    ops they run on it; with a collator that pads each batch to its longest sequence, give
+    the range of batch sizes and lengths the Trainer will feed, e.g.
+    ``dynamic={"batch": (1, 8), "seq": (8, 512)}`` (docs/shapes.md): a batch outside the
+    plan's shapes is refused. The other arguments are `remat.optimize`'s. After ``train()`` began,
     ``model.activation_checkpointing_enable.plan`` is the plan (its ``report()``...)."""
     from remat.planner.eager_plan import check_no_cache
 
@@ -59,7 +63,8 @@ def for_trainer(model: Any, budget: int | str | None = None, *,
                          "activation_budget= (the activations alone)")
     check_no_cache(model)
     options = dict(budget=budget, activation_budget=activation_budget, training=training,
-                   target=target, solver=solver, solver_options=solver_options, blocks=blocks)
+                   target=target, solver=solver, solver_options=solver_options, blocks=blocks,
+                   dynamic=dynamic, dynamic_dims=dynamic_dims)
     enable = _PlanWhenEnabled(model, dict(example_kwargs), options)
     model.activation_checkpointing_enable = enable
     enable.guard = model.register_forward_pre_hook(enable.refuse_training, with_kwargs=True)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from remat.errors import RematError
+from remat.fx_passes.compiled.call_checks import PlannedSteps, explained
 from remat.fx_passes.compiled.inductor import inductor_compilers
 from remat.fx_passes.compiled.rewrite import Partition, partition_fn
 from remat.fx_passes.tracing.plain import records_graph, refuse_backward, wrong_mode_message
@@ -97,7 +98,8 @@ class PlannedModule(nn.Module):
 
     def __init__(self, model: nn.Module, problem: Problem, schedule: Schedule, *,
                  compile: bool = False, loss_fn: Callable | None = None,
-                 returns: str = "loss", training: bool | None = None):
+                 returns: str = "loss", training: bool | None = None,
+                 call_spec: Any = None, buckets: dict | None = None):
         super().__init__()
         from torch._dynamo.backends.debugging import boxed_nop
 
@@ -115,10 +117,16 @@ class PlannedModule(nn.Module):
         else:
             fw_compiler = _instrumented(fw, "forward", self._hooks)
             bw_compiler = _instrumented(bw, "backward", self._hooks)
-        self._step = _opaque_to_dynamo(compile_step(
-            model, partition_fn(problem, schedule, self.partitions.append),
-            fw_compiler=fw_compiler, bw_compiler=bw_compiler, loss_fn=loss_fn, reset=False,
-            returns=returns))
+        shape_range = call_spec.shape_range if call_spec is not None else None
+
+        def make(problem: Problem, schedule: Schedule, bucket: Any) -> Callable:
+            return _opaque_to_dynamo(explained(compile_step(
+                model, partition_fn(problem, schedule, self.partitions.append,
+                                    shape_range=shape_range),
+                fw_compiler=fw_compiler, bw_compiler=bw_compiler, loss_fn=loss_fn, reset=False,
+                returns=returns, shape_range=shape_range, bucket=bucket), bucket))
+
+        self._steps = PlannedSteps(make, problem, schedule, call_spec, buckets)
         self.compiled = compile
         self.training_mode = training
         """The mode (``model.training``) the plan was made in, None if unknown."""
@@ -147,8 +155,11 @@ class PlannedModule(nn.Module):
         if self.training_mode is not None and self.model.training != self.training_mode:
             return refuse_backward(self._plain(*args, **kwargs),
                                    wrong_mode_message(self.training_mode, self.model.training))
+        # A training call: what changed since the plan was made is named before anything runs.
+        self._steps.check(self.model, args, kwargs)
+        step = self._steps.step_for(self.model, args, kwargs)
         try:
-            return self._step(*args, **kwargs)
+            return step(*args, **kwargs)
         except Exception as e:
             inner = remat_error(e)
             if inner is not None and inner is not e:
@@ -187,7 +198,8 @@ class PlannedModule(nn.Module):
 
 def planned_module(model: nn.Module, problem: Problem, schedule: Schedule, *,
                    compile: bool = False, loss_fn: Callable | None = None,
-                   returns: str = "loss", training: bool | None = None) -> PlannedModule:
+                   returns: str = "loss", training: bool | None = None,
+                   call_spec: Any = None, buckets: dict | None = None) -> PlannedModule:
     """`model`'s training step running `schedule`: op by op (`compile=False`, the graphs that
     can be measured against the simulator), or through Inductor (`compile=True`). `problem`
     must be the one lowered from `capture(model, args, example_kwargs=kwargs, loss_fn=loss_fn,
@@ -198,9 +210,13 @@ def planned_module(model: nn.Module, problem: Problem, schedule: Schedule, *,
     the other mode runs the model itself, and a backward through it raises RematError saying
     so. Calls that record no autograd graph (``torch.no_grad()``, ``torch.inference_mode()``,
     nothing requiring grad) run the model itself, without the plan
-    (`remat.fx_passes.tracing.plain`)."""
+    (`remat.fx_passes.tracing.plain`). `call_spec`
+    (`remat.fx_passes.tracing.call_checks.CallSpec`): what a training call must look like,
+    checked before each; with a range of shapes, `buckets` gives each bucket's problem and
+    schedule (`remat.fx_passes.compiled.call_checks`)."""
     return PlannedModule(model, problem, schedule, compile=compile, loss_fn=loss_fn,
-                         returns=returns, training=training)
+                         returns=returns, training=training, call_spec=call_spec,
+                         buckets=buckets)
 
 
 _OPAQUE_REASON = ("remat's planned step is compiled with its own partitioner, and an outer "

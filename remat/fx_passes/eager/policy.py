@@ -5,7 +5,7 @@ planner solves (`eager_problem`). `remat.fx_passes.eager.apply` wraps the blocks
 The plan is made on AOTAutograd's joint graph; the policy sees the ATen ops that eager
 PyTorch dispatches below autograd. The two agree op for op except where functionalization or
 a decomposition differs, and this module spells those out (`expected_ops`):
-- the joint graph's getitems and generator snapshots are not ops in eager;
+- the joint graph's getitems, generator snapshots and size arithmetic are not ops in eager;
 - `_unsafe_view` and `view` are one view op, `lift_fresh_copy` and `lift_fresh` one op;
 - dropout on the CPU is ``empty_like, bernoulli_, div_, mul`` in eager but ``native_dropout``
   (a tuple of output and boolean mask) in the joint graph; the eager noise tensor is in the
@@ -32,6 +32,7 @@ from torch import fx
 
 from remat.errors import RematError
 from remat.fx_passes.tracing.capture import Captured
+from remat.fx_passes.tracing.dynamic import is_size_arithmetic
 from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
 from remat.fx_passes.eager.probe import aligned
 from remat.fx_passes.lowering.lower import op_nodes
@@ -165,7 +166,8 @@ def expected_ops(problem: Problem, nodes: list[fx.Node], path: str, members: Seq
     index = {n: i for i, n in enumerate(nodes)}
     for v in members:
         node, op = nodes[v], problem.ops[v]
-        if node.target is operator.getitem or node.target is rng_state or _kept_input(node):
+        if node.target is operator.getitem or node.target is rng_state or _kept_input(node) \
+                or is_size_arithmetic(node):
             continue
         outputs = (v,)
         if op.kind is Kind.TUPLE:

@@ -46,6 +46,10 @@ import torch
 from torch import fx
 
 from remat.errors import CaptureError, RematError
+from remat.fx_passes.tracing.call_checks import autocast_state
+from remat.fx_passes.tracing.dynamic import (Bucket, ShapeRange, concretize, mark, marked,
+                                             tracing_sizes)
+from remat.fx_passes.tracing.fake_weights import fake_meta_tensors
 from remat.fx_passes.tracing.rng import snapshot_random_ops
 from remat.fx_passes.tracing.step_io import (capture_failure, check_inputs, default_loss, progress,
                                      quiet_torch_logs, step_function)
@@ -82,6 +86,9 @@ class Captured:
     capture_time: seconds the capture took.
     training: the model's mode (``model.training``) when captured: dropout and BatchNorm
         trace other graphs in eval mode, so a plan runs only in the mode it was made in.
+    autocast: the autocast state traced under (`call_checks.autocast_state`).
+    shape_range, bucket: the range of shapes and the bucket of it traced for, symbolic
+        values in ``meta["symbolic_val"]`` (`remat.fx_passes.tracing.dynamic.concretize`).
     """
 
     graph_module: fx.GraphModule
@@ -102,6 +109,9 @@ class Captured:
     device: str = ""
     capture_time: float = 0.0
     training: bool = True
+    autocast: tuple = ()
+    shape_range: ShapeRange | None = None
+    bucket: Bucket | None = None
 
     @property
     def graph(self) -> fx.Graph:
@@ -177,14 +187,18 @@ def drop_unused_running_stats(joint: fx.GraphModule) -> None:
 def compile_step(model: torch.nn.Module, partition_fn: Callable, *,
                  fw_compiler: Callable | None = None, bw_compiler: Callable | None = None,
                  loss_fn: Callable | None = None, reset: bool = True,
-                 returns: str = "loss") -> Callable:
+                 returns: str = "loss", shape_range: ShapeRange | None = None,
+                 bucket: Bucket | None = None) -> Callable:
     """``step(*args, **kwargs) -> loss`` (or the model's output, `returns`) compiled through
-    `capture`'s path with ``partition_fn``."""
+    `capture`'s path with ``partition_fn``; with `shape_range`, one graph for every call in
+    `bucket`, its sizes symbolic as `capture` traces them."""
     if reset:
         torch._dynamo.reset()
     backend = make_backend(partition_fn, fw_compiler=fw_compiler, bw_compiler=bw_compiler)
     compiled = torch.compile(step_function(model, loss_fn, returns), backend=backend,
                              fullgraph=True, dynamic=False)
+    if shape_range is not None:
+        compiled = marked(compiled, shape_range, bucket)
     unnamed = _unnamed_loss_types(model)
     if not unnamed:
         return compiled
@@ -204,12 +218,17 @@ class _Stop(Exception):
 def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
             example_kwargs: dict[str, Any] | None = None, loss_fn: Callable | None = None,
             name: str | None = None, fake_device: str = "cpu",
-            returns: str = "loss") -> Captured:
+            returns: str = "loss", shape_range: ShapeRange | None = None) -> Captured:
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
     example_kwargs = dict(example_kwargs or {})
     check_inputs(model, example_inputs, example_kwargs)
+    bucket = None
+    if shape_range is not None:
+        # The example is the bucket's largest shape: the graph's values are taken there.
+        bucket = shape_range.bucket_of(shape_range.sizes_of(example_inputs, example_kwargs))
+        mark(example_inputs, example_kwargs, shape_range, bucket)
     start = time.perf_counter()
     seen: dict[str, Any] = {"device": next((str(p.device) for p in model.parameters()), "")}
 
@@ -236,11 +255,12 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
     compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
     label = name or type(model).__name__
     failure: Exception | None = None
-    with _fake_meta_tensors(model, (example_inputs, example_kwargs), fake_device) as faked, \
+    with fake_meta_tensors(model, (example_inputs, example_kwargs), fake_device) as faked, \
             _loss_types_named(_unnamed_loss_types(model)), quiet_torch_logs(), progress(label):
         args, kwargs = faked
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), (tracing_sizes() if shape_range is not None
+                                       else contextlib.nullcontext()):
                 compiled(*args, **kwargs)
         except RematError:
             raise
@@ -254,6 +274,8 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
                 raise CaptureError("no backward graph was traced: the loss does not require "
                                    "grad (are all parameters frozen, or is the model under "
                                    "no_grad?)")
+            if shape_range is not None:
+                concretize(seen["joint"], shape_range, bucket, label)
             prepare_joint(seen["joint"])
             captured = _describe(model, args, kwargs, seen, name)
     if failure is not None:
@@ -261,53 +283,11 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
         raise capture_failure(failure, step, example_inputs, example_kwargs) from failure
     captured.capture_time = time.perf_counter() - start
     captured.training = model.training
+    captured.autocast = autocast_state()
+    captured.shape_range, captured.bucket = shape_range, bucket
     log.info("captured %s: %d nodes in %.1f s", captured.model_name,
              len(captured.graph.nodes), captured.capture_time)
     return captured
-
-
-@contextlib.contextmanager
-def _fake_meta_tensors(model: torch.nn.Module, inputs: tuple[tuple, dict], device: str):
-    """Stand fake tensors on `device` in for meta parameters, buffers and inputs (`inputs` is
-    ``(args, kwargs)``) while tracing.
-
-    Tracing meta tensors directly loses backward formulas (under fake mode on the meta device
-    nll_loss has no autograd kernel: cross-entropy then gets no gradient at all), so a model
-    built on meta is traced as if on `device`, without allocating anything. Shared (tied)
-    tensors stay shared; the model gets its meta tensors back afterwards."""
-    args, kwargs = inputs
-    tensors = [*model.parameters(), *model.buffers(), *args, *kwargs.values()]
-    if not any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors):
-        yield inputs
-        return
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    memo: dict[int, torch.Tensor] = {}
-
-    def fake(t):
-        if not isinstance(t, torch.Tensor) or t.device.type != "meta":
-            return t
-        if id(t) not in memo:
-            with mode:
-                new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
-            if isinstance(t, torch.nn.Parameter):
-                new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
-            memo[id(t)] = new
-        return memo[id(t)]
-
-    swapped = []
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for key, value in list(table.items()):
-                if value is not None and value.device.type == "meta":
-                    swapped.append((table, key, value))
-                    table[key] = fake(value)
-    try:
-        yield tuple(fake(x) for x in args), {k: fake(v) for k, v in kwargs.items()}
-    finally:
-        for table, key, value in swapped:
-            table[key] = value
 
 
 def _unnamed_loss_types(model: torch.nn.Module) -> list[torch.nn.Module]:
