@@ -1,0 +1,204 @@
+"""One deadline for a whole solver call, passed down to every stage that may take time.
+
+A stage asks it how much time is left (`left`, `share`), checks it between steps (`check`,
+`expired`) and stops when it is spent; a stage that stops records where and why (`stopped`), so
+the result can say it and tests can assert it. A part of the call gets a sub-deadline
+(`within`) that never ends after its parent's and records into the same place.
+
+The clock is injectable: tests give a fake one (or CPU time) and assert which stages ran and
+where the call stopped, never wall time. CP-SAT has its own timer: `limit_solver` sets a
+solver's time limit from the deadline, and `guard` stops its search from a watchdog thread once the
+deadline passes (CP-SAT's own limit is checked between its steps; a large presolve step under
+load ran seconds past it).
+
+Deterministic mode (`deterministic=True`) plans on a clock that does not depend on the machine's
+speed or load: CP-SAT's deterministic time (`max_deterministic_time`, read back after each solve)
+and the modelled cost of the Python work the stages report (`charge`). Every decision that reads
+`now`, `left` or `share` then comes out the same in any process. The wall clock still bounds the
+call (`wall_left`, `expired`): when it is what stopped a stage, `cut` names the stage, and the
+result is no longer reproducible.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+__all__ = ["Clock", "Deadline", "OutOfTime"]
+
+Clock = Callable[[], float]
+
+# How often the watchdog of `guard` looks at the clock.
+WATCH_SECONDS = 0.02
+
+
+class OutOfTime(Exception):
+    """Raised inside a stage (a model's construction, a baseline's prefix search) that cannot
+    finish before its deadline; the stage's caller catches it and goes on without it."""
+
+    def __init__(self, stage: str):
+        super().__init__(f"{stage}: out of time")
+        self.stage = stage
+
+
+class _Record:
+    """What the stages of one call did with its time, shared by a deadline and its parts."""
+
+    def __init__(self) -> None:
+        self.stages: list[tuple[str, float]] = []  # (stage, elapsed) as entered
+        self.stopped: tuple[str, str] | None = None  # the first stage that ran out: (stage, why)
+        self.cut: str | None = None  # deterministic mode: the stage the wall clock cut
+
+
+class Deadline:
+    """`seconds` from now on `clock`; in deterministic mode, planned on deterministic time."""
+
+    def __init__(self, seconds: float, *, clock: Clock = time.perf_counter,
+                 deterministic: bool = False, _parent: "Deadline | None" = None,
+                 _end: float | None = None):
+        if not seconds >= 0:
+            raise ValueError(f"a deadline needs a non-negative number of seconds, not {seconds!r}")
+        self.clock, self.deterministic = clock, deterministic
+        if _parent is None:
+            self.root, self.record = self, _Record()
+            self.virtual = 0.0  # deterministic mode: the deterministic seconds spent so far
+            self.wall_start = clock()
+            self.wall_end = self.wall_start + seconds
+            self.start = self.now()
+            self.end = self.start + seconds
+        else:
+            self.root, self.record = _parent.root, _parent.record
+            self.wall_start, self.wall_end = _parent.wall_start, _parent.wall_end
+            self.start = _parent.now()
+            self.end = min(_end if _end is not None else self.start + seconds, _parent.end)
+        self.limit = seconds
+
+    # --- Reading it.
+
+    def now(self) -> float:
+        """The planning clock: the wall clock, or in deterministic mode the deterministic
+        seconds spent since the call began (plus the wall clock's start, so that both read
+        alike)."""
+        if self.deterministic:
+            return self.wall_start + self.root.virtual
+        return self.clock()
+
+    def elapsed(self) -> float:
+        """Seconds since the whole call began, on the planning clock."""
+        return self.now() - self.root.start
+
+    def left(self) -> float:
+        """Seconds left on the planning clock, never negative."""
+        return max(0.0, self.end - self.now())
+
+    def wall_left(self) -> float:
+        """Seconds left on `clock` before the call's hard end, never negative."""
+        return max(0.0, self.wall_end - self.clock())
+
+    def share(self, fraction: float) -> float:
+        """`fraction` of this deadline's limit, or what is left if that is less."""
+        return min(fraction * self.limit, self.left())
+
+    def expired(self) -> bool:
+        """Whether the time is spent: planned (`left`) or, whatever the mode, the wall clock's.
+        In deterministic mode a wall-clock expiry marks the call as cut."""
+        if self.end - self.now() <= 0:
+            return True
+        if self.wall_end - self.clock() <= 0:
+            if self.deterministic and self.record.cut is None:
+                self.record.cut = self.record.stages[-1][0] if self.record.stages else "start"
+            return True
+        return False
+
+    # --- Parts and stages.
+
+    def within(self, seconds: float) -> "Deadline":
+        """A part of this call: `seconds` from now, never past this deadline's end."""
+        return Deadline(max(0.0, seconds), clock=self.clock, deterministic=self.deterministic,
+                        _parent=self)
+
+    def until(self, end: float) -> "Deadline":
+        """A part of this call that ends at `end` on the planning clock (or this one's end)."""
+        return Deadline(max(0.0, end - self.now()), clock=self.clock,
+                        deterministic=self.deterministic, _parent=self, _end=end)
+
+    def enter(self, stage: str) -> None:
+        self.record.stages.append((stage, round(self.elapsed(), 3)))
+
+    def check(self, stage: str) -> bool:
+        """True while time is left; else records that `stage` found none (the first such
+        stage is `stopped`) and returns False."""
+        if not self.expired():
+            return True
+        self.stop(stage, "no time left")
+        return False
+
+    def raise_if_expired(self, stage: str) -> None:
+        """For loops that cannot return a partial result: OutOfTime once the time is spent."""
+        if self.expired():
+            self.stop(stage, "no time left")
+            raise OutOfTime(stage)
+
+    def stop(self, stage: str, why: str) -> None:
+        if self.record.stopped is None:
+            self.record.stopped = (stage, why)
+
+    @property
+    def stages(self) -> tuple[tuple[str, float], ...]:
+        return tuple(self.record.stages)
+
+    @property
+    def stopped(self) -> tuple[str, str] | None:
+        return self.record.stopped
+
+    @property
+    def cut(self) -> str | None:
+        return self.record.cut
+
+    # --- Deterministic time.
+
+    def charge(self, seconds: float) -> None:
+        """Deterministic mode: count `seconds` of modelled work (a Python stage's, predicted
+        from the problem's size, not measured). A no-op on the wall clock."""
+        if self.deterministic:
+            self.root.virtual += max(0.0, seconds)
+
+    # --- CP-SAT.
+
+    def limit_solver(self, parameters, seconds: float | None = None) -> None:
+        """Set a CP-SAT solver's limits: `seconds` (default: what is left) on the planning
+        clock, never past the wall clock's end. Deterministic mode limits the deterministic
+        time and leaves the wall-clock limit as the safety net."""
+        planned = self.left() if seconds is None else max(0.0, min(seconds, self.left()))
+        if self.deterministic:
+            parameters.max_deterministic_time = max(planned, 1e-3)
+            parameters.max_time_in_seconds = max(self.wall_left(), 1e-3)
+        else:
+            parameters.max_time_in_seconds = max(min(planned, self.wall_left()), 1e-3)
+
+    @contextmanager
+    def guard(self, solver, stage: str = "CP-SAT") -> Iterator[None]:
+        """Run a CP-SAT solve inside this: a watchdog stops its search once the deadline
+        passes, presolve included; in deterministic mode the deterministic time the solve
+        spent is counted afterwards."""
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(WATCH_SECONDS):
+                if self.wall_end - self.clock() <= 0 or (
+                        not self.deterministic and self.end - self.clock() <= 0):
+                    solver.StopSearch()
+                    return
+
+        watchdog = threading.Thread(target=watch, name="remat-deadline", daemon=True)
+        watchdog.start()
+        try:
+            yield
+        finally:
+            done.set()
+            watchdog.join()
+            if self.deterministic:
+                self.root.virtual += solver.response_proto.deterministic_time
+                if self.wall_end - self.clock() <= 0 and self.record.cut is None:
+                    self.record.cut = stage
