@@ -25,7 +25,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-__all__ = ["Clock", "Deadline", "OutOfTime"]
+__all__ = ["Clock", "Deadline", "OutOfTime", "modelled", "ticker"]
 
 Clock = Callable[[], float]
 
@@ -55,24 +55,29 @@ class Deadline:
     """`seconds` from now on `clock`; in deterministic mode, planned on deterministic time."""
 
     def __init__(self, seconds: float, *, clock: Clock = time.perf_counter,
-                 deterministic: bool = False, _parent: "Deadline | None" = None,
-                 _end: float | None = None):
+                 deterministic: bool = False, planned: float | None = None,
+                 _parent: "Deadline | None" = None, _end: float | None = None,
+                 _wall_end: float | None = None):
+        """`seconds` of wall clock from now; `planned`: the seconds the stages plan with (in
+        deterministic mode, deterministic seconds; default `seconds`)."""
         if not seconds >= 0:
             raise ValueError(f"a deadline needs a non-negative number of seconds, not {seconds!r}")
         self.clock, self.deterministic = clock, deterministic
+        self.limit = seconds if planned is None else planned
         if _parent is None:
             self.root, self.record = self, _Record()
             self.virtual = 0.0  # deterministic mode: the deterministic seconds spent so far
             self.wall_start = clock()
             self.wall_end = self.wall_start + seconds
             self.start = self.now()
-            self.end = self.start + seconds
+            self.end = self.start + self.limit
         else:
             self.root, self.record = _parent.root, _parent.record
-            self.wall_start, self.wall_end = _parent.wall_start, _parent.wall_end
+            self.wall_start = _parent.wall_start
+            self.wall_end = min(_parent.wall_end, _wall_end if _wall_end is not None
+                                else _parent.wall_end)
             self.start = _parent.now()
-            self.end = min(_end if _end is not None else self.start + seconds, _parent.end)
-        self.limit = seconds
+            self.end = min(_end if _end is not None else self.start + self.limit, _parent.end)
 
     # --- Reading it.
 
@@ -114,14 +119,23 @@ class Deadline:
     # --- Parts and stages.
 
     def within(self, seconds: float) -> "Deadline":
-        """A part of this call: `seconds` from now, never past this deadline's end."""
-        return Deadline(max(0.0, seconds), clock=self.clock, deterministic=self.deterministic,
-                        _parent=self)
+        """A part of this call: `seconds` from now (planning clock), never past this deadline's
+        end."""
+        return Deadline(0.0, clock=self.clock, deterministic=self.deterministic,
+                        planned=max(0.0, seconds), _parent=self)
 
     def until(self, end: float) -> "Deadline":
         """A part of this call that ends at `end` on the planning clock (or this one's end)."""
-        return Deadline(max(0.0, end - self.now()), clock=self.clock,
-                        deterministic=self.deterministic, _parent=self, _end=end)
+        return Deadline(0.0, clock=self.clock, deterministic=self.deterministic,
+                        planned=max(0.0, end - self.now()), _parent=self, _end=end)
+
+    def reserving(self, seconds: float) -> "Deadline":
+        """This deadline less `seconds` kept at its end, on both clocks: for the stages, while
+        the caller keeps the rest to turn their answer into a result."""
+        seconds = max(0.0, seconds)
+        return Deadline(0.0, clock=self.clock, deterministic=self.deterministic,
+                        planned=max(0.0, self.end - seconds - self.now()), _parent=self,
+                        _end=self.end - seconds, _wall_end=self.wall_end - seconds)
 
     def enter(self, stage: str) -> None:
         self.record.stages.append((stage, round(self.elapsed(), 3)))
@@ -166,22 +180,25 @@ class Deadline:
 
     # --- CP-SAT.
 
-    def limit_solver(self, parameters, seconds: float | None = None) -> None:
+    def limit_solver(self, parameters, seconds: float | None = None,
+                     weight: float = 1.0) -> None:
         """Set a CP-SAT solver's limits: `seconds` (default: what is left) on the planning
         clock, never past the wall clock's end. Deterministic mode limits the deterministic
-        time and leaves the wall-clock limit as the safety net."""
+        time, `weight` seconds a deterministic second of this kind of model (`DTIME_WEIGHT`),
+        and leaves the wall-clock limit as the safety net (the caller makes the search itself
+        deterministic: one worker, or the interleaved search)."""
         planned = self.left() if seconds is None else max(0.0, min(seconds, self.left()))
         if self.deterministic:
-            parameters.max_deterministic_time = max(planned, 1e-3)
+            parameters.max_deterministic_time = max(planned / weight, 1e-3)
             parameters.max_time_in_seconds = max(self.wall_left(), 1e-3)
         else:
             parameters.max_time_in_seconds = max(min(planned, self.wall_left()), 1e-3)
 
     @contextmanager
-    def guard(self, solver, stage: str = "CP-SAT") -> Iterator[None]:
+    def guard(self, solver, stage: str = "CP-SAT", weight: float = 1.0) -> Iterator[None]:
         """Run a CP-SAT solve inside this: a watchdog stops its search once the deadline
         passes, presolve included; in deterministic mode the deterministic time the solve
-        spent is counted afterwards."""
+        spent, times `weight`, is counted afterwards."""
         done = threading.Event()
 
         def watch() -> None:
@@ -189,6 +206,7 @@ class Deadline:
                 if self.wall_end - self.clock() <= 0 or (
                         not self.deterministic and self.end - self.clock() <= 0):
                     solver.StopSearch()
+                    self.stop(stage, "stopped at the deadline")
                     return
 
         watchdog = threading.Thread(target=watch, name="remat-deadline", daemon=True)
@@ -199,6 +217,42 @@ class Deadline:
             done.set()
             watchdog.join()
             if self.deterministic:
-                self.root.virtual += solver.response_proto.deterministic_time
+                self.root.virtual += weight * solver.response_proto.deterministic_time
                 if self.wall_end - self.clock() <= 0 and self.record.cut is None:
                     self.record.cut = stage
+
+
+# A loop's ticker looks at the clock once in this many calls (a clock read costs about as much as
+# a constraint added: 60 ns).
+TICK_EVERY = 64
+
+
+def ticker(deadline: Deadline | None, stage: str) -> Callable[[], None]:
+    """A function for a long loop that cannot return a partial result (a model's
+    construction) to call each turn: OutOfTime once `deadline` passes (never, when None)."""
+    if deadline is None:
+        return lambda: None
+    turns = 0
+
+    def tick() -> None:
+        nonlocal turns
+        turns += 1
+        if turns % TICK_EVERY == 0:
+            deadline.raise_if_expired(stage)
+    return tick
+
+
+# Modelled seconds per op of the problem of the Python work that deterministic mode charges
+# (`modelled`): about what each took in CPU seconds here, rounded up (an evaluation,
+# make_schedule and simulate, 4 to 40 us an op; a relaxation's step 4 to 7 us to build; the
+# single model 60 to 200 us, the rich one 500 to 1,500 us).
+WORK_PER_OP = {"evaluation": 1e-5, "relaxation step": 1e-5, "model": 2.5e-4, "rich model": 1.5e-3}
+# CPU seconds a CP-SAT deterministic second takes, by kind of model, which deterministic mode
+# charges (`guard`, `limit_solver`'s `weight`): measured here on one worker, the single model's
+# least-cost search 4 to 10 (its least-peak stage 5 to 30), the relaxations 2 to 4.
+DTIME_WEIGHT = {"model": 10.0, "relaxation": 4.0}
+
+
+def modelled(work: str, ops: int) -> float:
+    """The modelled seconds of `work` (a key of WORK_PER_OP) on a problem of `ops` ops."""
+    return WORK_PER_OP[work] * ops
