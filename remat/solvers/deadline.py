@@ -130,12 +130,14 @@ class Deadline:
                         planned=max(0.0, end - self.now()), _parent=self, _end=end)
 
     def reserving(self, seconds: float) -> "Deadline":
-        """This deadline less `seconds` kept at its end, on both clocks: for the stages, while
-        the caller keeps the rest to turn their answer into a result."""
+        """This deadline less `seconds` kept at its end for the caller to turn the stages'
+        answer into a result: on the wall clock, and on the planning clock unless it is
+        deterministic (whose plan ends well before the wall clock's end anyway)."""
         seconds = max(0.0, seconds)
+        end = self.end if self.deterministic else self.end - seconds
         return Deadline(0.0, clock=self.clock, deterministic=self.deterministic,
-                        planned=max(0.0, self.end - seconds - self.now()), _parent=self,
-                        _end=self.end - seconds, _wall_end=self.wall_end - seconds)
+                        planned=max(0.0, end - self.now()), _parent=self, _end=end,
+                        _wall_end=self.wall_end - seconds)
 
     def enter(self, stage: str) -> None:
         self.record.stages.append((stage, round(self.elapsed(), 3)))

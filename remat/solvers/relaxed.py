@@ -43,22 +43,25 @@ GAP = 2e-3
 
 def relaxed_schedule(problem: Problem, budget: int, *, time_limit: float = 10.0,
                      workers: int = 0, lowest: list | None = None,
-                     deadline: Deadline | None = None) -> tuple[Schedule | None, Bound]:
+                     deadline: Deadline | None = None,
+                     one_step: list | None = None) -> tuple[Schedule | None, Bound]:
     """The cheapest plan that fits `budget` found this way in `time_limit` seconds of
     `deadline` (a part of a caller's call) or of now (None: none), and the best bound its
     solves with the true rooms proved (math.inf: no schedule fits). `lowest`, a list, receives
     the plan of least peak seen, fitting or not (near the floor, where none fits, a start for
-    the least-peak search)."""
+    the least-peak search); `one_step`, a list, the bound proven at the first backward step
+    alone (which holds over the rich space too, where no value may wait in host memory)."""
     deadline = Deadline(time_limit) if deadline is None else deadline.within(time_limit)
     found: list = [None, Bound(0.0, (), True)]  # the best plan and bound, where OutOfTime finds
     try:
-        return _read_plans(problem, budget, workers, lowest, deadline, found)
+        return _read_plans(problem, budget, workers, lowest, deadline, found, one_step)
     except OutOfTime:
         return found[0], found[1]
 
 
 def _read_plans(problem: Problem, budget: int, workers: int, lowest: list | None,
-                deadline: Deadline, found: list) -> tuple[Schedule | None, Bound]:
+                deadline: Deadline, found: list, one_step: list | None
+                ) -> tuple[Schedule | None, Bound]:
     now = deadline.now
     evaluation = modelled("evaluation", len(problem))
     nf = problem.num_forward
@@ -70,12 +73,13 @@ def _read_plans(problem: Problem, budget: int, workers: int, lowest: list | None
     if budget < fixed[0]:  # the first backward step holds more under every schedule
         return None, Bound(math.inf, (nf,), True)
     steps, shrink = [nf], 0
+    ceiling = None  # the least shrink found infeasible
     best, fits, fails = None, None, None  # the cheapest fitting plan; shrinks that fit and not
     overhead = 0.0  # what the last turn spent outside the solve: building, evaluating
     while deadline.left() > overhead and deadline.check("reading a plan off the relaxation"):
         began = now()
         rooms = {b: budget - fixed[b - nf] - shrink for b in steps}
-        if min(rooms.values()) < 0:
+        if min(rooms.values()) < 0 and not shrink:
             break
         relaxation = Relaxation(problem, steps, deadline=deadline)
         built = now()
@@ -84,7 +88,17 @@ def _read_plans(problem: Problem, budget: int, workers: int, lowest: list | None
         solved = now()
         if not shrink and value > proven.value or not proven.steps:
             proven = found[1] = Bound(value, tuple(steps), exact)
+        if not shrink and len(steps) == 1 and one_step is not None:
+            one_step[:] = [Bound(value, tuple(steps), exact)]
         recomputed = relaxation.recomputed()
+        if value == math.inf and shrink:
+            # Shrunk past what some step can hold: bisect below (bert at half its save-all
+            # peak, where the overshoot passed the only shrinks whose plans fit).
+            ceiling, low = shrink, fails or 0
+            if ceiling - low <= max(1, PRECISION * budget):
+                break
+            shrink = (low + ceiling) // 2
+            continue
         if value == math.inf or recomputed is None:
             break
         deadline.charge(evaluation)
@@ -115,6 +129,10 @@ def _read_plans(problem: Problem, budget: int, workers: int, lowest: list | None
                 continue
         if fits is None:  # a little past the excess, so that the next plan likely fits
             shrink += int(OVERSHOOT * (schedule.peak - budget))
+            if ceiling is not None and shrink >= ceiling:  # bisect below the ceiling
+                if ceiling - fails <= max(1, PRECISION * budget):
+                    break
+                shrink = (fails + ceiling) // 2
         elif fails is None or fits - fails <= max(1, PRECISION * budget):  # bytes: 1 at least
             break
         else:  # bisect: a smaller shrink is cheaper

@@ -128,8 +128,12 @@ class _Call:
         part = self.part(RELAXED_SHARE, PART_EVALUATIONS * self.evaluation())
         if part.check("reading a plan off the relaxation"):
             self.progress.update(stage="reading a plan off the relaxation")
+            one_step: list[Bound] = []
             relaxed, relaxed_bound = relaxed_schedule(problem, budget, time_limit=part.limit,
-                                                      lowest=self.lowest, deadline=part)
+                                                      lowest=self.lowest, deadline=part,
+                                                      one_step=one_step)
+            if one_step and math.isfinite(one_step[0].value):  # for the rich space's bound
+                info["one_step_bound"] = one_step[0].value
         else:
             info["relaxation"] = "skipped: no time left"
         if relaxed is not None and (hint is None or relaxed.cost < hint.cost):
@@ -157,10 +161,11 @@ class _Call:
         if self.pool.skipped:
             info["skipped"] = dict(self.pool.skipped)
         if hint is not None:
-            if hint is not relaxed:  # a knapsack's optimum: nothing to drop
-                self.progress.update(stage="improving the hint", cost=hint.cost)
-                hint = drop_pass(problem, budget, hint,
-                                 self.part(HINT_SHARE, self.evaluation()))
+            # The relaxation's plan too: its rooms shrink evenly until a plan fits, which
+            # recomputes more than fitting needs (gpt2 at half its save-all peak: 0.118 ms,
+            # 0.090 ms after the drop pass in 0.5 s).
+            self.progress.update(stage="improving the hint", cost=hint.cost)
+            hint = drop_pass(problem, budget, hint, self.part(HINT_SHARE, self.evaluation()))
             info["hint"] = hint.strategy
 
         # --- A bound proven at the step where the hint peaks, where the budget binds, unless

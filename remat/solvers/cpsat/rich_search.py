@@ -66,9 +66,8 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
     # The single model first, in both: its plan is where the rich search starts, and what it
     # returns when there is no time for the rich model (never less than the single model's).
     share = SINGLE_SHARE if options.model == "auto" else RICH_SINGLE_SHARE
-    work = deadline.reserving(FINISH_EVALUATIONS * evaluation)
-    try:
-        hint = single(options, work.within(share * limit))
+    try:  # the single model's call keeps its own time to finish
+        hint = single(options, deadline.within(share * limit))
     except BudgetError as error:  # the rich space may fit below the single's least peak
         below = error
         hint = None
@@ -80,8 +79,9 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
         # value read after the step is held at it or made again after it, its inputs
         # likewise, each run costing at least once), but not where a value may instead
         # wait in host memory.
-        if hint.info.get("bound_steps") == 1 and problem.host_bandwidth is None:
-            single_step_bound = hint.bound
+        if problem.host_bandwidth is None:
+            single_step_bound = max(hint.bound if hint.info.get("bound_steps") == 1 else 0.0,
+                                    hint.info.get("one_step_bound", 0.0))
     if not deadline.deterministic:
         began = time.perf_counter()
         evaluate(problem, hint if hint is not None else make_schedule(problem, ()))
@@ -111,7 +111,11 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
         # its size, would do no better in what is left. Its status over the rich space stands
         # on the rich bound alone.
         info["rich"] = "not searched: the single model's plan is unproven in its own space"
-    part = work.within(BOUND_SHARE * limit - 2 * evaluation)
+    # Its share of the limit, or more of what the single model left: all of it when the rich
+    # model will not be searched (the 7B at 1 %: the single model proves its plan in half the
+    # limit, and the pair of steps that bounds it over the rich space needs more than a tenth).
+    share = work.left() if "rich" in info else max(BOUND_SHARE * limit, work.left() / 2)
+    part = work.within(share - 2 * evaluation)
     rich = Bound(0.0, (), False)
     if part.check("proving a bound over the rich space"):
         progress.update(stage="proving a bound over the rich space")
@@ -123,6 +127,9 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
     if single_step_bound is not None and single_step_bound > rich.value:
         rich = replace(rich, value=single_step_bound)
         info["rich_bound_from"] = "the single model's bound from one backward step"
+        info["bound_from"] = "one backward step (it holds over the rich space)"
+    elif rich.steps:
+        info["bound_from"] = f"backward steps over the rich space ({rich.where(problem)})"
     info["rich_bound"] = rich.value
     if rich.value == math.inf and below is not None:
         raise below

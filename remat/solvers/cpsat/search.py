@@ -27,7 +27,7 @@ PROGRESS_SECONDS = 5.0
 # modelled cost of the Python stages, `modelled`); the rest is the margin before the wall clock
 # cuts a stage on a slow or loaded machine (2 cores at a load of 6 to 8 give a process about
 # 0.4 CPU seconds a second).
-DETERMINISTIC_SHARE = 0.25
+DETERMINISTIC_SHARE = 0.5
 
 
 def build_model(problem: Problem, units: Units, options: SolverOptions,
