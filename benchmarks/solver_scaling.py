@@ -6,9 +6,10 @@
     python benchmarks/solver_scaling.py --sizes 500 2000 --fractions 0.7 --time-limit 10  # short
 
 With no --time-limit the solver runs with its defaults, limits chosen by problem size (the
-"limit" column: seconds and relative gap), deterministic unless --wall-clock. `--load N` starts N
-busy processes (pure-Python spin loops, killed at the end) beside the solves, to see the
-deadline hold on a loaded machine: "wall_s" is the optimal strategy's wall time over its limit.
+"limit" column: seconds and relative gap), on the wall clock unless --deterministic. `--load N`
+starts N busy processes (pure-Python spin loops, killed at the end) beside the solves, to see
+the deadline hold on a loaded machine: "wall_s" is the optimal strategy's wall time over its
+limit.
 
 For each size (ops) and budget (a fraction of the save-all peak), one row: the optimal
 strategy's wall time next to its limit, status, cost, proven bound and gap; then each baseline's
@@ -97,8 +98,8 @@ def main() -> None:
                         help="seconds per solve (default: the solver's, by problem size)")
     parser.add_argument("--relative-gap", type=float, default=None,
                         help="stop once proven this close (default: the solver's, by size)")
-    parser.add_argument("--wall-clock", action="store_true",
-                        help="plan on the wall clock (SolverOptions(deterministic=False))")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="plan on deterministic time (SolverOptions(deterministic=True))")
     parser.add_argument("--load", type=int, default=0,
                         help="busy processes (spin loops) to run beside the solves")
     parser.add_argument("--workers", type=int, default=2)
@@ -110,7 +111,7 @@ def main() -> None:
     args = parser.parse_args()
     options = SolverOptions(time_limit=args.time_limit, relative_gap=args.relative_gap,
                             workers=args.workers, model=args.model,
-                            deterministic=not args.wall_clock)
+                            deterministic=args.deterministic)
     rows = []
     with busy(args.load):
         print(f"{args.load} busy processes beside; load average {os.getloadavg()[0]:.1f} on "

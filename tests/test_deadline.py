@@ -37,15 +37,22 @@ def test_parts_never_end_after_the_whole_and_record_into_it():
 
 
 def test_deterministic_mode_plans_on_charged_time_and_names_a_wall_cut():
+    """Planned on 5 deterministic seconds of a 10 s limit: the wall clock does not move the
+    plan while the machine keeps within twice the plan's pace; past that, the time left is the
+    wall clock's share and the call is marked cut, in the stage where it happened."""
     clock = FakeClock()
-    deadline = Deadline(10.0, clock=clock, deterministic=True)
-    clock.now += 8.0  # the machine is slow: the wall clock does not move the plan
-    assert deadline.left() == 10.0
-    deadline.charge(4.0)
-    assert deadline.left() == 6.0 and deadline.wall_left() == 2.0
+    deadline = Deadline(10.0, clock=clock, deterministic=True, planned=5.0)
+    deadline.charge(2.0)
+    clock.now += 4.0  # twice the plan's pace (4 s for 2), within the margin (1.25 s planned)
+    assert deadline.left() == 3.0 and deadline.cut is None
+    part = deadline.within(2.0)  # 2 planned seconds, 4 of the wall clock
+    assert part.left() == 2.0
     deadline.enter("searching")
-    clock.now += 2.0
-    assert deadline.expired() and deadline.cut == "searching"
+    clock.now += 3.5
+    assert part.left() == pytest.approx(0.25)  # 0.5 s of wall left of its 4: a quarter
+    assert deadline.cut == "searching" and deadline.wall_left() == 2.5
+    clock.now += 2.5
+    assert deadline.expired()
 
 
 def _hard_model() -> cp_model.CpModel:
@@ -157,8 +164,8 @@ def test_the_plan_does_not_read_the_clock_in_deterministic_mode():
 
     plans = []
     for clock in (frozen, Running()):
-        options = SolverOptions(time_limit=1e7, deterministic_time=2.0, relative_gap=0,
-                                model="single", clock=clock)
+        options = SolverOptions(time_limit=1e7, deterministic=True, deterministic_time=2.0,
+                                relative_gap=0, model="single", clock=clock)
         result = solve(problem, budget, Strategy.OPTIMAL, options)
         assert result.info["deterministic"] is True
         plans.append((result.recomputed, tuple(sorted(result.recompute_at.items()))))
@@ -202,7 +209,8 @@ _SOLVE_IN_A_PROCESS = textwrap.dedent("""
     problem = transformer_ops(2000)
     budget = make_schedule(problem, []).peak // 2
     result = solve(problem, budget, Strategy.OPTIMAL,
-                   SolverOptions(time_limit=600, deterministic_time=float(sys.argv[1])))
+                   SolverOptions(time_limit=600, deterministic=True,
+                                 deterministic_time=float(sys.argv[1])))
     print(json.dumps({"recomputed": sorted(result.recomputed),
                       "at": sorted(result.recompute_at.items()), "cost": result.cost,
                       "status": result.status.value,
@@ -212,9 +220,9 @@ _SOLVE_IN_A_PROCESS = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_two_processes_plan_the_same_schedule():
-    """The default deterministic mode: two processes at once (each other's load) solving the
-    same 2,000-op problem give the same schedule, with the search stopped by its deterministic
-    time before it proves optimality (so the stop itself is reproducible)."""
+    """Deterministic mode: two processes at once (each other's load) solving the same 2,000-op
+    problem give the same schedule, with the search stopped by its deterministic time before it
+    proves optimality (so the stop itself is reproducible)."""
     root = Path(__file__).resolve().parent.parent
     runs = [subprocess.Popen([sys.executable, "-c", _SOLVE_IN_A_PROCESS, "3"], cwd=root,
                              stdout=subprocess.PIPE, text=True) for _ in range(2)]

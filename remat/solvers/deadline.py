@@ -31,6 +31,9 @@ Clock = Callable[[], float]
 
 # How often the watchdog of `guard` looks at the clock.
 WATCH_SECONDS = 0.02
+# Deterministic mode: a part's time left follows the wall clock (and the call is marked cut)
+# once the wall clock's share is behind the plan by more than this share of the planned limit.
+SLOWER_MARGIN = 0.25
 
 
 class OutOfTime(Exception):
@@ -69,6 +72,7 @@ class Deadline:
             self.virtual = 0.0  # deterministic mode: the deterministic seconds spent so far
             self.wall_start = clock()
             self.wall_end = self.wall_start + seconds
+            self.wall_ratio = seconds / self.limit if self.limit > 0 else 1.0
             self.start = self.now()
             self.end = self.start + self.limit
         else:
@@ -94,8 +98,17 @@ class Deadline:
         return self.now() - self.root.start
 
     def left(self) -> float:
-        """Seconds left on the planning clock, never negative."""
-        return max(0.0, self.end - self.now())
+        """Seconds left, never negative: on the planning clock, and in deterministic mode on
+        this part's share of the wall clock too when that is less (a machine slower than the
+        plan: the stages then adapt as on the wall clock, and the call is marked cut)."""
+        planned = self.end - self.now()
+        if self.deterministic:
+            wall = (self.wall_end - self.clock()) / self.root.wall_ratio
+            # A margin for the work counted only once it is done (a stage's evaluations).
+            if wall < planned - SLOWER_MARGIN * self.root.limit:
+                self._cut()
+                planned = wall
+        return max(0.0, planned)
 
     def wall_left(self) -> float:
         """Seconds left on `clock` before the call's hard end, never negative."""
@@ -111,23 +124,39 @@ class Deadline:
         if self.end - self.now() <= 0:
             return True
         if self.wall_end - self.clock() <= 0:
-            if self.deterministic and self.record.cut is None:
-                self.record.cut = self.record.stages[-1][0] if self.record.stages else "start"
+            if self.deterministic:
+                self._cut()
             return True
         return False
+
+    def _cut(self) -> None:
+        """Deterministic mode: the wall clock decided something; name the stage it did in."""
+        if self.record.cut is None:
+            self.record.cut = self.record.stages[-1][0] if self.record.stages else "start"
 
     # --- Parts and stages.
 
     def within(self, seconds: float) -> "Deadline":
         """A part of this call: `seconds` from now (planning clock), never past this deadline's
-        end."""
+        end; in deterministic mode its share of the wall clock ends in proportion."""
+        seconds = max(0.0, seconds)
         return Deadline(0.0, clock=self.clock, deterministic=self.deterministic,
-                        planned=max(0.0, seconds), _parent=self)
+                        planned=seconds, _parent=self,
+                        _wall_end=self._wall_after(seconds))
 
     def until(self, end: float) -> "Deadline":
         """A part of this call that ends at `end` on the planning clock (or this one's end)."""
+        seconds = max(0.0, end - self.now())
         return Deadline(0.0, clock=self.clock, deterministic=self.deterministic,
-                        planned=max(0.0, end - self.now()), _parent=self, _end=end)
+                        planned=seconds, _parent=self, _end=end,
+                        _wall_end=self._wall_after(seconds))
+
+    def _wall_after(self, seconds: float) -> float | None:
+        """Deterministic mode: the wall-clock end of a part of `seconds` planned seconds, the
+        same share of the wall clock (`wall_ratio`: the limit over the planned seconds)."""
+        if not self.deterministic:
+            return None
+        return self.clock() + seconds * self.root.wall_ratio
 
     def reserving(self, seconds: float) -> "Deadline":
         """This deadline less `seconds` kept at its end for the caller to turn the stages'

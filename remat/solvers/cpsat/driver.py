@@ -48,7 +48,7 @@ OPTIMAL_TOLERANCE = 1e-4
 # when no baseline fits (of what is left; it stops once the budget is met); the bound proven from backward steps (a second or
 # two on real graphs, where CP-SAT's own bound stays near zero); the stage that lowers the peak
 # at the found cost.
-BASELINE_SHARE = 0.1
+BASELINE_SHARE = 0.25
 UNTIL_ONE_FITS_SHARE = 0.4  # the pool's while none of it fits yet
 RELAXED_SHARE = 0.55
 HINT_SHARE = 0.05
@@ -286,8 +286,10 @@ class _Call:
 
     def finish(self) -> float:
         """Seconds to keep for turning the search's answer into a schedule (a few
-        evaluations: make_schedule, the hint, evaluate)."""
-        return FINISH_EVALUATIONS * self.evaluation()
+        evaluations: make_schedule, the hint, evaluate), on the wall clock: an evaluation as
+        measured, where that is longer than modelled (a loaded machine)."""
+        measured = self.pool.seconds_per_evaluation or 0.0
+        return FINISH_EVALUATIONS * max(self.evaluation(), measured)
 
     def build(self):
         """The model for the options, when its construction (predicted from the time one

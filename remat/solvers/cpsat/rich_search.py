@@ -82,13 +82,14 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
         if problem.host_bandwidth is None:
             single_step_bound = max(hint.bound if hint.info.get("bound_steps") == 1 else 0.0,
                                     hint.info.get("one_step_bound", 0.0))
-    if not deadline.deterministic:
-        began = time.perf_counter()
-        evaluate(problem, hint if hint is not None else make_schedule(problem, ()))
-        evaluation = time.perf_counter() - began
-    else:
+    began = time.perf_counter()
+    evaluate(problem, hint if hint is not None else make_schedule(problem, ()))
+    measured = time.perf_counter() - began  # the wall clock's reserve: as measured
+    if deadline.deterministic:
         deadline.charge(evaluation)
-    work = deadline.reserving(FINISH_EVALUATIONS * evaluation)
+    else:
+        evaluation = measured
+    work = deadline.reserving(FINISH_EVALUATIONS * max(evaluation, measured))
     fits = hint is not None and hint.peak <= budget
     # Who made the plan when the hint stands: the single model.
     fallback = "single"
