@@ -186,7 +186,7 @@ class _Call:
             # The relaxation's plan is often proven this close already (7B: 0.1 % at 2.8 s);
             # the search would spend the rest of the limit not improving it.
             info["stopped"] = (f"the hint is proven within relative_gap "
-                               f"{self.options.relative_gap:g} (or optimal) before the search")
+                               f"{self.options.relative_gap:g} before the search")
             return self.result(hint, self.best_bound(0.0, step_bound))
         if model is None:
             model = self.build()
@@ -273,13 +273,11 @@ class _Call:
 
     def close_enough(self, hint: Schedule | None, bound: float) -> bool:
         """Whether `hint` fits and its true cost is proven within `options.relative_gap` of
-        `bound` (OPTIMAL_TOLERANCE at a gap of 0: proven optimal): the search may stop there,
-        as CP-SAT does at that gap. (8 Llama layers: the relaxation's plan met its bound and
-        the search spent 7 s not finding one as good.)"""
-        if hint is None or hint.peak > self.budget:
+        `bound`: the search may stop there, as CP-SAT does at that gap (never at 0)."""
+        if hint is None or hint.peak > self.budget or self.options.relative_gap <= 0:
             return False
         cost = full_cost(self.problem, hint)
-        return cost - bound <= max(self.options.relative_gap, OPTIMAL_TOLERANCE) * cost
+        return cost - bound <= self.options.relative_gap * cost
 
     def evaluation(self) -> float:
         """Seconds one schedule evaluation (make_schedule, simulate) takes on this problem:
