@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import logging
+import time
 from typing import Any, Sequence
 
 from remat.errors import BudgetError, RematError, SolverError
@@ -116,9 +117,10 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
         model, prepared, blocks, example_inputs, example_kwargs)
     strategy = Strategy(solver)
     allowance = prepared.allowance(budget, activation_budget)
-    options = solver_options or SolverOptions()
+    # Limits the caller left to None are chosen by the eager problem's size, as for compiled.
+    options = (solver_options or SolverOptions()).by_size(len(problem))
     # One deadline for the eager solve: the compiled seed, the heuristic, the exact search.
-    deadline = Deadline(options.time_limit)
+    deadline = Deadline(options.time_limit, clock=options.clock or time.perf_counter)
     seeds: list[frozenset[int]] = [frozenset(), structure.cacheable]
     try:
         # Checkpoint recomputes each value at most once, in the backward: the single model's

@@ -62,6 +62,7 @@ def optimal_eager(problem: Problem, blocks: EagerBlocks, budget: int, options: S
     cached ops to start from. Raises BudgetError when no policy fits (proven, or the least
     peak found is above the budget: the message says which) and SolverError when the time
     allowed neither a policy nor a proof."""
+    options = options.by_size(len(problem))
     deadline = deadline or Deadline(options.time_limit)
     deadline.enter("eager: the model")
     costed = with_objective(problem, options.objective)
@@ -128,6 +129,7 @@ def least_eager_peak(problem: Problem, blocks: EagerBlocks, options: SolverOptio
     """The policy of least eager peak found in the time (whatever its cost), and the peak
     proven to be the least (bytes; equal to the policy's when proven). `start`: a policy to
     start from (by default, caching nothing)."""
+    options = options.by_size(len(problem))
     deadline = deadline or Deadline(options.time_limit)
     deadline.enter("eager: least peak")
     units = eager_units(problem, blocks, options)
@@ -148,7 +150,7 @@ def least_eager_peak(problem: Problem, blocks: EagerBlocks, options: SolverOptio
 
 def _solve(model: EagerModel, options: SolverOptions, deadline: Deadline, seconds: float,
            stage: str):
-    solver = cp_solver(options, seconds)
+    solver = cp_solver(options, deadline, seconds)
     # The model is 0-1 and linear, and its bound comes from the LP, which needs the links
     # "held if cached" that presolve turns into clauses: only linearization level 2 keeps
     # them. With 2 to 4 workers the default portfolio runs no such worker (tiny Llama: no
