@@ -1,0 +1,129 @@
+"""One pipeline stage's candidate plans and each one's memory per micro-batch.
+
+A stage whose backward runs whole (B: GPipe, 1F1B, Interleaved1F1B, LoopedBFS; and the first
+stage of the zero-bubble schedules, whose I torch skips and whose W is a whole backward) is
+planned with remat's eager plans (per-block selective checkpointing), at a ladder of
+activation budgets for one micro-batch: `ladder` returns them, each with its
+`MicrobatchMemory` read off remat's eager timeline of the stage's step
+(`remat.fx_passes.tracing.stage_step`).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from remat.errors import BudgetError
+from remat.solvers import Kind, Problem, SolverOptions, StepKind
+from remat.solvers.eager import block_runs, eager_schedule, eager_timeline
+from remat.solvers.pipeline import MicrobatchMemory, Pass, passes_from_live
+from remat.solvers.problem import tuple_of
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Candidate", "ladder", "simulated_memory"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run a stage: the block policies to apply (path -> BlockPolicy, paths in the
+    stage module's own names; empty: no checkpoint), or the blocks to checkpoint whole
+    (`whole`, split-backward stages), and its memory per micro-batch."""
+
+    name: str
+    memory: MicrobatchMemory
+    policies: dict
+    whole: tuple[str, ...] = ()
+    cost: float = 0.0
+    """Recompute seconds of one micro-batch on the target (0 where measured)."""
+
+    @property
+    def recompute_flops(self) -> int:
+        return self.memory.recompute_flops
+
+
+def simulated_memory(problem: Problem, blocks, cached: Sequence[int]) -> MicrobatchMemory:
+    """A micro-batch's passes under the eager policy caching `cached`, from remat's eager
+    timeline (`remat.solvers.eager`): the forward's steps, what lives across the boundary,
+    the backward's steps, and when each parameter gradient is made."""
+    runs = block_runs(problem, blocks, cached)
+    timeline = eager_timeline(problem, blocks, runs)
+    steps = timeline.steps
+    live = [s.live for s in steps]
+    boundary = next(t for t, s in enumerate(steps) if s.kind is not StepKind.FORWARD)
+    first = steps[boundary]
+    held = first.live - _made_at(problem, first)
+    roots = {problem.root[problem.index(n)] for n in problem.source.get("param_gradients", ())}
+    made = {}
+    for t, s in enumerate(steps):
+        if s.kind is StepKind.BACKWARD and s.op in roots:
+            made[t] = made.get(t, 0) + problem.ops[s.op].size
+    forward, backward, later, gradients = passes_from_live(live, boundary, held, made)
+    schedule = eager_schedule(problem, blocks, cached)
+    return MicrobatchMemory(forward=forward, backward=backward, backward_accumulating=later,
+                            gradients=gradients, recompute_flops=schedule.recompute_flops)
+
+
+def _made_at(problem: Problem, step) -> int:
+    """Bytes that step `step` brings to life: its temp and the storage its op makes (a tensor
+    taken out of a tuple op lives from the step after it, not from its own)."""
+    op = problem.ops[step.op]
+    own = op.size if (problem.root[step.op] == step.op and op.kind is Kind.TENSOR
+                      and tuple_of(problem, step.op) is None) else 0
+    return own + op.temp
+
+
+def ladder(step_module: Any, prepared, *, levels: int, target: str,
+           solver_options: SolverOptions | None, example_inputs: Sequence[Any],
+           prefix: str) -> list[Candidate]:
+    """Eager plans of the stage at `levels` activation budgets for one micro-batch, from
+    caching every value it may to the least it can hold, with their memory; distinct plans
+    only, cheapest first."""
+    from remat.planner.eager_plan import plan_eager_mode
+
+    def plan(activations: int):
+        return plan_eager_mode(step_module, prepared, budget=None, activation_budget=activations,
+                               target=target, solver="optimal", solver_options=solver_options,
+                               blocks=None, example_inputs=example_inputs)
+
+    grads = prepared.graph_gradients  # simulated peaks count them; activation budgets not
+    most = plan(10 ** 15)  # caches all it may: the least recompute
+    problem, blocks = most.eager_problem, most.structure
+    least = eager_schedule(problem, blocks, ())  # every block recomputed whole
+    high, low = most.schedule.peak - grads, least.peak - grads
+    out: dict[tuple, Candidate] = {}
+
+    def add(name: str, eager_plan) -> None:
+        cached = tuple(eager_plan.schedule.info["cached"])
+        if cached in out:
+            return
+        memory = simulated_memory(eager_plan.eager_problem, eager_plan.structure, cached)
+        policies = {path.removeprefix(prefix): p for path, p in eager_plan.block_policies.items()}
+        out[cached] = Candidate(name, memory, policies, cost=eager_plan.schedule.cost)
+
+    add("remat (caches all it may)", most)
+    for k in range(1, levels - 1):
+        activations = high - (high - low) * k // max(levels - 1, 1)
+        try:
+            add(f"remat (one micro-batch within {activations:,} B)", plan(activations))
+        except BudgetError as e:
+            log.info("stage ladder: no plan at %d bytes (%s)", activations, e)
+    whole = checkpoint_all(most, prefix)
+    out.setdefault((), whole)
+    return sorted(out.values(), key=lambda c: (c.cost, c.memory.backward.peak))
+
+
+def checkpoint_all(eager_plan, prefix: str) -> Candidate:
+    """Every block checkpointed whole, nothing cached (torch's plain checkpoint of each
+    block), from any eager plan of the stage (its blocks and policies)."""
+    from remat.fx_passes.eager.block_policy import with_cache
+
+    problem, blocks = eager_plan.eager_problem, eager_plan.structure
+    schedule = eager_schedule(problem, blocks, ())
+    policies = {path.removeprefix(prefix): with_cache(p, frozenset())
+                for path, p in eager_plan.policies.items()}
+    return Candidate("checkpoint every block", simulated_memory(problem, blocks, ()), policies,
+                     cost=schedule.cost)
+
+
+__all__ += ["checkpoint_all", "Pass"]
