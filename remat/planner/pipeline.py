@@ -12,14 +12,14 @@ allocated before the first step and kept) and the micro-batches' inputs and targ
 
 Stages get different plans: a stage that holds more micro-batches at once (the first ones
 under 1F1B) or more state has less room for each. For each rank the plan takes the combination
-of its stages' candidates with the least recompute (seconds on the target) whose composed peak
-fits the rank's budget.
+of its stages' candidates with the least recompute (FLOPs) whose composed peak fits the rank's
+budget.
 """
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from remat.errors import BudgetError, RematError
@@ -104,6 +104,17 @@ class PipelinePlan:
                 apply_eager(module, plan.chosen.policies)
         return list(stage_modules)
 
+    def prepare_runtime(self, pipeline_stages: Sequence[Any]) -> list[Any]:
+        """The `PipelineStage`s of this rank ready for the plan: under a schedule that splits
+        the backward, each W runs in one recomputation group
+        (`remat.fx_passes.eager.pipeline_apply.group_weight_recomputation`)."""
+        if self.order.split_backward:
+            from remat.fx_passes.eager.pipeline_apply import group_weight_recomputation
+
+            for stage in pipeline_stages:
+                group_weight_recomputation(stage)
+        return list(pipeline_stages)
+
     def rows(self) -> list[dict]:
         return [{"stage": s.stage, "rank": s.rank, "plan": s.chosen.name,
                  "in_flight": self.ranks[s.rank].in_flight.get(s.stage, 0),
@@ -169,8 +180,7 @@ def plan_pipeline(stages: Sequence[Any], example_inputs: Sequence[Any], *, examp
                                           + (0 if is_last else _nbytes(outputs[k]))),
                   "batch": m * ((sum(_nbytes(x) for x in inputs[0]) if k == 0 else 0)
                                 + (_nbytes(example_target) if is_last else 0))}
-        split = order.split_backward and k != 0
-        if split:
+        if order.split_backward and k != 0:
             from remat.planner.pipeline_split import split_candidates
 
             candidates = split_candidates(step, args, prefix=PREFIX)
@@ -179,6 +189,11 @@ def plan_pipeline(stages: Sequence[Any], example_inputs: Sequence[Any], *, examp
             candidates = ladder(step, prepared, levels=levels, target=target,
                                 solver_options=solver_options, example_inputs=args,
                                 prefix=PREFIX)
+            if order.split_backward:  # the first stage: its whole backward runs at W
+                from remat.planner.pipeline_split import whole_backward_at_weight
+
+                candidates = [replace(c, memory=whole_backward_at_weight(c.memory))
+                              for c in candidates]
         plans.append((k, candidates, static))
     handoffs = {r: order.kept(r, {k: _nbytes(o) for k, o in enumerate(outputs)},
                               {k: _nbytes(x[0]) for k, x in enumerate(inputs) if k})
@@ -202,7 +217,7 @@ def _budgets(budget, ranks: int) -> dict[int, int]:
 
 
 def _choose(plans, order, budgets, training: Training, m: int, handoffs):
-    """Per rank, the combination of its stages' candidates with the least recompute whose
+    """Per rank, the combination of its stages' candidates with the least recompute FLOPs whose
     composed peak fits (module doc)."""
     chosen: dict[int, Candidate] = {}
     ranks: dict[int, RankMemory] = {}
@@ -217,7 +232,7 @@ def _choose(plans, order, budgets, training: Training, m: int, handoffs):
         for combo in itertools.product(*(by_stage[k][0] for k in mine)):
             memory = compose(order.actions[rank], {k: c.memory for k, c in zip(mine, combo)},
                              handoffs[rank])
-            cost = sum(c.cost for c in combo) * m
+            cost = sum(c.recompute_flops for c in combo) * m
             if least is None or memory.peak < least[1].peak:
                 least = (combo, memory)
             if memory.peak <= allowance and (best is None or (cost, memory.peak) < best[0]):
