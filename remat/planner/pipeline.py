@@ -83,6 +83,11 @@ class PipelinePlan:
     training: Training
     margins: dict[int, int] = field(default_factory=dict)
     handoffs: dict = field(default_factory=dict)
+    """Rank -> what its runtime keeps of the tensors handed on (`remat.solvers.pipeline.Kept`)."""
+    sizes: dict = field(default_factory=dict)
+    """Stage -> (bytes of its output, bytes of its input's gradient) for one micro-batch."""
+    smallest: dict = field(default_factory=dict)
+    """Rank -> the smallest whole-step budget any combination of its candidates fits."""
 
     def static(self, rank: int) -> int:
         return sum(sum(s.static.values()) for s in self.stages if s.rank == rank)
@@ -148,13 +153,16 @@ def plan_pipeline(stages: Sequence[Any], example_inputs: Sequence[Any], *, examp
                   loss_fn: Callable, budget: int | str | Sequence[int | str],
                   spec: PipelineSpec = PipelineSpec(), training: Training = Training(),
                   target: str = "h100", levels: int = 5,
-                  solver_options: SolverOptions | None = None) -> PipelinePlan:
+                  solver_options: SolverOptions | None = None,
+                  reuse: PipelinePlan | None = None) -> PipelinePlan:
     """Plans for every stage of a pipeline (module doc). `stages` are the stage modules in
     order; `example_inputs` the first stage's inputs for one micro-batch and `example_target`
     the last stage's target for it; `loss_fn(output, target)` the schedule's loss; `budget`
     the whole step's budget of each rank (one for all, or one a rank). `levels` is how many
-    plans each stage is costed at. Raises BudgetError naming the rank, its smallest budget
-    and its largest term when a rank's stages cannot fit."""
+    plans each stage is costed at. `reuse`: a plan of the same stages and micro-batches whose
+    stage candidates serve again (another budget, or another schedule that splits the
+    backward as its did). Raises BudgetError naming the rank, its smallest budget and its
+    largest term when a rank's stages cannot fit."""
     from remat.fx_passes.lowering.pipeline_order import schedule_actions
     from remat.fx_passes.tracing.stage_step import PREFIX, StageStep
     from remat.planner.prepare import prepare
@@ -165,6 +173,13 @@ def plan_pipeline(stages: Sequence[Any], example_inputs: Sequence[Any], *, examp
                              microbatches=spec.microbatches, stages=len(stages))
     budgets = _budgets(budget, order.ranks)
     m = spec.microbatches
+    if reuse is not None:
+        if (reuse.order.split_backward != order.split_backward or len(reuse.stages) != len(stages)
+                or reuse.spec.microbatches != m):
+            raise RematError("plan_pipeline(reuse=...): that plan is for other stages, "
+                             "micro-batches or a schedule that splits the backward otherwise")
+        plans = [(s.stage, list(s.candidates), s.static) for s in reuse.stages]
+        return _finish(spec, order, plans, budgets, training, reuse.sizes)
     inputs, outputs = _stage_inputs(stages, tuple(example_inputs), m)
     last = len(stages) - 1
     plans = []
@@ -195,13 +210,21 @@ def plan_pipeline(stages: Sequence[Any], example_inputs: Sequence[Any], *, examp
                 candidates = [replace(c, memory=whole_backward_at_weight(c.memory))
                               for c in candidates]
         plans.append((k, candidates, static))
-    handoffs = {r: order.kept(r, {k: _nbytes(o) for k, o in enumerate(outputs)},
-                              {k: _nbytes(x[0]) for k, x in enumerate(inputs) if k})
+    sizes = {k: (_nbytes(outputs[k]), _nbytes(inputs[k][0]) if k else 0)
+             for k in range(len(stages))}
+    return _finish(spec, order, plans, budgets, training, sizes)
+
+
+def _finish(spec, order, plans, budgets, training, sizes) -> PipelinePlan:
+    handoffs = {r: order.kept(r, {k: o for k, (o, _) in sizes.items()},
+                              {k: g for k, (_, g) in sizes.items()})
                 for r in range(order.ranks)}
-    chosen, ranks, margins = _choose(plans, order, budgets, training, m, handoffs)
+    chosen, ranks, margins, smallest = _choose(plans, order, budgets, training,
+                                               spec.microbatches, handoffs)
     stage_plans = [StagePlan(k, order.stage_rank[k], chosen[k], tuple(c), static)
                    for k, c, static in plans]
-    return PipelinePlan(spec, order, stage_plans, ranks, budgets, training, margins, handoffs)
+    return PipelinePlan(spec, order, stage_plans, ranks, budgets, training, margins, handoffs,
+                        sizes, smallest)
 
 
 def _default_ranks(spec: PipelineSpec, stages: Sequence[Any]) -> int:
@@ -222,6 +245,7 @@ def _choose(plans, order, budgets, training: Training, m: int, handoffs):
     chosen: dict[int, Candidate] = {}
     ranks: dict[int, RankMemory] = {}
     margins: dict[int, int] = {}
+    smallest: dict[int, int] = {}
     by_stage = {k: (candidates, static) for k, candidates, static in plans}
     for rank in range(order.ranks):
         mine = order.stages_of(rank)
@@ -237,22 +261,33 @@ def _choose(plans, order, budgets, training: Training, m: int, handoffs):
                 least = (combo, memory)
             if memory.peak <= allowance and (best is None or (cost, memory.peak) < best[0]):
                 best = ((cost, memory.peak), combo, memory)
+        smallest[rank] = _smallest_budget(static + least[1].peak, training)
         if best is None:
             combo, memory = least
-            raise _rank_error(rank, mine, budgets[rank], static, memory, training, margin)
+            raise _rank_error(rank, mine, budgets[rank], static, memory, training,
+                              smallest[rank])
         _, combo, memory = best
         chosen.update(zip(mine, combo))
         ranks[rank], margins[rank] = memory, margin
         log.info("pipeline rank %d: stages %s, peak %s of %s", rank, mine,
                  format_size(static + memory.peak), format_size(budgets[rank]))
-    return chosen, ranks, margins
+    return chosen, ranks, margins, smallest
 
 
-def _rank_error(rank, stages, budget, static, memory, training: Training, margin) -> BudgetError:
+def _smallest_budget(peak: int, training: Training) -> int:
+    """The smallest whole-step budget whose reserve and margin leave `peak`."""
+    need = peak + training.reserve
+    budget = need + training.margin(need)
+    while budget - training.margin(budget) < need:
+        budget += 1
+    while budget > need and budget - 1 - training.margin(budget - 1) >= need:
+        budget -= 1
+    return budget
+
+
+def _rank_error(rank, stages, budget, static, memory, training: Training,
+                smallest: int) -> BudgetError:
     need = static + memory.peak + training.reserve
-    smallest = need
-    while smallest - training.margin(smallest) < need:
-        smallest += max(1, int(training.fragmentation * smallest))
     terms = {"what the rank holds anyway (state, receive buffers, batch)": static,
              "activations of the micro-batches in flight": memory.peak}
     dominant = max(terms, key=terms.get)

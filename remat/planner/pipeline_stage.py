@@ -54,10 +54,9 @@ def simulated_memory(problem: Problem, blocks, cached: Sequence[int]) -> Microba
     first = steps[boundary]
     held = first.live - _made_at(problem, first)
     roots = {problem.root[problem.index(n)] for n in problem.source.get("param_gradients", ())}
-    made = {}
-    for t, s in enumerate(steps):
-        if s.kind is StepKind.BACKWARD and s.op in roots:
-            made[t] = made.get(t, 0) + problem.ops[s.op].size
+    step_of = {s.op: t for t, s in enumerate(steps) if s.kind is StepKind.BACKWARD}
+    made = [(problem.ops[op].size, t, step_of[blocks.node_end.get(op, op)])
+            for op, t in step_of.items() if op in roots]
     forward, backward, later, gradients = passes_from_live(live, boundary, held, made)
     schedule = eager_schedule(problem, blocks, cached)
     return MicrobatchMemory(forward=forward, backward=backward, backward_accumulating=later,

@@ -168,24 +168,21 @@ def compose(actions: Sequence[Action], memory: Mapping[int, MicrobatchMemory],
 
 
 def passes_from_live(live: Sequence[int], boundary: int, held: int,
-                     gradient_steps: Mapping[int, int]) -> tuple[Pass, Pass, Pass, int]:
+                     gradients: Iterable[tuple[int, int, int]]) -> tuple[Pass, Pass, Pass, int]:
     """(forward, backward, backward_accumulating, gradients) from one micro-batch's timeline:
     `live[t]` the bytes live at step t (the micro-batch's own, from 0), the forward the steps
     before `boundary`, `held` what it holds between its forward and its backward, and
-    `gradient_steps` the step at which each parameter gradient is made -> its bytes (live from
-    there to the end of the timeline). Nothing stays after the backward but the gradients:
-    the stage's output and input gradient are handed on."""
+    `gradients` the parameter gradients as (bytes, the step that makes one, the last step of
+    its autograd node): in the timeline each lives from its step to the end. Nothing stays
+    after the backward but the gradients: the stage's output and input gradient are handed on."""
     if not 0 < boundary <= len(live):
         raise ValueError(f"boundary {boundary} outside a timeline of {len(live)} steps")
+    gradients = list(gradients)
     forward = Pass(max(live[:boundary]), held)
     backward = live[boundary:]
-    gradients = sum(gradient_steps.values())
     first = Pass(max(backward, default=held), 0)
-    # Later micro-batches: a gradient lives only at the step that makes it (it is added to
-    # .grad at once), so the ones made before a step are taken out of it.
-    made_before = 0
-    later = []
-    for t, value in enumerate(backward, start=boundary):
-        later.append(value - made_before)
-        made_before += gradient_steps.get(t, 0)
-    return forward, first, Pass(max(later, default=held), 0), gradients
+    # Later micro-batches: a new gradient is added to .grad when its autograd node returns
+    # (autograd's AccumulateGrad runs then), so it lives to the node's last step only.
+    later = [value - sum(size for size, _, until in gradients if until < t)
+             for t, value in enumerate(backward, start=boundary)]
+    return forward, first, Pass(max(later, default=held), 0), sum(s for s, _, _ in gradients)
