@@ -209,6 +209,7 @@ def plan_pipeline(stages: Sequence[Any], example_inputs: Sequence[Any], *, examp
 
                 candidates = [replace(c, memory=whole_backward_at_weight(c.memory))
                               for c in candidates]
+
         plans.append((k, candidates, static))
     sizes = {k: (_nbytes(outputs[k]), _nbytes(inputs[k][0]) if k else 0)
              for k in range(len(stages))}

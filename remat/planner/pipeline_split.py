@@ -16,7 +16,8 @@ from remat.planner.pipeline_stage import Candidate
 from remat.solvers.blocks import block_of
 from remat.solvers.pipeline import MicrobatchMemory, Pass
 
-__all__ = ["checkpoint_whole", "split_candidates", "whole_backward_at_weight"]
+__all__ = ["checkpoint_whole", "handed_on_locally", "split_candidates",
+           "whole_backward_at_weight"]
 
 
 def checkpoint_whole(module: Any, paths: Sequence[str]) -> Any:
@@ -48,14 +49,13 @@ def split_candidates(step: Any, inputs: Sequence[Any], *, prefix: str) -> list[C
         whole = tuple(blocks[:k])
         p = split_passes(step, inputs, whole)
         none_flops = p.flops if none_flops is None else none_flops
-        # The first W's gradients stay, counted apart from the micro-batch (`gradients`).
-        weight = Pass(p.weight[0], p.weight[1] - p.gradients)
-        later = Pass(*p.weight_accumulating)
+        # The first W's (or B's) gradients stay, counted apart from the micro-batch.
         memory = MicrobatchMemory(
-            forward=Pass(*p.forward), backward=weight, backward_accumulating=later,
-            gradients=p.gradients, input=Pass(*p.input), weight=weight,
-            weight_accumulating=later, recompute_flops=max(0, p.flops - none_flops),
-            source="measured")
+            forward=Pass(*p.forward), backward=Pass(p.backward[0], p.backward[1] - p.gradients),
+            backward_accumulating=Pass(*p.backward_accumulating), gradients=p.gradients,
+            input=Pass(*p.input), weight=Pass(p.weight[0], p.weight[1] - p.gradients),
+            weight_accumulating=Pass(*p.weight_accumulating),
+            recompute_flops=max(0, p.flops - none_flops), source="measured")
         name = ("no checkpoint" if k == 0 else f"checkpoint {', '.join(whole)} whole"
                 if k < len(blocks) else "checkpoint every block (W grouped)")
         out.append(Candidate(name, memory, {}, whole=whole, cost=float(memory.recompute_flops)))
@@ -70,3 +70,22 @@ def whole_backward_at_weight(memory: MicrobatchMemory) -> MicrobatchMemory:
     held = memory.forward.after
     return replace(memory, input=Pass(held, held), weight=memory.backward,
                    weight_accumulating=memory.backward_accumulating)
+
+
+def handed_on_locally(memory: MicrobatchMemory, output: int) -> MicrobatchMemory:
+    """The memory of a stage whose next stage runs on the same rank (a V-shaped schedule's
+    turn): the runtime makes its output the next stage's input buffer for that micro-batch
+    (`set_local_fwd_input`), in place of the buffer from the last step, which it frees. From
+    the end of the forward on, the output is that buffer, counted with the receive buffers:
+    it leaves every later pass of the micro-batch."""
+    from dataclasses import replace
+
+    def less(p: Pass | None, after: bool = True) -> Pass | None:
+        return None if p is None else Pass(p.peak - output, p.after - output if after
+                                           else p.after)
+
+    return replace(memory, forward=Pass(memory.forward.peak, memory.forward.after - output),
+                   backward=less(memory.backward, after=False),
+                   backward_accumulating=less(memory.backward_accumulating, after=False),
+                   input=less(memory.input), weight=less(memory.weight, after=False),
+                   weight_accumulating=less(memory.weight_accumulating, after=False))

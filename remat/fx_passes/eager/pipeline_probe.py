@@ -37,32 +37,52 @@ class SplitPasses:
     weight: tuple[int, int]
     """The first micro-batch's W: the gradients it makes are in its peak and after."""
     weight_accumulating: tuple[int, int]
+    backward: tuple[int, int]
+    """The whole backward (B) of a micro-batch, first (it makes the gradients) and later."""
+    backward_accumulating: tuple[int, int]
     gradients: int
     flops: int
     """FLOPs of F, I and W of one micro-batch (matmuls and attention)."""
 
 
 def split_passes(step: Any, inputs: Sequence[Any], whole: Sequence[str]) -> SplitPasses:
+    runs = {}
+    for sequence in (("F", "I", "W"), ("F", "B")):
+        passes, stage = _fresh(step, inputs, whole)
+        run = {"F": passes.forward, "I": passes.input, "W": passes.weight,
+               "B": passes.backward}
+        windows: list[tuple[str, list]] = []
+        for mb in range(2):
+            for name in sequence:
+                with cpu_memory_events() as events:
+                    run[name]()
+                windows.append((f"{name}{mb}", events))
+        runs.update(_passes_of(windows))
+        gradients = storage_bytes(p.grad for p in stage.parameters())
+    return SplitPasses(forward=runs["F1"], input=runs["I1"], weight=runs["W0"],
+                       weight_accumulating=runs["W1"], backward=runs["B0"],
+                       backward_accumulating=runs["B1"], gradients=gradients,
+                       flops=_flops(step, inputs, whole))
+
+
+def _fresh(step: Any, inputs: Sequence[Any], whole: Sequence[str]):
+    """The passes of a copy of the stage with `whole` checkpointed, on copies of `inputs`
+    (the runtime's receive buffers: allocated before the step)."""
     from remat.fx_passes.eager.pipeline_apply import checkpoint_whole
 
     stage = copy.deepcopy(step.stage)
     checkpoint_whole(stage, whole)
     is_last = step.loss_fn is not None
-    args = list(inputs[:-1] if is_last else inputs)
-    target = inputs[-1] if is_last else None
-    grad = None if is_last else [torch.zeros_like(step.output_grad)]
-    # The runtime's receive buffers: inputs that require grad, allocated before the step.
     args = [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor)
-            else a for a in args]
-    passes = _Passes(stage, args, target, grad, step.loss_fn)
-    windows: list[tuple[str, list]] = []
-    for mb in range(2):
-        for name, run in (("F", passes.forward), ("I", passes.input), ("W", passes.weight)):
-            with cpu_memory_events() as events:
-                run()
-            windows.append((f"{name}{mb}", events))
-    # Each free takes the size its block was allocated with in an earlier or the same window
-    # (remat.fx_passes.measuring.allocator.paired's rule, across the windows).
+            else a for a in (inputs[:-1] if is_last else inputs)]
+    grad = None if is_last else [torch.zeros_like(step.output_grad)]
+    return _Passes(stage, args, inputs[-1] if is_last else None, grad, step.loss_fn), stage
+
+
+def _passes_of(windows: list[tuple[str, list]]) -> dict[str, tuple[int, int]]:
+    """(peak, after) of each window above what its micro-batch found. Each free takes the
+    size its block was allocated with in an earlier or the same window
+    (remat.fx_passes.measuring.allocator.paired's rule, across the windows)."""
     blocks: dict[int, int] = {}
     out, base, live = {}, {}, 0
     for name, events in windows:
@@ -77,10 +97,7 @@ def split_passes(step: Any, inputs: Sequence[Any], whole: Sequence[str]) -> Spli
                 live -= blocks.pop(ptr)
             top = max(top, live)
         out[name] = (top - base[mb], live - base[mb])
-    gradients = storage_bytes(p.grad for p in stage.parameters())
-    flops = _flops(step, inputs, whole)
-    return SplitPasses(forward=out["F1"], input=out["I1"], weight=out["W0"],
-                       weight_accumulating=out["W1"], gradients=gradients, flops=flops)
+    return out
 
 
 def storage_bytes(tensors) -> int:
@@ -123,6 +140,18 @@ class _Passes:
             s["groups"] = None
         if self.loss_fn is not None:
             s.pop("output")  # the logits: the runtime's backward drops them here
+
+    def backward(self) -> None:
+        """The whole backward (B), as `stage_backward` runs it."""
+        from torch.distributed.pipelining._backward import stage_backward
+
+        s = self.state
+        output = s["loss"] if self.loss_fn is not None else s["output"]
+        inputs = [a for a in self.args if isinstance(a, torch.Tensor)]
+        stage_backward(output, None if self.loss_fn is not None else self.grad[0], inputs)
+        for a in inputs:
+            a.grad = None  # handed on to the previous stage: its send keeps it (Kept)
+        s.clear()
 
     def weight(self) -> None:
         from torch.distributed.pipelining._backward import (stage_backward,

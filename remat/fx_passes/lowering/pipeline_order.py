@@ -32,9 +32,12 @@ while the work object lives):
   forward, and the warmup's last fired send (`send_work`, the forward before the last warmup
   one) until the backward that follows the last forward; an input gradient (its send ops) to
   the end of the next backward.
-- The multi-stage runtime keeps every send's works to the end of the step.
-A V-shaped schedule hands a stage's output to the next stage on the same rank without a send
-(`set_local_fwd_input`); remat does not model that handoff (docs/parallelism.md).
+- The multi-stage runtime keeps every send's works to the end of the step. A V-shaped
+  schedule hands tensors between the two stages of its turn on one rank without a send
+  (`set_local_fwd_input`, `set_local_bwd_input`): the output becomes the next stage's input
+  buffer (no bytes more than the model counts, measured), the input gradient the previous
+  stage's output-gradient buffer, which stays to the end of the step like a sent one
+  (measured; why the buffer it replaces is not freed then was not found).
 """
 from __future__ import annotations
 
@@ -116,7 +119,9 @@ class ScheduleOrder:
                 for m in mbs:
                     if sends:
                         out.append(Kept(output[s], freed[m], None, f"{s}F{m} sent"))
-                    if receives:
+                    # Handed back to a stage on the same rank (a V-shaped turn), the input
+                    # gradient stays to the end of the step too (measured).
+                    if s != 0:
                         out.append(Kept(input_grad[s], made[m], None, f"{s}B{m} sent"))
         return [k for k in out if k.until is None or k.until > k.after]
 
