@@ -141,28 +141,38 @@ def _stages(schedule: str, count: int):
 
 
 def _plans() -> dict:
-    """Each schedule's plan at a budget per rank halfway between the least any plan holds and
-    what the cheapest plan holds: it recomputes, and caches some."""
-    from remat.planner.pipeline import PipelineSpec, plan_pipeline
+    """Each schedule's plan at a budget per rank that makes it recompute: for GPipe and 1F1B
+    the least that holds each stage's middle plan of the ladder (a selective policy that
+    caches some), for InterleavedZeroBubble halfway between the least any plan holds and what
+    no checkpointing holds."""
+    from remat.planner.pipeline import PipelineSpec, _smallest_budget, plan_pipeline
 
     training = remat.Training(reserve=0, fragmentation=0.01)
-    plans, previous = {}, None
+    plans, whole_backward = {}, None
     for schedule in SCHEDULES:
         count = WORLD if schedule in ("GPipe", "1F1B") else 2 * WORLD
         _, stages, tokens, targets = _stages(schedule, count)
         mb = BATCH // MICROBATCHES
         args = dict(example_target=targets[:mb], loss_fn=pipeline_loss, training=training,
                     spec=PipelineSpec(schedule=schedule, microbatches=MICROBATCHES), levels=3)
-        reuse = previous if previous is not None and previous.spec.schedule != schedule \
-            and len(previous.stages) == count and not previous.order.split_backward \
-            and schedule in ("GPipe", "1F1B") else None
+        reuse = whole_backward if count == WORLD else None
         free = plan_pipeline(stages, (tokens[:mb],), budget=10**12, reuse=reuse, **args)
-        budget = [(free.smallest[r] + free.peak(r) / 0.99) // 2 for r in range(WORLD)]
-        budget = [int(b) for b in budget]
+        if count == WORLD:
+            whole_backward = free
+            budget = []
+            for rank in range(WORLD):
+                middle = {s.stage: next(c for c in s.candidates if c.name.startswith("remat (one"))
+                          for s in free.stages if s.rank == rank}
+                memory = compose(free.order.actions[rank],
+                                 {k: c.memory for k, c in middle.items()}, free.handoffs[rank])
+                budget.append(_smallest_budget(free.static(rank) + memory.peak, training))
+        else:
+            budget = [int((free.smallest[r] + free.peak(r) / 0.99) // 2) for r in range(WORLD)]
         plan = plan_pipeline(stages, (tokens[:mb],), budget=budget, reuse=free, **args)
         assert sum(s.recompute_flops for s in plan.stages) > 0, schedule
+        if count == WORLD:
+            assert any(p.cache for s in plan.stages for p in s.policies.values()), schedule
         plans[schedule] = plan
-        previous = free
     return plans
 
 

@@ -16,8 +16,7 @@ from remat.planner.pipeline_stage import Candidate
 from remat.solvers.blocks import block_of
 from remat.solvers.pipeline import MicrobatchMemory, Pass
 
-__all__ = ["checkpoint_whole", "handed_on_locally", "split_candidates",
-           "whole_backward_at_weight"]
+__all__ = ["checkpoint_whole", "split_candidates", "whole_backward_at_weight"]
 
 
 def checkpoint_whole(module: Any, paths: Sequence[str]) -> Any:
@@ -71,21 +70,3 @@ def whole_backward_at_weight(memory: MicrobatchMemory) -> MicrobatchMemory:
     return replace(memory, input=Pass(held, held), weight=memory.backward,
                    weight_accumulating=memory.backward_accumulating)
 
-
-def handed_on_locally(memory: MicrobatchMemory, output: int) -> MicrobatchMemory:
-    """The memory of a stage whose next stage runs on the same rank (a V-shaped schedule's
-    turn): the runtime makes its output the next stage's input buffer for that micro-batch
-    (`set_local_fwd_input`), in place of the buffer from the last step, which it frees. From
-    the end of the forward on, the output is that buffer, counted with the receive buffers:
-    it leaves every later pass of the micro-batch."""
-    from dataclasses import replace
-
-    def less(p: Pass | None, after: bool = True) -> Pass | None:
-        return None if p is None else Pass(p.peak - output, p.after - output if after
-                                           else p.after)
-
-    return replace(memory, forward=Pass(memory.forward.peak, memory.forward.after - output),
-                   backward=less(memory.backward, after=False),
-                   backward_accumulating=less(memory.backward_accumulating, after=False),
-                   input=less(memory.input), weight=less(memory.weight, after=False),
-                   weight_accumulating=less(memory.weight_accumulating, after=False))

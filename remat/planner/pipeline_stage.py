@@ -86,11 +86,14 @@ def ladder(step_module: Any, prepared, *, levels: int, target: str,
                                blocks=None, example_inputs=example_inputs)
 
     grads = prepared.graph_gradients  # simulated peaks count them; activation budgets not
-    most = plan(10 ** 15)  # caches all it may: the least recompute
+    most = plan(10 ** 15)  # caches all it may: its problem and blocks serve every candidate
     problem, blocks = most.eager_problem, most.structure
-    least = eager_schedule(problem, blocks, ())  # every block recomputed whole
-    high, low = most.schedule.peak - grads, least.peak - grads
-    out: dict[tuple, Candidate] = {}
+    none = no_checkpoint(most)
+    whole = checkpoint_all(most, prefix)
+    # From what no checkpointing holds at once down to what checkpointing every block does.
+    high = max(none.memory.forward.peak, none.memory.backward.peak) - grads
+    low = eager_schedule(problem, blocks, ()).peak - grads
+    out: dict[tuple, Candidate] = {(): whole}
 
     def add(name: str, eager_plan) -> None:
         cached = tuple(eager_plan.schedule.info["cached"])
@@ -107,9 +110,32 @@ def ladder(step_module: Any, prepared, *, levels: int, target: str,
             add(f"remat (one micro-batch within {activations:,} B)", plan(activations))
         except BudgetError as e:
             log.info("stage ladder: no plan at %d bytes (%s)", activations, e)
-    whole = checkpoint_all(most, prefix)
-    out.setdefault((), whole)
-    return sorted(out.values(), key=lambda c: (c.cost, c.memory.backward.peak))
+    return _undominated([none, *out.values()])
+
+
+def _undominated(candidates: list[Candidate]) -> list[Candidate]:
+    """The candidates no other one beats in every pass's bytes and in recompute, cheapest
+    first."""
+    def key(c: Candidate) -> tuple:
+        m = c.memory
+        return (c.recompute_flops, m.forward.peak, m.forward.after, m.backward.peak,
+                m.backward_accumulating.peak)
+
+    def beats(a: Candidate, b: Candidate) -> bool:
+        return a is not b and all(x <= y for x, y in zip(key(a), key(b))) and key(a) != key(b)
+
+    kept = [c for c in candidates if not any(beats(o, c) for o in candidates)]
+    return sorted(kept, key=key)
+
+
+def no_checkpoint(eager_plan) -> Candidate:
+    """No block checkpointed: eager autograd saves what it saves (remat's eager timeline with no
+    block, every forward value the backward reads saved)."""
+    from dataclasses import replace
+
+    problem, blocks = eager_plan.eager_problem, eager_plan.structure
+    plain = replace(blocks, ops={}, owner={}, packer={}, cacheable=frozenset(), groups=())
+    return Candidate("no checkpoint", simulated_memory(problem, plain, ()), {}, cost=0.0)
 
 
 def checkpoint_all(eager_plan, prefix: str) -> Candidate:
@@ -125,4 +151,4 @@ def checkpoint_all(eager_plan, prefix: str) -> Candidate:
                      cost=schedule.cost)
 
 
-__all__ += ["checkpoint_all", "Pass"]
+__all__ += ["checkpoint_all", "no_checkpoint", "Pass"]
