@@ -104,13 +104,15 @@ def ladder(step_module: Any, prepared, *, levels: int, target: str,
         out[cached] = Candidate(name, memory, policies, cost=eager_plan.schedule.cost)
 
     add("remat (caches all it may)", most)
+    paths = list(blocks.ops)
+    partial = [checkpoint_some(most, prefix, paths[:k]) for k in range(1, len(paths))]
     for k in range(1, levels - 1):
         activations = high - (high - low) * k // max(levels - 1, 1)
         try:
             add(f"remat (one micro-batch within {activations:,} B)", plan(activations))
         except BudgetError as e:
             log.info("stage ladder: no plan at %d bytes (%s)", activations, e)
-    return _undominated([none, *out.values()])
+    return _undominated([none, *partial, *out.values()])
 
 
 def _undominated(candidates: list[Candidate]) -> list[Candidate]:
@@ -136,6 +138,24 @@ def no_checkpoint(eager_plan) -> Candidate:
     problem, blocks = eager_plan.eager_problem, eager_plan.structure
     plain = replace(blocks, ops={}, owner={}, packer={}, cacheable=frozenset(), groups=())
     return Candidate("no checkpoint", simulated_memory(problem, plain, ()), {}, cost=0.0)
+
+
+def checkpoint_some(eager_plan, prefix: str, paths: Sequence[str]) -> Candidate:
+    """The blocks at `paths` checkpointed whole, the others not at all (Megatron's "recompute
+    k layers"): remat's eager timeline with only those blocks."""
+    from dataclasses import replace
+
+    from remat.fx_passes.eager.block_policy import with_cache
+
+    problem, blocks = eager_plan.eager_problem, eager_plan.structure
+    chosen = set(paths)
+    some = replace(blocks, ops={p: ops for p, ops in blocks.ops.items() if p in chosen},
+                   owner={b: n for b, n in blocks.owner.items() if n in chosen})
+    policies = {p.removeprefix(prefix): with_cache(eager_plan.policies[p], frozenset())
+                for p in paths}
+    names = ", ".join(p.removeprefix(prefix) for p in paths)
+    return Candidate(f"checkpoint {names} whole", simulated_memory(problem, some, ()), policies,
+                     cost=eager_schedule(problem, some, ()).cost)
 
 
 def checkpoint_all(eager_plan, prefix: str) -> Candidate:
