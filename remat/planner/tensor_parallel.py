@@ -42,7 +42,8 @@ from remat.solvers.problem import Kind, Problem, Reason
 
 log = logging.getLogger(__name__)
 
-__all__ = ["TensorParallelPlan", "fake_tensor_parallel", "plan_tensor_parallel"]
+__all__ = ["TensorParallelPlan", "fake_tensor_parallel", "plan_tensor_parallel",
+           "prepare_tensor_parallel"]
 
 
 @dataclasses.dataclass
@@ -120,28 +121,23 @@ def plan_tensor_parallel(model: Any, budget: int | str | None = None, *,
                          training: Training = Training(), target: str = "h100",
                          solver: Strategy | str = Strategy.OPTIMAL,
                          solver_options: SolverOptions | None = None,
-                         blocks: Sequence[str] | None = None) -> TensorParallelPlan:
+                         blocks: Sequence[str] | None = None,
+                         prepared: Any = None) -> TensorParallelPlan:
     """The eager plan of least recompute whose step fits `budget` (whole step, per rank) or
     whose activations fit `activation_budget`, for one rank of `model` parallelized with
     DTensor (module doc). `example_inputs` are one rank's inputs, as the model takes them.
     Data parallelism over other ranks (FSDP2 x TP) is `training`'s (data_parallel,
-    zero_stage), applied to the rank's shards."""
-    from remat.planner.prepare import prepare
-
-    placements = {n: str(getattr(p, "placements", ""))
-                  for n, p in model.named_parameters() if hasattr(p, "placements")}
-    if not placements:
-        raise RematError("plan_tensor_parallel: the model has no DTensor parameter; "
-                         "parallelize it first (parallelize_module, on the job's mesh or on "
-                         "fake_tensor_parallel(size)), or plan it with remat.optimize")
+    zero_stage), applied to the rank's shards. `prepared`: `prepare_tensor_parallel`'s step,
+    to plan it at another budget without capturing it again."""
     if (budget is None) == (activation_budget is None):
         raise ValueError("give exactly one of budget= and activation_budget=")
     whole = None if budget is None else parse_size(budget)
     activations = None if activation_budget is None else parse_size(activation_budget,
                                                                     allow_zero=True)
-    prepared = prepare(model, example_inputs, example_kwargs=example_kwargs,
-                       training=training, target=target)
-    prepared = _eager_tensor_parallel(prepared, model)
+    if prepared is None:
+        prepared = prepare_tensor_parallel(model, example_inputs, example_kwargs=example_kwargs,
+                                           training=training, target=target)
+    placements = _placements(model)
     plan = plan_eager_mode(model, prepared, budget=whole, activation_budget=activations,
                            target=target, solver=solver, solver_options=solver_options,
                            blocks=blocks, example_inputs=example_inputs,
@@ -150,6 +146,29 @@ def plan_tensor_parallel(model: Any, budget: int | str | None = None, *,
     log.info("tensor-parallel plan: %d collectives, %d bytes communicated again",
              len(out.collectives), out.recommunicated)
     return out
+
+
+def _placements(model: Any) -> dict[str, str]:
+    placements = {n: str(getattr(p, "placements", ""))
+                  for n, p in model.named_parameters() if hasattr(p, "placements")}
+    if not placements:
+        raise RematError("plan_tensor_parallel: the model has no DTensor parameter; "
+                         "parallelize it first (parallelize_module, on the job's mesh or on "
+                         "fake_tensor_parallel(size)), or plan it with remat.optimize")
+    return placements
+
+
+def prepare_tensor_parallel(model: Any, example_inputs: Sequence[Any] = (), *,
+                            example_kwargs: dict[str, Any] | None = None,
+                            training: Training = Training(), target: str = "h100"):
+    """The rank's step captured and lowered once (`remat.planner.prepare.prepare`), with the
+    corrections of the module doc: plan it at any budget with `plan_tensor_parallel`."""
+    from remat.planner.prepare import prepare
+
+    _placements(model)
+    prepared = prepare(model, example_inputs, example_kwargs=example_kwargs, training=training,
+                       target=target)
+    return _eager_tensor_parallel(prepared, model)
 
 
 def _eager_tensor_parallel(prepared, model) -> Any:
