@@ -104,7 +104,7 @@ def _train(model, rank: int, measure: bool):
                             if t.dim())  # AdamW's step counters: left out of the state
             + storage_bytes([tokens, targets]))
     peaks = []
-    for _ in range(2):  # the lesser of two: gloo's own buffers come and go by timing
+    for _ in range(3):  # the least of three: gloo's own buffers come and go by timing
         gc.collect()
         dist.barrier()
         torch.manual_seed(7)

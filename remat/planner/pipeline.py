@@ -200,7 +200,14 @@ def plan_pipeline(stages: Sequence[Any], example_inputs: Sequence[Any], *, examp
 
             candidates = split_candidates(step, args, prefix=PREFIX)
         else:
-            prepared = prepare(step, args, training=training, target=target, returns="output")
+            if any(hasattr(p, "placements") for p in stage.parameters()):  # TP inside
+                from remat.planner.tensor_parallel import prepare_tensor_parallel
+
+                prepared = prepare_tensor_parallel(step, args, training=training, target=target,
+                                                   returns="output")
+            else:
+                prepared = prepare(step, args, training=training, target=target,
+                                   returns="output")
             candidates = ladder(step, prepared, levels=levels, target=target,
                                 solver_options=solver_options, example_inputs=args,
                                 prefix=PREFIX)

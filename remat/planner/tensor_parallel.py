@@ -20,11 +20,11 @@ the collectives as ops of the block and re-issues them unless it caches their ou
 here the block's collectives are recomputable ops, which the plan caches or recomputes like any
 other, and `TensorParallelPlan.recommunicated` is the bytes its recomputations send again.
 
-Corrections to the captured graph: ``wait_tensor`` returns the collective's output itself (an
-alias, not new bytes); and where the graph differs from eager DTensor (torch 2.13), the
-compiled embedding backward of a row-sharded embedding computes the gradient over the whole
-vocabulary (``num_weights`` the global rows), eager over the local shard; a gradient larger
-than its parameter's shard is sized as the shard.
+Corrections: ``wait_tensor`` returns the collective's output itself (an alias, not new bytes).
+A gradient larger than its parameter's shard (a row-sharded embedding's, torch 2.13: eager and
+compiled alike compute it over the whole vocabulary, and eager keeps it as the `.grad`'s local
+tensor) is state of that size; under FSDP2, which reduce-scatters it into the shard, the
+gradient is sized as the shard (measured).
 """
 from __future__ import annotations
 
@@ -160,14 +160,15 @@ def _placements(model: Any) -> dict[str, str]:
 
 def prepare_tensor_parallel(model: Any, example_inputs: Sequence[Any] = (), *,
                             example_kwargs: dict[str, Any] | None = None,
-                            training: Training = Training(), target: str = "h100"):
+                            training: Training = Training(), target: str = "h100",
+                            returns: str = "output"):
     """The rank's step captured and lowered once (`remat.planner.prepare.prepare`), with the
     corrections of the module doc: plan it at any budget with `plan_tensor_parallel`."""
     from remat.planner.prepare import prepare
 
     _placements(model)
     prepared = prepare(model, example_inputs, example_kwargs=example_kwargs, training=training,
-                       target=target)
+                       target=target, returns=returns)
     return _eager_tensor_parallel(prepared, model)
 
 
@@ -196,6 +197,11 @@ def _eager_tensor_parallel(prepared, model) -> Any:
         if graph.ops[root].size > local.get(name, graph.ops[root].size):
             resize[graph.ops[root].name] = local[name]
 
+    # Eager keeps the larger gradient as .grad (its local tensor is the whole vocabulary's):
+    # state, unless FSDP2 reduce-scatters it into the shard (measured).
+    sharded_grads = prepared.training.zero_stage >= 2
+    excess = sum(graph.ops[by_name[g]].size - b for g, b in resize.items())
+
     def fixed(p: Problem) -> Problem:
         ops = []
         for op in p.ops:
@@ -204,7 +210,7 @@ def _eager_tensor_parallel(prepared, model) -> Any:
                 op = dataclasses.replace(op, not_recomputable=None)
                 if "wait_tensor" in op.target:  # returns its input: an alias, no bytes
                     op = dataclasses.replace(op, kind=Kind.VIEW, size=0, temp=0)
-            if op.name in resize:
+            if sharded_grads and op.name in resize:
                 op = dataclasses.replace(op, size=resize[op.name])
             ops.append(op)
         return dataclasses.replace(p, ops=tuple(ops))
@@ -212,6 +218,8 @@ def _eager_tensor_parallel(prepared, model) -> Any:
     new_graph = fixed(graph)
     new_problem = new_graph if problem is graph else fixed(problem)
     sharded = dataclasses.replace(prepared.sharded, problem=new_problem, graph=new_graph)
-    out = dataclasses.replace(prepared, problem=new_problem, sharded=sharded)
-    out.__dict__.pop("graph_gradients", None)  # recomputed from the resized gradients
+    state = prepared.state
+    if not sharded_grads and excess:
+        state = dataclasses.replace(state, gradients=state.gradients + excess)
+    out = dataclasses.replace(prepared, problem=new_problem, sharded=sharded, state=state)
     return out
