@@ -59,6 +59,8 @@ def test_micro_batches_in_flight_per_schedule():
                 assert at == sorted(at)
     with pytest.raises(remat.RematError, match="one stage a rank"):
         schedule_actions("1F1B", ranks=2, microbatches=4, stages=4)
+    with pytest.raises(remat.RematError, match="unknown pipeline schedule"):
+        schedule_actions("2F2B", ranks=2, microbatches=4)
 
 
 def test_compose_holds_every_micro_batch_in_flight():
@@ -170,6 +172,10 @@ def _plans() -> dict:
             budget = [int((free.smallest[r] + free.peak(r) / 0.99) // 2) for r in range(WORLD)]
         plan = plan_pipeline(stages, (tokens[:mb],), budget=budget, reuse=free, **args)
         assert sum(s.recompute_flops for s in plan.stages) > 0, schedule
+        with pytest.raises(remat.BudgetError, match="pipeline rank 1") as e:
+            plan_pipeline(stages, (tokens[:mb],), budget=[budget[0], free.smallest[1] - 1],
+                          reuse=free, **args)
+        assert e.value.smallest == free.smallest[1]
         if count == WORLD:
             assert any(p.cache for s in plan.stages for p in s.policies.values()), schedule
         plans[schedule] = plan

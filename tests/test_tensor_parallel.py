@@ -63,11 +63,27 @@ def _plans() -> dict:
             budget = int((everything.static + 0.6 * everything.activation_peak) / 0.99)
             plan = plan_tensor_parallel(model, budget=budget, **args)
             assert plan.recompute_flops > 0 and plan.recommunicated > 0, job
+            # The layouts as the model has them, the state of the rank's shards, and the
+            # step's collectives: sequence parallel's gathers and reduce-scatters.
             assert plan.placements["layers.0.attention.wq.weight"] == "(Shard(dim=0),)"
+            assert sorted(prepared.captured.params.values()) == sorted(
+                n for n, _ in model.named_parameters())
+            local = sum(p.to_local().numel() for p in model.parameters())
+            assert prepared.state.parameters == local
+            kinds = {name.rstrip("_0123456789") for name, _, _ in plan.collectives}
+            assert {"all_gather_into_tensor", "reduce_scatter_tensor"} <= kinds, kinds
             plans[job] = (plan.block_policies, budget, plan.memory)
     finally:
         dist.destroy_process_group()
     return plans
+
+
+def test_tensor_parallel_plans_need_a_parallelized_model():
+    from remat.planner.tensor_parallel import plan_tensor_parallel
+
+    model, inputs = llama(CONFIG, batch=BATCH, data_seed=1)
+    with pytest.raises(remat.RematError, match="no DTensor parameter"):
+        plan_tensor_parallel(model, budget="1MB", example_inputs=inputs)
 
 
 def _fsdp(model, mesh):

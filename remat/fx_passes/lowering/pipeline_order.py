@@ -134,7 +134,12 @@ def _name(schedule) -> str:
     from torch.distributed.pipelining import schedules as S
 
     if isinstance(schedule, str):
-        cls = S.get_schedule_class(schedule)  # raises on an unknown name, listing the known
+        try:
+            cls = S.get_schedule_class(schedule)
+        except ValueError as e:
+            raise RematError(f"unknown pipeline schedule {schedule!r} ({e}); give one of "
+                             "GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, "
+                             "ZBVZeroBubble, DualPipeV") from None
     else:
         cls = schedule
     for name in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", *SPLIT_BACKWARD):
