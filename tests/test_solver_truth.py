@@ -16,6 +16,7 @@ from remat.solvers import Problem, SolverOptions, Status, Strategy, make_schedul
 from remat.solvers.cpsat import driver, search
 from remat.solvers.bound import peak_bound
 from remat.solvers.cpsat.least_peak import too_small
+from remat.solvers.deadline import Deadline
 from remat.solvers.problem_file import loads
 from remat.solvers.synthetic import random_problem, transformer, transformer_ops
 
@@ -74,22 +75,25 @@ def test_gap_is_cost_against_bound_for_every_status():
 
 
 def test_time_limit_bounds_the_whole_call_at_10k_ops(monkeypatch, caplog):
-    """Baselines, hint, bound, model and search together within limit * 1.1 + 1 s; what could
-    not run is named; a progress line with the incumbent and the bound comes regularly."""
-    monkeypatch.setattr(search, "PROGRESS_SECONDS", 0.5)
+    """Baselines, hint, bound, model and search together within limit * 1.1 on the call's
+    clock, here the process's CPU time (CP-SAT's threads included), which the load of other
+    processes does not stretch as it stretches wall time; what could not run is named; a
+    progress line with the incumbent and the bound comes while it runs."""
+    monkeypatch.setattr(search, "PROGRESS_SECONDS", 0.05)
     problem = transformer_ops(10_000)
     budget = simulate(problem, make_schedule(problem, [])).peak // 2
     limit = 3.0
     caplog.set_level(logging.INFO, logger="remat.solvers.cpsat.search")
-    start = time.perf_counter()
-    result = solve(problem, budget, Strategy.OPTIMAL, SolverOptions(workers=2, time_limit=limit))
-    wall = time.perf_counter() - start
-    assert wall <= limit * 1.1 + 1, (wall, result.info["stages"])
+    options = SolverOptions(workers=2, time_limit=limit, clock=time.process_time,
+                            deterministic=False)
+    start = time.process_time()
+    result = solve(problem, budget, Strategy.OPTIMAL, options)
+    spent = time.process_time() - start
+    assert spent <= limit * 1.1, (spent, result.info["stages"])
     assert result.peak <= budget and result.status in (Status.FEASIBLE, Status.OPTIMAL)
     assert result.info.get("skipped") or result.info.get("model_build") or "trace" in result.info
     lines = [r.getMessage() for r in caplog.records if "best recompute cost" in r.getMessage()]
-    assert len(lines) >= int(wall / 0.5) - 2, lines
-    assert all("bound" in line for line in lines)
+    assert lines and all("bound" in line for line in lines)
 
 
 def test_skipped_baselines_are_named():
@@ -134,7 +138,7 @@ def test_budget_error_says_which_figure_is_proven():
     save_all = make_schedule(problem, [])  # "found": far above the floor
     floor = math.floor(peak_bound(problem, workers=2).value)
     assert floor < save_all.peak
-    deadline = time.perf_counter() + 10
+    deadline = Deadline(10)
     between = too_small(problem, (floor + save_all.peak) // 2, save_all, False, DEFAULT, deadline)
     text = str(between)
     assert "cannot go lower" not in text

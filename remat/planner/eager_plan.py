@@ -4,13 +4,17 @@ model's blocks in place.
 
 The plan is made for what the eager mode holds (`remat.solvers.eager`): the exact solver's
 plan for the compiled mode is one seed among others (checkpoint every block whole, cache
-everything cacheable), each repaired until its eager peak fits and improved while it does.
+everything cacheable), each repaired until its eager peak fits and improved while it does;
+with the `optimal` strategy, that policy hints the exact search over the eager timeline
+(`remat.solvers.cpsat.eager_search`), whose plan is OPTIMAL or FEASIBLE with a proven gap.
+`SolverOptions.time_limit` bounds the three together.
 """
 from __future__ import annotations
 
 import dataclasses
 
 import logging
+import time
 from typing import Any, Sequence
 
 from remat.errors import BudgetError, RematError, SolverError
@@ -21,10 +25,19 @@ from remat.planner.prepare import (check_eager_device, check_same_parameters,
                                    has_meta_weights, shard_step)
 from remat.solvers import SolverOptions, Strategy, solve
 from remat.solvers.baselines import block_of
-from remat.solvers.eager import eager_schedule, plan_eager
+from remat.solvers.cpsat.eager_search import optimal_eager
+from remat.solvers.deadline import Deadline
+from remat.solvers.eager import cheapest_prefix, eager_schedule, plan_eager
 from remat.solvers.objective import with_objective
 
 log = logging.getLogger(__name__)
+
+# Shares of the time limit: the compiled plan that seeds the heuristic, and the heuristic
+# (whose plan hints the exact eager search, which has the rest).
+# (T5, 274 cacheable ops: the exact search proved halfway budgets within 1.3 % in 8 s, and
+# stayed at 54 % with the 6 s that shares of 0.25 and 0.15 left it.)
+COMPILED_SEED_SHARE = 0.1
+HEURISTIC_SHARE = 0.15
 
 
 class EagerPlan(Plan):
@@ -100,6 +113,66 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
                     target: str, solver: Strategy | str, solver_options: SolverOptions | None,
                     blocks: Sequence[str] | None, example_inputs: Sequence[Any] | None = None,
                     example_kwargs: dict[str, Any] | None = None):
+    problem, structure, policies, to_graph = eager_structure(
+        model, prepared, blocks, example_inputs, example_kwargs)
+    strategy = Strategy(solver)
+    allowance = prepared.allowance(budget, activation_budget)
+    # Limits the caller left to None are chosen by the eager problem's size, as for compiled.
+    options = (solver_options or SolverOptions()).by_size(len(problem))
+    # One deadline for the eager solve: the compiled seed, the heuristic, the exact search.
+    deadline = Deadline(options.time_limit, clock=options.clock or time.perf_counter)
+    seeds: list[frozenset[int]] = [frozenset(), structure.cacheable]
+    try:
+        # Checkpoint recomputes each value at most once, in the backward: the single model's
+        # space is the one this seed is for.
+        single = dataclasses.replace(options, model="single",
+                                     time_limit=deadline.share(COMPILED_SEED_SHARE))
+        compiled = solve(problem, max(allowance, 0), strategy, single)
+        seeds.insert(0, compiled.saved)
+    except (BudgetError, SolverError) as e:
+        log.info("eager: no compiled-mode plan to start from (%s); seeding from baselines", e)
+    # The eager planner weighs ops by their cost under the objective (seconds, or FLOPs);
+    # the schedule it returns is then costed in seconds like every other.
+    costed = with_objective(problem, options.objective)
+    # First under the heuristic's deadline: the seed that a few evaluations find.
+    seeds.insert(0, cheapest_prefix(costed, structure, max(allowance, 0)))
+    try:
+        heuristic = plan_eager(costed, structure, max(allowance, 0), seeds,
+                               deadline.within(deadline.share(HEURISTIC_SHARE)))
+    except BudgetError as e:
+        if strategy is not Strategy.OPTIMAL:
+            raise budget_error_in_user_terms(prepared, e, budget=budget,
+                                             strategy=strategy) from None
+        heuristic = None
+    try:
+        if strategy is Strategy.OPTIMAL:  # exact over the eager timeline, from the heuristic
+            schedule = optimal_eager(problem, structure, max(allowance, 0), options,
+                                     hint=None if heuristic is None else heuristic.info["cached"],
+                                     deadline=deadline)
+        else:
+            schedule = eager_schedule(problem, structure, heuristic.info["cached"],
+                                      budget=max(allowance, 0))
+        if allowance < 0:
+            raise BudgetError("the state alone exceeds the budget", budget=allowance,
+                              smallest=schedule.peak)
+    except BudgetError as e:
+        raise budget_error_in_user_terms(prepared, e, budget=budget, strategy=strategy) from None
+    # schedule.peak is the eager timeline's (eager_schedule), so the terms are the eager step's.
+    memory = prepared.step_memory(schedule, budget)
+    log.info("eager plan: %d blocks, activation peak %s, recompute %.3g FLOPs", len(policies),
+             format_size(schedule.peak), schedule.recompute_flops)
+    return EagerPlan(model=model, prepared=prepared, schedule=schedule, memory=memory,
+                     target=target, solver=strategy, solver_options=solver_options,
+                     activation_budget=activation_budget, policies=policies,
+                     structure=structure, eager_problem=problem, to_graph=to_graph)
+
+
+def eager_structure(model: Any, prepared, blocks: Sequence[str] | None,
+                    example_inputs: Sequence[Any] | None = None,
+                    example_kwargs: dict[str, Any] | None = None):
+    """What the eager planner solves: the problem with eager's bytes (under ZeRO-2/3 with the
+    collectives), the blocks' structure, each block's policy, and for each op of the problem
+    the joint-graph op it is (None: a collective)."""
     from remat.fx_passes.eager.policy import block_paths
     from remat.fx_passes.tracing.call_checks import uncached_autocast
     from remat.fx_passes.eager.probe import probe
@@ -114,37 +187,8 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
         log.info("eager: no weights to run the blocks with; their eager ops are derived from "
                  "the joint graph (plan.apply's run checks them)")
     structure, policies, problem, to_graph = eager_step(prepared, paths, observed=observed)
-    strategy = Strategy(solver)
-    allowance = prepared.allowance(budget, activation_budget)
-    seeds: list[frozenset[int]] = [frozenset(), structure.cacheable]
-    try:
-        # Checkpoint recomputes each value at most once, in the backward: the single model's
-        # space is the one this seed is for.
-        single = dataclasses.replace(solver_options or SolverOptions(), model="single")
-        compiled = solve(problem, max(allowance, 0), strategy, single)
-        seeds.insert(0, compiled.saved)
-    except (BudgetError, SolverError) as e:
-        log.info("eager: no compiled-mode plan to start from (%s); seeding from baselines", e)
-    # The eager planner weighs ops by their cost under the objective (seconds, or FLOPs);
-    # the schedule it returns is then costed in seconds like every other.
-    costed = with_objective(problem, (solver_options or SolverOptions()).objective)
-    try:
-        schedule = plan_eager(costed, structure, max(allowance, 0), seeds)
-        schedule = eager_schedule(problem, structure, schedule.info["cached"],
-                                  budget=max(allowance, 0))
-        if allowance < 0:
-            raise BudgetError("the state alone exceeds the budget", budget=allowance,
-                              smallest=schedule.peak)
-    except BudgetError as e:
-        raise budget_error_in_user_terms(prepared, e, budget=budget, strategy=strategy) from None
-    # schedule.peak is the eager timeline's (eager_schedule), so the terms are the eager step's.
-    memory = prepared.step_memory(schedule, budget)
-    log.info("eager plan: %d blocks, activation peak %s, recompute %.3g FLOPs", len(paths),
-             format_size(schedule.peak), schedule.recompute_flops)
-    return EagerPlan(model=model, prepared=prepared, schedule=schedule, memory=memory,
-                     target=target, solver=strategy, solver_options=solver_options,
-                     activation_budget=activation_budget, policies=policies,
-                     structure=structure, eager_problem=problem, to_graph=to_graph)
+    return problem, structure, policies, to_graph
+
 
 
 
@@ -185,3 +229,4 @@ def check_no_cache(model: Any) -> None:
 
 def _as_tuple(inputs: Any) -> tuple:
     return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+

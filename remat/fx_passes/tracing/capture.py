@@ -324,6 +324,24 @@ def _is_stop(e: BaseException | None) -> bool:
     return False
 
 
+def _flat_inputs(inputs: list, primals: int) -> list:
+    """Dynamo's graph inputs, one per AOTAutograd primal: a tensor subclass (a DTensor
+    parameter under tensor parallelism) enters as its inner tensors in `__tensor_flatten__`'s
+    order, the subclass itself standing for the first (a DTensor's local shard); an opaque
+    object (a DeviceMesh) as one. Unchanged when the counts do not add up."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    def count(x) -> int:
+        if isinstance(x, torch.Tensor) and is_traceable_wrapper_subclass(x):
+            return sum(count(getattr(x, name)) for name in x.__tensor_flatten__()[0])
+        return 1
+
+    counts = [count(x) for x in inputs]
+    if sum(counts) != primals or len(counts) == primals:
+        return inputs
+    return [x if k == 0 else None for x, n in zip(inputs, counts) for k in range(n)]
+
+
 def _describe(model, args, kwargs, seen, name) -> Captured:
     joint: fx.GraphModule = seen["joint"]
     num_fwd_outputs: int = seen["num_fwd_outputs"]
@@ -334,7 +352,7 @@ def _describe(model, args, kwargs, seen, name) -> Captured:
     # A tied tensor is named as named_parameters() names it: by its first registration.
     by_id_param = {id(p): n for n, p in model.named_parameters()}
     by_id_buffer = {id(b): n for n, b in model.named_buffers()}
-    inputs = seen.get("inputs", [])
+    inputs = _flat_inputs(seen.get("inputs", []), len(primals))
     params, buffers, user_inputs = {}, {}, []
     for i, p in enumerate(primals):
         value = inputs[i] if i < len(inputs) else None
