@@ -16,7 +16,8 @@ matched by position within the block: the policy counts the ops it is called for
 other than the expected one (or a different count) raises RematError naming the block.
 
 What the policy never caches, whatever the plan says: views (free to recompute), in-place ops
-and the tensors they later overwrite (checkpoint refuses a cached tensor that was mutated), and
+and the tensors they later overwrite (checkpoint refuses a cached tensor that was mutated; the
+functional joint graph cannot show them, the probe's run does: `probe.probe`), and
 random ops (checkpoint replays the generator from the block's start: skipping one draw would
 shift the draws of every later random op of the block).
 """

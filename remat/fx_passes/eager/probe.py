@@ -6,6 +6,13 @@ follows the recorded sequence (`aligned`). And Python variables keep tensors ali
 last use, until the block's forward returns (``q, k = rotate(q), rotate(k)`` holds both
 through attention): the recorded lifetimes tell the eager model how long the forward really
 holds what the policy does not cache.
+
+The joint graph is functional, so it cannot say which tensors eager PyTorch overwrites in
+place; the probe sees it: Mixtral's router normalizes ``topk``'s values with ``/=``,
+DeepSeek-V3 fills a ``new_empty`` buffer through ``copy_`` into slices, T5 adds to its
+position buckets with ``+=``. Checkpoint refuses a cached tensor that was mutated after it was
+cached, and a cached in-place op would skip its write in the recomputation: the probe names
+both (`mutated`), and `aligned` never lets the policy cache them.
 """
 from __future__ import annotations
 
@@ -14,7 +21,7 @@ import difflib
 import logging
 import weakref
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -28,15 +35,19 @@ __all__ = ["aligned", "probe"]
 
 
 def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
-          kwargs: dict[str, Any] | None = None) -> dict[str, tuple[list[str], list[int]]]:
-    """Per block, the ops eager PyTorch dispatches and, for each, how many of the block's ops
+          kwargs: dict[str, Any] | None = None
+          ) -> dict[str, tuple[list[str], list[int], set[int]]]:
+    """Per block, the ops eager PyTorch dispatches; for each, how many of the block's ops
     had run when its output was freed (the block's op count when it outlived the block's
-    forward). The generator and the buffers are put back afterwards: nothing changes."""
+    forward); and the positions whose output an in-place op overwrites later, or that write
+    in place themselves (never cacheable). The generator and the buffers are put back
+    afterwards: nothing changes."""
     from torch.utils.checkpoint import checkpoint
 
     seen: dict[str, list[str]] = {p: [] for p in paths}
     freed: dict[str, list[int]] = {p: [] for p in paths}
     alive: dict[str, list[int]] = {p: [] for p in paths}  # outputs of each op not yet freed
+    mutated: dict[str, set[int]] = {p: set() for p in paths}
     saved = {n: b.detach().clone() for n, b in model.named_buffers()}
     originals = {}
 
@@ -62,7 +73,7 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
 
             @contextlib.contextmanager
             def forward_context():  # ours above the caching mode: ops reach ours first
-                with caching, _Outputs(seen[path], watch):
+                with caching, _Outputs(seen[path], watch, mutated[path]):
                     yield
 
             return forward_context(), recompute
@@ -93,26 +104,63 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
         with torch.no_grad():
             for name, buffer in model.named_buffers():
                 buffer.copy_(saved[name])
-    return {p: (seen[p], freed[p]) for p in paths}
+    return {p: (seen[p], freed[p], mutated[p]) for p in paths}
 
 
 class _Outputs(TorchDispatchMode):
-    """Hands `watch(k, output)` the output of the k-th op the policy was called for. Entered
+    """Hands `watch(k, output)` the output of the k-th op the policy was called for, and
+    adds to `mutated` the positions whose output an in-place op overwrites (every earlier
+    position whose output lives in the storage it writes) and the in-place op's own. Entered
     above the selective-checkpoint mode, each op passes here on its way to the policy and its
     output comes back here. torch 2.13 also gives the policy the output (`ctx.op_output`), but
     2.11 calls the policy before the op runs; this works on both. Ops the policy is not
     called for (checkpoint's own detaches) are passed over."""
 
-    def __init__(self, seen: list[str], watch) -> None:
+    def __init__(self, seen: list[str], watch, mutated: set[int]) -> None:
         super().__init__()
-        self.seen, self.watch = seen, watch
+        self.seen, self.watch, self.mutated = seen, watch, mutated
+        # storage -> the positions whose outputs live in it; weak, so a storage freed and an
+        # address reused later are not confused
+        self.made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = len(self.seen)
+        written = [self.made.get(storage, ()) for storage in
+                   map(_storage, _written(func, args, kwargs or {})) if storage is not None]
         out = func(*args, **(kwargs or {}))
         if len(self.seen) == before + 1:
             self.watch(before, out)
+            for t in tree_flatten(out)[0]:
+                storage = _storage(t)
+                if storage is not None:
+                    self.made[storage] = (*self.made.get(storage, ()), before)
+            if _written(func, args, kwargs or {}):
+                self.mutated.add(before)
+        for positions in written:
+            self.mutated.update(positions)
         return out
+
+
+def _storage(t: Any):
+    """The storage of tensor `t` (torch keeps one Python object per storage while it lives,
+    so it keys a weak dictionary), or None for a non-tensor or an empty storage."""
+    if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0:
+        return None
+    return t.untyped_storage()
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors op `func` writes into (in-place and out= arguments)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    written = []
+    for i, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(argument.name)
+        written.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return written
 
 
 def _note(freed: list[int], alive: list[int], seen: list[str], k: int) -> None:
@@ -121,19 +169,20 @@ def _note(freed: list[int], alive: list[int], seen: list[str], k: int) -> None:
     freed[k] = len(seen)
 
 
-def aligned(policy: BlockPolicy, observed: Sequence[str],
-            freed: Sequence[int] = ()) -> BlockPolicy:
+def aligned(policy: BlockPolicy, observed: Sequence[str], freed: Sequence[int] = (),
+            mutated: Iterable[int] = ()) -> BlockPolicy:
     """The block's policy over the ops eager PyTorch really dispatches, each matched to the
     joint-graph ops it stands for where the two sequences agree (difflib's longest matching
     blocks); an eager op without a match is never cached, a joint op without one is not
-    cacheable. `freed` (from `probe`) gives each matched joint op its forward lifetime."""
+    cacheable. `freed` (from `probe`) gives each matched joint op its forward lifetime; the
+    `mutated` positions (overwritten in place later, or writing in place) are never cached."""
     matcher = difflib.SequenceMatcher(a=policy.ops, b=list(observed), autojunk=False)
     joint: list[tuple[int, ...]] = [()] * len(observed)
     cacheable = [False] * len(observed)
     for block in matcher.get_matching_blocks():
         for k in range(block.size):
             joint[block.b + k] = policy.joint[block.a + k]
-            cacheable[block.b + k] = policy.cacheable[block.a + k]
+            cacheable[block.b + k] = policy.cacheable[block.a + k] and block.b + k not in mutated
     unmatched = len(observed) - sum(b.size for b in matcher.get_matching_blocks())
     if unmatched:
         log.info("block %r: %d of its %d eager ops have no counterpart in the joint graph; "
