@@ -172,3 +172,35 @@ def test_attention_draws_only_with_dropout(p):
     else:
         # With dropout, CPU attention takes the math path: its dropout replays.
         assert snapshots and all(op.not_recomputable is Reason.RANDOM for op in snapshots)
+
+
+class _SliceCopies(nn.Module):  # DeepSeek-V3's expand_kv, twice: the same copy ops again
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.ModuleList(nn.Linear(8, 16) for _ in range(2)), \
+            nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for a, b in zip(self.a, self.b):
+            kn, kr = a(x), b(x)
+            k = kn.new_empty(*kn.shape[:-1], 24)
+            k[..., :16].copy_(kn)
+            k[..., 16:].copy_(kr)
+            x = x + k[..., ::3]
+        return x.pow(2).mean()
+
+
+def test_an_op_repeated_in_one_trace_owns_the_bytes_its_kernel_allocates():
+    """Torch's fake-tensor cache remade a repeated copy into a slice without its storage
+    offset (fewer bytes than the kernel allocates); two captures of one model then
+    disagreed, and no plan of DeepSeek-V3 could run. The bytes of every copy are the real
+    kernel's, and equal between captures."""
+    x = torch.randn(5, 3, 8)
+    first, second = (lower(capture(_SliceCopies(), (x,))) for _ in range(2))
+    assert [op.size for op in first.ops] == [op.size for op in second.ops]
+    copies = [op.size for op in first.ops if op.target == "aten.copy.default"]
+    buffer = torch.empty(5, 3, 24)
+    real = torch.ops.aten.copy.default(buffer[..., 16:], torch.zeros(5, 3, 8))
+    assert len(copies) >= 4 and real.untyped_storage().nbytes() in copies
+    assert all(size in (real.untyped_storage().nbytes(), buffer.untyped_storage().nbytes())
+               for size in copies), copies
