@@ -36,10 +36,14 @@ class BlockPolicy:
     """(joint op, joint op): in the probe, the first's tensor lived until the second ran
     (Python variables keep tensors beyond their last use, until the block returns)."""
     cache: frozenset[int] = frozenset()
+    keep: frozenset[int] = frozenset()
+    """Positions cached whatever the plan says: routing decisions (top-k, argmax, nonzero),
+    which a recomputation must not make again (`remat.solvers.Reason.DATA`)."""
 
 
 def with_cache(policy: BlockPolicy, cached: frozenset[int]) -> BlockPolicy:
-    """The block's policy caching the positions whose joint ops are in `cached`."""
+    """The block's policy caching the positions whose joint ops are in `cached`, and the
+    positions it always keeps."""
     cache = frozenset(k for k, (joint, ok) in enumerate(zip(policy.joint, policy.cacheable))
-                      if ok and any(j in cached for j in joint))
+                      if ok and (k in policy.keep or any(j in cached for j in joint)))
     return replace(policy, cache=cache)

@@ -38,7 +38,8 @@ from remat.fx_passes.eager.probe import aligned
 from remat.fx_passes.lowering.lower import op_nodes
 from remat.fx_passes.tracing.rng import rng_state, state_bytes
 from remat.solvers.eager import EagerBlocks
-from remat.solvers.problem import Kind, Phase, Problem, recompute_blocker
+from remat.solvers.problem import (Kind, Phase, Problem, Reason, recompute_blocker,
+                                   tuple_of)
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,9 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
                 for p, members in ops.items()}
     if observed is not None:
         policies = {p: aligned(pol, *observed[p]) for p, pol in policies.items()}
+    policies = {p: replace(pol, keep=frozenset(
+        k for k, (joint, ok) in enumerate(zip(pol.joint, pol.cacheable))
+        if ok and any(_decision(problem, j) for j in joint))) for p, pol in policies.items()}
     cacheable = frozenset(j for pol in policies.values()
                           for joint, ok in zip(pol.joint, pol.cacheable) if ok for j in joint)
     position = {v: after + 0.5 for pol in policies.values() for v, after in pol.made_after}
@@ -182,9 +186,19 @@ def expected_ops(problem: Problem, nodes: list[fx.Node], path: str, members: Seq
             continue
         names.append(name)
         joint.append(outputs)
-        cacheable.append(op.kind is not Kind.VIEW and recompute_blocker(problem, v) is None
+        cacheable.append(op.kind is not Kind.VIEW
+                         and (recompute_blocker(problem, v) is None or _decision(problem, v))
                          and all(problem.ops[o].kind is not Kind.VIEW for o in outputs))
     return BlockPolicy(path, tuple(names), tuple(joint), tuple(cacheable), tuple(made_after))
+
+
+def _decision(problem: Problem, v: int) -> bool:
+    """Whether op `v` is a routing decision read from data, or a tensor taken out of one:
+    the policy caches it (checkpoint would make the decision again) unless the block
+    overwrites it in place (then checkpoint replays it on bitwise-equal inputs)."""
+    t = tuple_of(problem, v)
+    return Reason.DATA in (problem.ops[v].not_recomputable,
+                           None if t is None else problem.ops[t].not_recomputable)
 
 
 def _kept_input(node: fx.Node) -> bool:

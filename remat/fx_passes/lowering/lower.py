@@ -23,7 +23,9 @@ Rules (DESIGN.md, "The execution model"):
   not recomputable, and saved only when the random op is recomputed. A random op with an
   explicit generator has no snapshot and is RANDOM itself. In-place writes, and forward ops
   that read an input the step mutates (BatchNorm running statistics, which change after the
-  forward), are MUTATION; impure nodes are SIDE_EFFECT; communication ops are COLLECTIVE.
+  forward), are MUTATION; impure nodes are SIDE_EFFECT; communication ops are COLLECTIVE;
+  routing decisions and sizes read from data (top-k, sort, argmax, nonzero) are DATA: kept
+  from the forward, so that a recomputation by other kernels cannot route differently.
 - ``is_output``: the forward's outputs (the loss) and gradients; ``forward_output``: mutated
   inputs' new values, which live to the end of the forward.
 """
@@ -88,6 +90,8 @@ def _reason(node: fx.Node, mutated: set[str], phase: Phase) -> Reason | None:
     # itself then replays (rng.py). Random ops that draw from elsewhere cannot.
     if target is rng_state or draws(node):
         return Reason.RANDOM
+    if _decides(target):
+        return Reason.DATA
     if meta.get("writes") or (getattr(target, "_schema", None) is not None
                               and target._schema.is_mutable):
         return Reason.MUTATION
@@ -97,6 +101,22 @@ def _reason(node: fx.Node, mutated: set[str], phase: Phase) -> Reason | None:
     if target is not operator.getitem and has_side_effects(node):
         return Reason.SIDE_EFFECT
     return None
+
+
+# Ops whose output is a decision read from the data: which elements (indices of the top k,
+# of the maximum, of the nonzero entries) or how many (unique, bincount's length).
+_DECISIONS = {"topk", "sort", "argsort", "argmax", "argmin", "kthvalue", "mode", "nonzero",
+              "nonzero_static", "unique", "_unique", "_unique2", "unique_dim",
+              "unique_consecutive", "bincount", "masked_select", "_local_scalar_dense",
+              "searchsorted", "bucketize"}
+_DECISIONS_WITH_DIM = {"max", "min", "median", "nanmedian"}  # max.dim: values and indices
+
+
+def _decides(target) -> bool:
+    packet = getattr(getattr(target, "overloadpacket", None), "__name__", None)
+    if packet in _DECISIONS:
+        return True
+    return packet in _DECISIONS_WITH_DIM and "dim" in getattr(target, "_overloadname", "")
 
 
 def _views_sunk(backward: list[fx.Node]) -> list[fx.Node]:
