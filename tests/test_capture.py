@@ -84,7 +84,9 @@ def test_phases_and_outputs(tiny_gpt):
     fwd = [op for op in problem.ops if op.phase is Phase.FORWARD]
     assert fwd == list(problem.ops[: problem.num_forward])
     loss = [op for op in fwd if op.is_output]
-    assert len(loss) == 1 and loss[0].size == 4  # the fp32 scalar loss
+    # the fp32 scalar loss, and the seed of the backward (its gradient, held as long)
+    assert len(loss) == 1 and loss[0].size == 4 + 4
+    assert problem.source["seeds"] == {loss[0].name: 4}
     grads = [op for op in problem.ops[problem.num_forward:] if op.is_output]
     assert len(grads) == len(captured.gradient_outputs)
 
@@ -96,7 +98,8 @@ def test_kinds(tiny_gpt):
             getitems = [problem.ops[j] for j in problem.users[i]]
             assert all(g.kind is Kind.TENSOR and g.inputs == (i,) and g.cost == 0
                        for g in getitems)
-            assert op.temp >= sum(g.size for g in getitems)
+            seeds = problem.source["seeds"]  # a loss's size counts its seed (lower)
+            assert op.temp >= sum(g.size - seeds.get(g.name, 0) for g in getitems)
         if op.kind is Kind.VIEW:
             assert op.size == 0
     assert any(op.target == "aten.split.Tensor" and op.kind is Kind.VIEW for op in problem.ops)
