@@ -92,7 +92,8 @@ def test_probe_names_the_tensors_overwritten_and_the_writers():
     torch.manual_seed(0)
     model = Net(ExpandKV)
     x, y = _inputs()
-    [(ops, _, mutated)] = [probe(model, (x, y), ["layers.0"])["layers.0"]]
+    observed = probe(model, (x, y), ["layers.0"])["layers.0"]
+    ops, mutated = observed.ops, observed.mutated
     empty = ops.index("aten.new_empty.default")
     copies = [k for k, op in enumerate(ops) if op == "aten.copy_.default"]
     slices = [k for k, op in enumerate(ops) if op == "aten.slice.Tensor"]

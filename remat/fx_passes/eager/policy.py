@@ -34,7 +34,7 @@ from torch import fx
 from remat.errors import RematError
 from remat.fx_passes.tracing.capture import Captured
 from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
-from remat.fx_passes.eager.probe import aligned
+from remat.fx_passes.eager.probe import Observed, aligned
 from remat.fx_passes.lowering.lower import op_nodes
 from remat.fx_passes.tracing.rng import rng_state, state_bytes
 from remat.solvers.eager import EagerBlocks
@@ -80,7 +80,7 @@ def _block_for(module: str, paths: Sequence[str]) -> str | None:
 
 
 def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
-                 observed: dict[str, list[str]] | None = None
+                 observed: dict[str, Observed] | None = None
                  ) -> tuple[EagerBlocks, dict[str, BlockPolicy]]:
     """The solver's view of the blocks (ops, owners, packers, what may be cached) and each
     block's op sequence: the `observed` one (`probe`) aligned with the joint graph where
@@ -125,8 +125,15 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
             run.append(b)
     policies = {p: expected_ops(problem, nodes, p, members, captured.device)
                 for p, members in ops.items()}
+    unread: tuple[tuple[int, tuple[str, ...]], ...] = ()
     if observed is not None:
-        policies = {p: aligned(pol, *observed[p]) for p, pol in policies.items()}
+        policies = {p: aligned(pol, observed[p].ops, observed[p].freed, observed[p].mutated)
+                    for p, pol in policies.items()}
+        given: dict[int, tuple[int, list[str]]] = {}
+        for p in paths:
+            for number, size in observed[p].unread:
+                given.setdefault(number, (size, []))[1].append(p)
+        unread = tuple((size, tuple(names)) for size, names in given.values())
     policies = {p: replace(pol, keep=frozenset(
         k for k, (joint, ok) in enumerate(zip(pol.joint, pol.cacheable))
         if ok and any(_decision(problem, j) for j in joint))) for p, pol in policies.items()}
@@ -139,7 +146,8 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
     blocks = EagerBlocks(ops={p: tuple(m) for p, m in ops.items()}, owner=owner,
                          state_bytes=state_bytes(torch.device("cpu")) if cpu else 0,
                          packer=packer, cacheable=cacheable, groups=groups,
-                         node_end=node_end, position=position, forward_life=forward_life)
+                         node_end=node_end, position=position, forward_life=forward_life,
+                         unread_inputs=unread)
     return blocks, policies
 
 

@@ -20,7 +20,7 @@ import contextlib
 import difflib
 import logging
 import weakref
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -31,23 +31,43 @@ from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
 
 log = logging.getLogger(__name__)
 
-__all__ = ["aligned", "probe"]
+__all__ = ["Observed", "aligned", "probe"]
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What one block did in the probe's forward."""
+
+    ops: list[str]
+    """The ops eager PyTorch dispatched, in order (canonical names)."""
+    freed: list[int]
+    """For each op, how many of the block's ops had run when its output was freed (the
+    block's op count when it outlived the block's forward)."""
+    mutated: set[int]
+    """Positions whose output an in-place op overwrites later, or that write in place."""
+    unread: tuple[tuple[int, int], ...] = ()
+    """(storage, bytes) of tensors the block was called with but never read (position ids
+    that the rotary embedding outside the block used): checkpoint keeps them all the same.
+    Storages are numbered across blocks (one passed to every block has one number); the
+    model's inputs, parameters and buffers are left out (the static term)."""
 
 
 def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
-          kwargs: dict[str, Any] | None = None
-          ) -> dict[str, tuple[list[str], list[int], set[int]]]:
-    """Per block, the ops eager PyTorch dispatches; for each, how many of the block's ops
-    had run when its output was freed (the block's op count when it outlived the block's
-    forward); and the positions whose output an in-place op overwrites later, or that write
-    in place themselves (never cacheable). The generator and the buffers are put back
-    afterwards: nothing changes."""
+          kwargs: dict[str, Any] | None = None) -> dict[str, Observed]:
+    """Per block, what eager PyTorch did in one forward (`Observed`). The generator and the
+    buffers are put back afterwards: nothing changes."""
     from torch.utils.checkpoint import checkpoint
 
     seen: dict[str, list[str]] = {p: [] for p in paths}
     freed: dict[str, list[int]] = {p: [] for p in paths}
     alive: dict[str, list[int]] = {p: [] for p in paths}  # outputs of each op not yet freed
     mutated: dict[str, set[int]] = {p: set() for p in paths}
+    unread: dict[str, list[tuple[int, int]]] = {p: [] for p in paths}
+    static = weakref.WeakSet(_storage(t) for t in [*tree_flatten((inputs, kwargs))[0],
+                                                   *model.parameters(), *model.buffers()]
+                             if _storage(t) is not None)
+    numbers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    read: weakref.WeakSet = weakref.WeakSet()
     saved = {n: b.detach().clone() for n, b in model.named_buffers()}
     originals = {}
 
@@ -73,16 +93,22 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
 
             @contextlib.contextmanager
             def forward_context():  # ours above the caching mode: ops reach ours first
-                with caching, _Outputs(seen[path], watch, mutated[path]):
+                with caching, _Outputs(seen[path], watch, mutated[path], read):
                     yield
 
             return forward_context(), recompute
 
         def run(*a, **k):
+            given = {s for s in map(_storage, tree_flatten((a, k))[0])
+                     if s is not None and s not in static}
+            read.clear()
             out = checkpoint(forward, *a, use_reentrant=False, context_fn=contexts, **k)
             # What is still alive when the block returns lives to its end at least.
             freed[path][:] = [len(seen[path]) if n > 0 else f
                               for f, n in zip(freed[path], alive[path])]
+            for storage in given - set(read):
+                number = numbers.setdefault(storage, len(numbers))
+                unread[path].append((number, storage.nbytes()))
             return out
 
         return run
@@ -104,7 +130,7 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
         with torch.no_grad():
             for name, buffer in model.named_buffers():
                 buffer.copy_(saved[name])
-    return {p: (seen[p], freed[p], mutated[p]) for p in paths}
+    return {p: Observed(seen[p], freed[p], mutated[p], tuple(unread[p])) for p in paths}
 
 
 class _Outputs(TorchDispatchMode):
@@ -116,15 +142,17 @@ class _Outputs(TorchDispatchMode):
     2.11 calls the policy before the op runs; this works on both. Ops the policy is not
     called for (checkpoint's own detaches) are passed over."""
 
-    def __init__(self, seen: list[str], watch, mutated: set[int]) -> None:
+    def __init__(self, seen: list[str], watch, mutated: set[int], read) -> None:
         super().__init__()
-        self.seen, self.watch, self.mutated = seen, watch, mutated
+        self.seen, self.watch, self.mutated, self.read = seen, watch, mutated, read
         # storage -> the positions whose outputs live in it; weak, so a storage freed and an
         # address reused later are not confused
         self.made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = len(self.seen)
+        self.read.update(s for s in map(_storage, tree_flatten((args, kwargs))[0])
+                         if s is not None)
         written = [self.made.get(storage, ()) for storage in
                    map(_storage, _written(func, args, kwargs or {})) if storage is not None]
         out = func(*args, **(kwargs or {}))
