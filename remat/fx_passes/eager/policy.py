@@ -224,7 +224,8 @@ def eager_problem(problem: Problem, nodes: list[fx.Node], device: str) -> Proble
     """The problem with the bytes eager PyTorch allocates where they differ from the joint
     graph's: no generator snapshots (checkpoint keeps the state, `EagerBlocks.state_bytes`),
     a dropout that draws nothing returns its input (a view of it, here); on the CPU
-    a dropout's mask is its noise tensor, in the input's dtype."""
+    a dropout's mask is its noise tensor, in the input's dtype, and its backward a plain
+    product with it (no scratch)."""
     index = {n: i for i, n in enumerate(nodes)}
     ops = list(problem.ops)
     for v, node in enumerate(nodes):
@@ -238,6 +239,11 @@ def eager_problem(problem: Problem, nodes: list[fx.Node], device: str) -> Proble
     for v, node in enumerate(nodes):
         if device.startswith("cuda"):
             break
+        if str(node.target) == "aten.native_dropout_backward.default":
+            # Eager's is MulBackward0, the gradient times the saved noise; the joint graph's
+            # kernel first makes a float copy of its boolean mask (its measured scratch).
+            ops[v] = replace(ops[v], temp=0)
+            continue
         if str(node.target) != "aten.native_dropout.default":
             continue
         items = {n.args[1]: index[n] for n in node.users if n in index}
