@@ -152,3 +152,33 @@ def test_a_dropout_backward_on_the_cpu_is_a_product_with_the_noise():
         (measured, plan.activation_peak)
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+class Branching(nn.Module):  # another scan under torch.compile, as transformers' Mamba has
+    def __init__(self, d=16):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if torch.compiler.is_compiling():
+            return x + torch.cumsum(h, dim=1)
+        out = [h[:, 0]]
+        for t in range(1, h.shape[1]):
+            out.append(out[-1] + h[:, t])
+        return x + torch.stack(out, dim=1)
+
+
+@pytest.mark.parametrize("block, warned", [(Branching, True), (Attention, False)])
+def test_a_block_running_other_code_in_eager_is_named(block, warned, caplog):
+    import logging
+
+    torch.manual_seed(0)
+    model = Encoder()
+    model.layers = nn.ModuleList(block() for _ in range(2))
+    x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 16)
+    with caplog.at_level(logging.WARNING, logger="remat.fx_passes.eager.probe"):
+        remat.optimize(model, activation_budget=10**9, example_inputs=(x, y),
+                       execution="eager")
+    named = [r.getMessage() for r in caplog.records if "runs other code" in r.getMessage()]
+    assert bool(named) == warned and (not warned or "'layers.0'" in named[0])

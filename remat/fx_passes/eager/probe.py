@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Observed", "aligned", "probe"]
 
+# Below this share of matched ops, a block runs other code in eager PyTorch than captured.
+DIFFERENT_CODE = 0.9
+
 
 @dataclass(frozen=True)
 class Observed:
@@ -211,10 +214,20 @@ def aligned(policy: BlockPolicy, observed: Sequence[str], freed: Sequence[int] =
         for k in range(block.size):
             joint[block.b + k] = policy.joint[block.a + k]
             cacheable[block.b + k] = policy.cacheable[block.a + k] and block.b + k not in mutated
-    unmatched = len(observed) - sum(b.size for b in matcher.get_matching_blocks())
-    if unmatched:
+    matched = sum(b.size for b in matcher.get_matching_blocks())
+    if matched < DIFFERENT_CODE * max(len(observed), len(policy.ops)):
+        log.warning(
+            "block %r: only %d of its %d eager ops match the %d of the captured graph: eager "
+            "PyTorch runs other code in this block than the capture did under torch.compile "
+            "(a branch on torch.compiler.is_compiling(), like the scan of transformers' Mamba "
+            "models with config.use_associative_scan); the eager plan's memory is predicted "
+            "from the captured graph and can be off either way; make the model take one path "
+            "(for Mamba models, use_associative_scan=False)", policy.path, matched,
+            len(observed), len(policy.ops))
+    elif matched < len(observed):
         log.info("block %r: %d of its %d eager ops have no counterpart in the joint graph; "
-                 "they are recomputed, never cached", policy.path, unmatched, len(observed))
+                 "they are recomputed, never cached", policy.path, len(observed) - matched,
+                 len(observed))
     # The latest joint op run by each eager position: where a freed tensor's life ends.
     latest, running = [], -1
     for ops in joint:
