@@ -207,3 +207,24 @@ def test_an_op_repeated_in_one_trace_owns_the_bytes_its_kernel_allocates():
     assert len(copies) >= 4 and real.untyped_storage().nbytes() in copies
     assert all(size in (real.untyped_storage().nbytes(), buffer.untyped_storage().nbytes())
                for size in copies), copies
+
+
+class _ExpertsHit(nn.Module):  # DBRX's experts: a loop over the experts the batch hits
+    def __init__(self):
+        super().__init__()
+        self.gate, self.experts = nn.Linear(8, 4), nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        chosen = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for e in torch.bincount(chosen, minlength=4).nonzero():
+            rows = torch.where(chosen == e[0])[0]
+            out = out.index_add(0, rows, self.experts[0](x[rows]))
+        return out.pow(2).mean()
+
+
+def test_a_data_dependent_number_of_ops_is_named_with_its_remedy():
+    with pytest.raises(CaptureError) as info:
+        capture(_ExpertsHit(), (torch.randn(16, 8),))
+    message = str(info.value)
+    assert "depend on the data" in message and "fixed range" in message

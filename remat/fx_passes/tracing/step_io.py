@@ -315,6 +315,13 @@ def _graph_break(e: Exception) -> CaptureError:
         message = f"the model cannot be captured as one graph (graph break): {reason}"
         hint = ("remat plans the whole training step as one graph; remove the break (no "
                 ".item(), print or data-dependent Python branches in forward) and retry.")
+        if "data-dependent expression" in text:
+            hint = ("how many ops the step runs, or their shapes, depend on the data (a Python "
+                    "loop over nonzero() or torch.where(mask), as mixture-of-experts layers "
+                    "that loop over the experts a batch hits, like DBRX's): one graph cannot "
+                    "hold that step; loop over a fixed range (every expert) or use experts "
+                    "of static shapes (transformers: experts_implementation=\"batched_mm\" "
+                    "where the model offers it), and retry.")
     else:
         message = f"tracing the training step failed: {reason}"
         hint = "check that the model runs eagerly on these inputs."
