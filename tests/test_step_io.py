@@ -185,8 +185,9 @@ def test_a_returned_key_value_cache_is_warned_about(caplog):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="remat.planner.optimize"):
             optimize(model, activation_budget="1MB", example_inputs=(x, y), solver="save_all")
-        assert warned == any("returns its key/value cache (config.use_cache=True)" in r.getMessage()
-                             and "set model.config.use_cache=False" in r.getMessage()
+        assert warned == any("returns its key/value cache (config.use_cache=True on "
+                             "model.config)" in r.getMessage()
+                             and "set use_cache=False" in r.getMessage()
                              for r in caplog.records)
 
 

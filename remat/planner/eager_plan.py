@@ -21,7 +21,7 @@ from remat.errors import BudgetError, RematError, SolverError
 from remat.planner.budget import format_size
 from remat.planner.block_compile import compile_blocks
 from remat.planner.plan import Plan, budget_error_in_user_terms
-from remat.planner.prepare import (check_eager_device, check_same_parameters,
+from remat.planner.prepare import (cache_configs, check_eager_device, check_same_parameters,
                                    has_meta_weights, shard_step)
 from remat.solvers import SolverOptions, Strategy, solve
 from remat.solvers.baselines import block_of
@@ -218,13 +218,13 @@ def check_no_cache(model: Any) -> None:
     """Refuse a Hugging Face model whose config keeps a key/value cache: its blocks append to
     the cache in the forward and again when checkpoint recomputes them, so the recomputation
     sees other shapes (what `gradient_checkpointing_enable()` avoids by turning it off)."""
-    for name, module in model.named_modules():
-        config = getattr(module, "config", None)
-        if getattr(config, "use_cache", False) is True:
-            raise RematError(
-                f"plan.apply(model): {name or 'the model'} has config.use_cache=True; its blocks "
-                "would append to the key/value cache again when recomputed; set "
-                "model.config.use_cache = False before optimize (training needs no cache)")
+    caching = cache_configs(model)
+    if caching:
+        raise RematError(
+            f"plan.apply(model): {', '.join(caching)} has use_cache=True; its blocks would "
+            "append to the key/value cache again when recomputed; set use_cache = False there "
+            "before optimize (training needs no cache; a submodule may keep a config of its "
+            "own, as T5's decoder does)")
 
 
 def _as_tuple(inputs: Any) -> tuple:

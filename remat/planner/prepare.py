@@ -196,19 +196,33 @@ def _warn_on_mismatch(model: Any, training: Training) -> None:
                     "weights in %d: the activations are planned in the model's dtype; cast the "
                     "model to plan what will run", sorted(sizes), training.precision.value,
                     training.weight_bytes)
-    config = getattr(model, "config", None)
-    if model.training and getattr(config, "use_cache", False) \
-            and "use_cache" in inspect.signature(model.forward).parameters:
-        log.warning("%s returns its key/value cache (config.use_cache=True): the plan holds it "
-                    "to the end of the step, as eager would; set model.config.use_cache=False "
-                    "for training (Hugging Face does under gradient checkpointing)",
-                    type(model).__name__)
+    caching = cache_configs(model)
+    if model.training and caching and "use_cache" in inspect.signature(model.forward).parameters:
+        log.warning("%s returns its key/value cache (config.use_cache=True on %s): the plan "
+                    "holds it to the end of the step, as eager would; set use_cache=False on "
+                    "each of these configs for training (Hugging Face does under gradient "
+                    "checkpointing)", type(model).__name__, ", ".join(caching))
     frozen_but_trained = [n for n, p in params
                           if p.requires_grad and training.is_frozen(n, None)]
     if frozen_but_trained:
         log.warning("%d parameters are frozen in Training but require grad in the model (%s...): "
                     "the graph computes their gradients; set requires_grad=False on them",
                     len(frozen_but_trained), frozen_but_trained[0])
+
+
+def cache_configs(model: Any) -> list[str]:
+    """The modules (by path, "model" for the root) whose own config has use_cache=True. A
+    submodule may keep a config copy of its own: T5's decoder does, so
+    ``model.config.use_cache = False`` does not reach it."""
+    found, seen = [], set()
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        if getattr(config, "use_cache", False) is True:
+            found.append(f"model.{name}.config" if name else "model.config")
+    return found
 
 
 def _param_shapes(model: Any) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -18,7 +18,10 @@ tuple op live from the step after it). Which copy a backward op reads: the recom
 the op belongs to the value's own block (its autograd node was packed inside the checkpoint),
 the original otherwise. What lives longer than its readers: a block's inputs, which checkpoint
 holds until the block's backward ends; cached values that the recomputation stops before
-(held by the checkpoint's frame until then too); generator snapshots.
+(held by the checkpoint's frame until then too); cached values the recomputation takes out,
+held by the block's Python variables as long as in the forward (`forward_life`); generator
+snapshots, and on the CPU the copy of the generator's state that the recomputation's
+fork_rng keeps while it runs.
 
 `plan_eager` is a heuristic (status HEURISTIC): from seed cache sets it repairs (caches less)
 until the eager peak fits and improves (caches more) while it still fits. The exact planner is
@@ -70,6 +73,9 @@ class EagerBlocks:
     groups: tuple[tuple[int, ...], ...] = ()
     """ops cached together: the tensors of one eager op with several outputs (layer norm's
     output, mean and rstd), which the policy caches all or none of."""
+    unread_inputs: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    """(bytes, blocks) of a tensor the blocks are called with but never read (position ids):
+    checkpoint keeps it from the first block's forward to the end of their backward."""
 
     def block_of(self) -> dict[int, str]:
         return {v: name for name, ops in self.ops.items() for v in ops}
@@ -93,7 +99,8 @@ class EagerBlocks:
             position={at(v): moved(p) for v, p in self.position.items()},
             forward_life={at(v): at(e) for v, e in self.forward_life.items()},
             state_bytes=self.state_bytes,
-            groups=tuple(tuple(map(at, g)) for g in self.groups))
+            groups=tuple(tuple(map(at, g)) for g in self.groups),
+            unread_inputs=self.unread_inputs)
 
 
 @dataclass(frozen=True)
@@ -201,9 +208,14 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
     block_of = blocks.block_of()
     owner = blocks.owner
     run_of = {run.name: run for run in runs}
-    # How long checkpoint itself holds a storage: a block's inputs to its last backward op,
-    # cached values the recomputation never reaches and snapshots to the same; the cache
-    # holds the values it reaches until the recomputation takes them out.
+    # How long checkpoint itself holds a storage: a block's inputs until the autograd node of
+    # its last backward op finishes (the node's saved tensors hold checkpoint's frame: an
+    # addmm's bias gradient runs after its last read), cached values the recomputation never
+    # reaches and snapshots to the same; the cache holds the values it reaches until the
+    # recomputation takes them out.
+    node_end = blocks.node_end
+    finished = {run.name: step_of[node_end.get(run.end, run.end)] for run in runs
+                if run.end is not None}
     held_to: dict[int, int] = {}
     for run in runs:
         if run.end is None:
@@ -212,12 +224,16 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
         kept += [v for v in blocks.ops[run.name] if recompute_blocker(problem, v) is not None
                  and ops[v].kind is not Kind.VIEW]
         for s in kept:
-            held_to[s] = max(held_to.get(s, 0), step_of[run.end])
+            held_to[s] = max(held_to.get(s, 0), finished[run.name])
         if run.trigger is not None:
             taken = step_of[run.trigger] - len(run.recomputed)  # the recomputation's first step
             for v in run.cached:
                 if v <= run.stop:
-                    held_to[v] = max(held_to.get(v, 0), taken)
+                    # Taken out, it is the recomputation's value: the block's Python variables
+                    # hold it as long as they held it in the forward (`forward_life`).
+                    lives_to = blocks.forward_life.get(v, -1)
+                    frame = [again[u] for u in run.recomputed if u <= lives_to]
+                    held_to[v] = max(held_to.get(v, 0), taken, *frame)
 
     held: list[tuple[int, int, int, int]] = []
 
@@ -226,7 +242,6 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
 
     readers = problem.storage_readers
     pinned = problem.pinned
-    node_end = blocks.node_end
 
     def read_at(r: int) -> int:  # when a backward op's read of a saved tensor ends
         return step_of[node_end.get(r, r)]
@@ -268,7 +283,15 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
 
     for run in runs:
         if run.end is not None and blocks.state_bytes:
-            hold(blocks.state_bytes, step_of[blocks.ops[run.name][0]], step_of[run.end])
+            hold(blocks.state_bytes, step_of[blocks.ops[run.name][0]], finished[run.name])
+        if run.trigger is not None and run.recomputed and blocks.state_bytes:
+            # The recomputation runs inside fork_rng, which keeps a copy of the current state.
+            trigger = step_of[run.trigger]
+            hold(blocks.state_bytes, trigger - len(run.recomputed), trigger - 1)
+    for size, names in blocks.unread_inputs:
+        ends = [finished[n] for n in names if n in finished]
+        if ends:
+            hold(size, min(step_of[blocks.ops[n][0]] for n in names), max(ends))
     return timeline_of(problem, order, held)
 
 

@@ -59,6 +59,9 @@ def match_problem(joint: fx.GraphModule, problem: Problem,
             raise RematError(f"{where}: op {op.name!r} reads {sorted(op_inputs)} in the problem "
                              f"but {sorted(graph_inputs)} in the graph{advice}")
         graph_bytes = _storage_bytes(node)
+        # An output's size may count the gradient seed of the backward too (lower's
+        # `_with_seeds`).
+        own = op.size - problem.source.get("seeds", {}).get(op.name, 0)
         if isinstance(graph_bytes, torch.SymInt):
             # Symbolic: compared as expressions, which fixes no size of the graph compiled.
             expected = expressions.get(op.name, ("?", "?"))[op.kind is Kind.TUPLE]
@@ -68,7 +71,7 @@ def match_problem(joint: fx.GraphModule, problem: Problem,
                                  f"but {got} in the graph (different shapes or dtypes){advice}")
         # A tuple op's temp is its outputs plus its kernel scratch (scratch.py).
         elif graph_bytes is not None and (graph_bytes > op.temp if op.kind is Kind.TUPLE
-                                          else graph_bytes != op.size):
+                                          else graph_bytes != own):
             raise RematError(f"{where}: op {op.name!r} holds {op.size or op.temp} bytes in the "
                              f"problem but {graph_bytes} in the graph (different shapes or "
                              f"dtypes){advice}")

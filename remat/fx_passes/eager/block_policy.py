@@ -39,10 +39,14 @@ class BlockPolicy:
     training: bool | None = None
     """The block's mode (``module.training``) the plan was made in; None if unknown. A block
     called in the other mode runs without the plan, and a backward through it is refused."""
+    keep: frozenset[int] = frozenset()
+    """Positions cached whatever the plan says: routing decisions (top-k, argmax, nonzero),
+    which a recomputation must not make again (`remat.solvers.Reason.DATA`)."""
 
 
 def with_cache(policy: BlockPolicy, cached: frozenset[int]) -> BlockPolicy:
-    """The block's policy caching the positions whose joint ops are in `cached`."""
+    """The block's policy caching the positions whose joint ops are in `cached`, and the
+    positions it always keeps."""
     cache = frozenset(k for k, (joint, ok) in enumerate(zip(policy.joint, policy.cacheable))
-                      if ok and any(j in cached for j in joint))
+                      if ok and (k in policy.keep or any(j in cached for j in joint)))
     return replace(policy, cache=cache)

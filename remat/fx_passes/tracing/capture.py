@@ -154,9 +154,23 @@ def make_backend(partition_fn: Callable, *, fw_compiler: Callable | None = None,
     def backend(gm, example_inputs):
         if on_graph is not None:
             on_graph(gm, example_inputs)
+        _exact_fake_storages(example_inputs)
         return aot(gm, example_inputs)
 
     return backend
+
+
+def _exact_fake_storages(example_inputs) -> None:
+    """Trace the joint graph with fake tensors whose storages are the real kernels'. Torch's
+    fake-tensor dispatch cache remakes a cached op's output with its shape and strides but no
+    storage offset (torch 2.13, `FakeTensorMode._get_output_tensor_from_cache_entry`): the
+    second ``aten.copy`` into the same slice of a buffer (DeepSeek-V3's ``expand_kv``
+    backward) then owned 139,264 bytes instead of the 139,776 its kernel allocates, and two
+    captures of one model disagreed on an op's bytes, so that no plan of it could run. The
+    cache is off for this trace only (dynamo's fake mode is made per trace)."""
+    mode = torch._guards.detect_fake_mode(example_inputs)
+    if mode is not None:
+        mode.cache_enabled = False
 
 
 def prepare_joint(joint: fx.GraphModule) -> None:
