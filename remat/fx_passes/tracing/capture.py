@@ -50,6 +50,7 @@ from remat.fx_passes.tracing.call_checks import autocast_state
 from remat.fx_passes.tracing.dynamic import (Bucket, ShapeRange, concretize, mark, marked,
                                              tracing_sizes)
 from remat.fx_passes.tracing.fake_weights import fake_meta_tensors
+from remat.fx_passes.tracing.loss_type import loss_types_named, unnamed_loss_types
 from remat.fx_passes.tracing.rng import snapshot_random_ops
 from remat.fx_passes.tracing.step_io import (capture_failure, check_inputs, default_loss, progress,
                                      quiet_torch_logs, step_function)
@@ -213,13 +214,13 @@ def compile_step(model: torch.nn.Module, partition_fn: Callable, *,
                              fullgraph=True, dynamic=False)
     if shape_range is not None:
         compiled = marked(compiled, shape_range, bucket)
-    unnamed = _unnamed_loss_types(model)
+    unnamed = unnamed_loss_types(model)
     if not unnamed:
         return compiled
 
     def step(*args, **kwargs):
         # Named at every call, as when captured: dynamo guards on the attribute.
-        with _loss_types_named(unnamed):
+        with loss_types_named(unnamed):
             return compiled(*args, **kwargs)
 
     return step
@@ -270,7 +271,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
     label = name or type(model).__name__
     failure: Exception | None = None
     with fake_meta_tensors(model, (example_inputs, example_kwargs), fake_device) as faked, \
-            _loss_types_named(_unnamed_loss_types(model)), quiet_torch_logs(), progress(label):
+            loss_types_named(unnamed_loss_types(model)), quiet_torch_logs(), progress(label):
         args, kwargs = faked
         try:
             with torch.enable_grad(), (tracing_sizes() if shape_range is not None
@@ -302,32 +303,6 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
     log.info("captured %s: %d nodes in %.1f s", captured.model_name,
              len(captured.graph.nodes), captured.capture_time)
     return captured
-
-
-def _unnamed_loss_types(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules (a Hugging Face model, also inside a wrapper) whose ``loss_type`` is None."""
-    return [module for module in model.modules()
-            if hasattr(module, "loss_type") and getattr(module, "loss_type", None) is None]
-
-
-@contextlib.contextmanager
-def _loss_types_named(modules: list[torch.nn.Module]):
-    """Hugging Face models whose loss_type is unset warn (warning_once) and fall back to the
-    causal-LM loss: dynamo cannot trace that logging call and breaks the graph there. Naming
-    the fallback keeps the same loss without the warning. Put back afterwards, exactly: the
-    Trainer reads loss_type to count the tokens it divides the loss by, so a model left with
-    it set would train with another normalisation than the untouched model."""
-    own = [("loss_type" in vars(module), module) for module in modules]  # else a class's
-    for module in modules:
-        module.loss_type = "ForCausalLM"
-    try:
-        yield
-    finally:
-        for had, module in own:
-            if had:
-                module.loss_type = None
-            else:
-                del module.loss_type
 
 
 def _is_stop(e: BaseException | None) -> bool:
