@@ -73,7 +73,6 @@ def test_eager_plan_gradients_equal_eager_and_peak_matches_allocator(llama, frac
     # closes the gap within the time limit depends on the machine's load, so it is not
     # asserted here; tests/test_eager_exact.py checks optimality against brute force.
     assert plan.status in (Status.OPTIMAL, Status.FEASIBLE)
-    assert plan.schedule.bound is not None and plan.gap is not None
     mine = plan.apply(copy.deepcopy(model))
     measured, loss = allocator_peak(lambda: step(mine, inputs))
     # Dropout is on: equal gradients mean checkpoint replayed the same masks.

@@ -54,9 +54,45 @@ def eager_units(problem: Problem, blocks: EagerBlocks, options: SolverOptions) -
     return replace(units, byte=unit)
 
 
+UNPROVEN = ("the exact eager model does not yet follow every rule of the eager timeline: "
+            "its bound is not claimed")
+
+
+class _Disagreement(Exception):
+    """The model's policy peaks above the budget on the eager timeline itself: the model and
+    `eager_timeline` disagree on this problem (a bug of the model, never of the input)."""
+
+
 def optimal_eager(problem: Problem, blocks: EagerBlocks, budget: int, options: SolverOptions,
                   *, hint: Iterable[int] | None = None, deadline: Deadline | None = None
                   ) -> Schedule:
+    """`_optimal_eager`, guarded: where the exact model and the eager timeline disagree on a
+    policy's peak, its claims prove nothing, so the hint's policy (the heuristic's, checked
+    on the timeline) is returned FEASIBLE without a bound, and the result says why."""
+    try:
+        found = _optimal_eager(problem, blocks, budget, options, hint=hint, deadline=deadline)
+        # The eager timeline now holds what eager PyTorch holds (Python variables, a module
+        # run several times, an autograd node's temporaries), and EagerModel does not follow
+        # those rules yet (tests/test_eager_exact.py, marked xfail): its policy is checked on
+        # the timeline, but its bound proves nothing until it does, so none is claimed.
+        return replace(found, status=Status.FEASIBLE, bound=None, info=MappingProxyType(
+            {**found.info, "exact_model": UNPROVEN}))
+    except _Disagreement as e:
+        start = None if hint is None else eager_schedule(problem, blocks, hint,
+                                                         strategy=STRATEGY,
+                                                         status=Status.FEASIBLE, budget=budget)
+        if start is None or start.peak > budget:
+            raise SolverError(f"{e}; no heuristic policy to fall back on: please report it") \
+                from None
+        log.warning("%s; returning the heuristic's policy, unproven", e)
+        return replace(start, bound=None, info=MappingProxyType(
+            {**start.info, "execution": "eager", "model": "eager heuristic",
+             "exact_model": f"disagreed with the eager timeline ({e}); unproven"}))
+
+
+def _optimal_eager(problem: Problem, blocks: EagerBlocks, budget: int, options: SolverOptions,
+                   *, hint: Iterable[int] | None = None, deadline: Deadline | None = None
+                   ) -> Schedule:
     """The least-cost policy (cached ops) whose eager peak fits `budget`, least peak among
     equals, as `eager_schedule`'s Schedule with status, bound and gap. `hint`: a policy's
     cached ops to start from. Raises BudgetError when no policy fits (proven, or the least
@@ -182,8 +218,8 @@ def _result(problem: Problem, blocks: EagerBlocks, schedule: Schedule | None, bo
                            status=Status.OPTIMAL if optimum else Status.FEASIBLE, budget=budget)
     scaled = bound / cost * final.cost if cost > 0 else 0.0
     if final.peak > budget:  # the model is exact or conservative: this is a bug
-        raise SolverError(f"eager: the policy found peaks at {final.peak:,} bytes, above the "
-                          f"budget of {budget:,}; this is a bug: please report it")
+        raise _Disagreement(f"eager: the exact model's policy peaks at {final.peak:,} bytes on "
+                            f"the eager timeline, above the budget of {budget:,}")
     return replace(final, bound=scaled, solve_time=deadline.elapsed(),
                    info=MappingProxyType({**final.info, **info,
                                           "objective_cost": cost, "objective_bound": bound}))
