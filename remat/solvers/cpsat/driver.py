@@ -164,8 +164,11 @@ class _Call:
             # The relaxation's plan too: its rooms shrink evenly until a plan fits, which
             # recomputes more than fitting needs (gpt2 at half its save-all peak: 0.118 ms,
             # 0.090 ms after the drop pass in 0.5 s).
-            self.progress.update(stage="improving the hint", cost=hint.cost)
-            hint = drop_pass(problem, budget, hint, self.part(HINT_SHARE, self.evaluation()))
+            part = self.part(HINT_SHARE, self.evaluation())
+            self.progress.update(cost=hint.cost)
+            if part.check("improving the hint"):
+                self.progress.update(stage="improving the hint")
+                hint = drop_pass(problem, budget, hint, part)
             info["hint"] = hint.strategy
 
         # --- A bound proven at the step where the hint peaks, where the budget binds, unless
