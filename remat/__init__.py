@@ -17,6 +17,7 @@ _LAZY = {
     "compile_blocks": "remat.planner.block_compile",
     "load_plan": "remat.planner.plan_load",
     "broadcast_plan": "remat.planner.broadcast",
+    "for_trainer": "remat.planner.hf",
 }
 
 __all__ = ["BudgetError", "CaptureError", "RematError", "SolverError", *_LAZY]

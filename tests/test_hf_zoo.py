@@ -1,18 +1,30 @@
-"""examples/hf_zoo.py measures what `activation_budget` means (the step's peak less the state),
-so that its "fits" column compares like with like, and its "feasible" column follows
-per-block checkpointing and the proven floor."""
-import copy
-
+"""The zoo's CI subset: one architecture per family, built as transformers' own tests build
+it (examples/zoo_models.py), planned in both execution modes; every row keeps the promise:
+the allocator within [-2 %, 0] of the prediction and the gradients eager PyTorch's.
+`python examples/hf_zoo.py` runs the whole zoo."""
 import pytest
+import torch
 
-from examples.hf_zoo import (activation_peak, build, feasibility, gradient_bytes, run_model,
-                             training_step)
+from examples.hf_zoo import activation_peak, gradient_bytes, run_arch, training_step
+from examples.zoo_models import ARCHS, build
 from remat.fx_passes.measuring.allocator import allocator_peak
-from remat.solvers import SolverOptions, Strategy
+from remat.solvers import SolverOptions
+
+pytest.importorskip("transformers")
+
+# the smallest architecture of each family that both modes plan at the zoo's budget
+CI = {"decoder": "llama", "encoder": "distilbert", "encoder-decoder": "marian",
+      "vision": "convnext", "MoE": "qwen3_moe", "SSM": "bamba"}
+
+
+def test_the_zoo_has_every_family_and_forty_architectures():
+    assert len(ARCHS) >= 40
+    assert {family for family, _ in ARCHS.values()} == set(CI)
+    assert all(ARCHS[name][0] == family for family, name in CI.items())
 
 
 def test_activations_are_the_peak_less_the_gradients():
-    model, kwargs = build("vit")
+    model, kwargs = build("llama")
     step = training_step(model, kwargs, seed=7)
     step()  # lazy initialization outside the measurement
     activations = activation_peak(step, model)
@@ -23,26 +35,13 @@ def test_activations_are_the_peak_less_the_gradients():
     assert activations == whole - grads and 0 < activations < whole
 
 
-@pytest.mark.slow
-def test_a_budget_per_block_checkpointing_fits_gets_a_plan_within_it():
-    """ViT at 60 % of eager's activations: checkpoint_blocks fits, so the row must have a plan
-    whose allocator-measured activations are within the budget and gradients equal eager's."""
-    [row] = run_model("vit", [0.6], SolverOptions(time_limit=5))
-    assert row.feasible == "blocks", row
-    assert not row.error and row.status, row
-    assert row.peak <= row.budget, row
-    assert row.peak <= row.predicted + 64, row  # the allocator agrees with the simulation
-    assert row.grad_diff == 0.0, row
-
-
-def test_feasibility_says_no_below_the_proven_floor():
-    from remat.planner.prepare import prepare
-
-    model, kwargs = build("vit")
-    prepared = prepare(copy.deepcopy(model), example_kwargs=kwargs)
-    verdict, floor = feasibility(prepared, 0, seconds=1.0)
-    assert floor > 0 and verdict == "no"
-    grads = prepared.graph_gradients
-    blocks = prepared.baselines[Strategy.CHECKPOINT_BLOCKS].peak - grads
-    assert feasibility(prepared, blocks, seconds=1.0)[0] == "blocks"
-    assert feasibility(prepared, blocks - 1, seconds=1.0)[0] in ("open", "no")
+@pytest.mark.parametrize("family", sorted(CI))
+def test_each_family_keeps_the_promise_in_both_modes(family):
+    rows = run_arch(CI[family], SolverOptions(time_limit=2))
+    assert [r.mode for r in rows] == ["compiled", "eager"]
+    for row in rows:
+        assert not row.error, row
+        assert row.status, row
+        assert 0.98 * row.predicted <= row.allocator <= row.predicted, row
+        # MoE experts accumulate in a different order from step to step on the CPU
+        assert row.grad_diff <= (1e-8 if family == "MoE" else 0.0), row

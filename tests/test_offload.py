@@ -145,3 +145,31 @@ def test_offload_plans_round_trip_through_plan_files(llama, plans, execution, tm
     assert _problem(loaded).host_bandwidth == _problem(plan).host_bandwidth
     if execution == "eager":
         assert loaded.block_policies == plan.block_policies
+
+
+def test_eager_offload_leaves_evaluation_calls_plain(llama, plans):
+    """The offload hooks run inside a planned training call only: a call under no_grad, or in
+    eval mode, runs the blocks plainly (nothing offloaded, no shape check), and the training
+    step after it still offloads with eager's gradients."""
+    model, inputs, _, plain_loss, grads = llama
+    mine = plans["eager"].apply(copy.deepcopy(model))
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        torch.manual_seed(7)
+        expected = float(reference(*inputs))
+        torch.manual_seed(7)
+        assert float(mine(*inputs)) == expected
+    mine.eval()
+    reference.eval()
+    assert float(mine(*inputs).detach()) == float(reference(*inputs).detach())
+    mine.train()
+    mine.zero_grad(set_to_none=True)
+    assert _step(mine, inputs) == plain_loss
+    _same_gradients(mine, grads)
+
+
+def test_offload_is_refused_for_a_range_of_shapes(llama):
+    model, inputs, *_ = llama
+    with pytest.raises(ValueError, match="fixed shapes"):
+        remat.optimize(model, activation_budget=1, example_inputs=inputs, offload=True,
+                       execution="eager", dynamic={"batch": (1, 4)})

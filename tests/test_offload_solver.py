@@ -7,12 +7,12 @@ exactly: its plans fit and cost what they say, never less than the optimum. Wher
 comparable to the compute, it finds the optimum; what it cannot see are plans whose device copies
 are freed sooner because the compute waits for a load (measured on 40 random steps at a slow
 link: see the report of issue 26)."""
-import time
 
 import pytest
 
 from remat.errors import BudgetError
 from remat.solvers import Problem, SolverOptions, make_schedule, simulate, solve
+from remat.solvers.deadline import Deadline
 from remat.solvers.offload_search import improve_by_offload
 from remat.solvers.rich_brute import rich_brute_force, rich_smallest_peak
 from remat.solvers.schedule import price
@@ -83,13 +83,13 @@ def test_the_offload_search_keeps_in_host_memory_what_a_plan_recomputes():
     budget = int(0.6 * simulate(linked, make_schedule(linked, [])).peak)
     single = solve(linked, budget, "optimal", SolverOptions(time_limit=10, model="single"))
     assert single.recomputed and not single.offload_at
-    assert improve_by_offload(problem, budget, single, deadline=time.perf_counter() + 30) \
+    assert improve_by_offload(problem, budget, single, deadline=Deadline(30)) \
         is single
-    better = improve_by_offload(linked, budget, single, deadline=time.perf_counter() + 30)
+    better = improve_by_offload(linked, budget, single, deadline=Deadline(30))
     assert better.offload_at and better.cost < single.cost and better.peak <= budget
     assert better.cost == price(linked, better)[0]
     assert better.info["offload_search"]["from_cost"] == single.cost
     room = min(linked.ops[v].size for v in better.offload_at)
     capped = Problem(problem.ops, host_bandwidth=64e9, host_capacity=room)
-    limited = improve_by_offload(capped, budget, single, deadline=time.perf_counter() + 30)
+    limited = improve_by_offload(capped, budget, single, deadline=Deadline(30))
     assert sum(capped.ops[v].size for v in limited.offload_at) <= room

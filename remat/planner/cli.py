@@ -120,7 +120,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--solver", default="optimal", choices=[s.value for s in Strategy],
                       metavar="SOLVER", help="strategy: "
                       f"{', '.join(s.value for s in Strategy)} (default optimal)")
-    plan.add_argument("--time-limit", type=float, default=60.0, help="seconds per solve")
+    plan.add_argument("--time-limit", type=float, default=None,
+                      help="seconds per solve (default: chosen by the problem's size)")
     plan.add_argument("--objective", choices=("time", "flops"), default="time",
                       help="minimize recompute time on --target (default) or recompute FLOPs")
     plan.add_argument("--sweep", action="store_true",
@@ -136,7 +137,8 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="plan a 7B model on meta tensors for an 80 GB device, "
                                        "then plan and run one step of a small GPT on the CPU")
-    demo.add_argument("--time-limit", type=float, default=15.0, help="seconds per solve")
+    demo.add_argument("--time-limit", type=float, default=None,
+                      help="seconds per solve (default: chosen by the problem's size)")
     return parser
 
 

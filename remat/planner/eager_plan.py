@@ -4,27 +4,47 @@ model's blocks in place.
 
 The plan is made for what the eager mode holds (`remat.solvers.eager`): the exact solver's
 plan for the compiled mode is one seed among others (checkpoint every block whole, cache
-everything cacheable), each repaired until its eager peak fits and improved while it does.
+everything cacheable), each repaired until its eager peak fits and improved while it does;
+with the `optimal` strategy, that policy hints the exact search over the eager timeline
+(`remat.solvers.cpsat.eager_search`), whose plan is OPTIMAL or FEASIBLE with a proven gap.
+With a host link (`offload=True`), the last share of the limit plans the policy again from its
+cache with the block inputs whose transfers hide kept in host memory
+(`remat.solvers.eager_offload`), taken where it costs less or only it fits (HEURISTIC).
+`SolverOptions.time_limit` bounds them all together.
 """
 from __future__ import annotations
 
 import dataclasses
 
 import logging
+import time
+from types import MappingProxyType
 from typing import Any, Sequence
 
 from remat.errors import BudgetError, RematError, SolverError
 from remat.planner.budget import format_size
 from remat.planner.block_compile import compile_blocks
 from remat.planner.plan import Plan, budget_error_in_user_terms
-from remat.planner.prepare import (check_eager_device, check_same_parameters,
+from remat.planner.prepare import (cache_configs, check_eager_device, check_same_parameters,
                                    has_meta_weights, shard_step)
 from remat.solvers import SolverOptions, Strategy, solve
 from remat.solvers.baselines import block_of
-from remat.solvers.eager import eager_schedule, plan_eager
+from remat.solvers.cpsat.eager_search import optimal_eager
+from remat.solvers.deadline import Deadline
+from remat.solvers.eager import eager_schedule
+from remat.solvers.eager_heuristic import cheapest_prefix, plan_eager, with_offloads
 from remat.solvers.objective import with_objective
 
 log = logging.getLogger(__name__)
+
+# Shares of the time limit: the compiled plan that seeds the heuristic, and the heuristic
+# (whose plan hints the exact eager search, which has the rest).
+# (T5, 274 cacheable ops: the exact search proved halfway budgets within 1.3 % in 8 s, and
+# stayed at 54 % with the 6 s that shares of 0.25 and 0.15 left it.)
+COMPILED_SEED_SHARE = 0.1
+HEURISTIC_SHARE = 0.15
+# With a host link: the policy planned again with block inputs kept in host memory, at the end.
+OFFLOAD_SHARE = 0.15
 
 
 class EagerPlan(Plan):
@@ -46,14 +66,34 @@ class EagerPlan(Plan):
     @property
     def block_policies(self) -> dict:
         """Each block's policy (picklable): plan on one rank, send these to the others and
-        call `remat.fx_passes.eager.apply.apply_eager(model, policies)` there."""
+        call `remat.fx_passes.eager.apply.apply_eager(model, policies)` there. For a plan made
+        for a range of shapes, each block's policy per bucket with the planned call's checks
+        (`guarded_policies`)."""
+        return self._plain_policies() if self.shapes is None else self.guarded_policies
+
+    def _plain_policies(self) -> dict:
         from remat.fx_passes.eager.block_policy import with_cache, with_offload
 
         cached = frozenset(self.to_graph[v] for v in self.schedule.info["cached"])
-        policies = {p: with_cache(pol, cached) for p, pol in self.policies.items()}
+        mode = self.prepared.captured.training  # a block in the other mode runs plainly
+        policies = {p: dataclasses.replace(with_cache(pol, cached), training=mode)
+                    for p, pol in self.policies.items()}
         for path, (inputs, prefetch) in self._offloads().items():
             policies[path] = with_offload(policies[path], inputs, prefetch)
         return policies
+
+    @property
+    def guarded_policies(self) -> dict:
+        """Each block's policy for each bucket of the planned shapes, with the planned call's
+        spec: `apply_eager` then checks every training call before it runs
+        (remat.fx_passes.eager.call_guard)."""
+        from remat.fx_passes.eager.call_guard import GuardedPolicy
+
+        plans = self.shapes.plans if self.shapes is not None else {None: self}
+        tables = {bucket: plan._plain_policies() for bucket, plan in plans.items()}
+        spec = dataclasses.replace(self.prepared.call_spec, scalars_free=True)
+        return {path: GuardedPolicy(path, tuple((b, t[path]) for b, t in tables.items()), spec)
+                for path in self.policies}
 
     def _offloads(self) -> dict[str, tuple[list, list]]:
         """Per block: the (shape, dtype) of the inputs it offloads, and the blocks whose
@@ -93,12 +133,18 @@ class EagerPlan(Plan):
                              "meta or fake tensors: load or initialize the weights first")
         check_eager_device(model, self.prepared.captured.device)
         check_no_cache(model)
-        return apply_eager(model, self.block_policies)
+        policies = (self._plain_policies() if self.prepared.call_spec is None
+                    else self.guarded_policies)
+        return apply_eager(model, policies)
 
     def compile_blocks(self, model: Any, *, inductor: bool = False):
         """The plan applied by compiling each block with remat's partitioner (torchtitan's
         per-block compile) instead of wrapping it in checkpoint: see
         `remat.planner.block_compile.compile_blocks`."""
+        if self.shapes is not None:
+            raise RematError("compile_blocks compiles each block for the planned shapes only; "
+                             "a plan for a range of shapes (dynamic=) runs with "
+                             "plan.apply(model)")
         return compile_blocks(self, model, inductor=inductor)
 
 
@@ -106,35 +152,60 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
                     target: str, solver: Strategy | str, solver_options: SolverOptions | None,
                     blocks: Sequence[str] | None, example_inputs: Sequence[Any] | None = None,
                     example_kwargs: dict[str, Any] | None = None):
-    from remat.fx_passes.eager.policy import block_paths
-    from remat.fx_passes.eager.probe import probe
-
-    paths = block_paths(model, prepared.sharded.graph, blocks, block_of)
-    observed = None
-    if example_inputs is not None and not prepared.meta_weights:
-        observed = probe(model, _as_tuple(example_inputs), paths, example_kwargs or {})
-    else:
-        log.info("eager: no weights to run the blocks with; their eager ops are derived from "
-                 "the joint graph (plan.apply's run checks them)")
-    structure, policies, problem, to_graph = eager_step(prepared, paths, observed=observed)
+    problem, structure, policies, to_graph = eager_structure(
+        model, prepared, blocks, example_inputs, example_kwargs)
     strategy = Strategy(solver)
     allowance = prepared.allowance(budget, activation_budget)
+    budget_left = max(allowance, 0)
+    # Limits the caller left to None are chosen by the eager problem's size, as for compiled.
+    options = (solver_options or SolverOptions()).by_size(len(problem))
+    # One deadline for the eager solve: the compiled seed, the heuristic, the exact search.
+    deadline = Deadline(options.time_limit, clock=options.clock or time.perf_counter)
     seeds: list[frozenset[int]] = [frozenset(), structure.cacheable]
     try:
         # Checkpoint recomputes each value at most once, in the backward: the single model's
         # space is the one this seed is for.
-        single = dataclasses.replace(solver_options or SolverOptions(), model="single")
-        compiled = solve(problem, max(allowance, 0), strategy, single)
+        single = dataclasses.replace(options, model="single",
+                                     time_limit=deadline.share(COMPILED_SEED_SHARE))
+        compiled = solve(problem, budget_left, strategy, single)
         seeds.insert(0, compiled.saved)
     except (BudgetError, SolverError) as e:
         log.info("eager: no compiled-mode plan to start from (%s); seeding from baselines", e)
     # The eager planner weighs ops by their cost under the objective (seconds, or FLOPs);
     # the schedule it returns is then costed in seconds like every other.
-    costed = with_objective(problem, (solver_options or SolverOptions()).objective)
+    costed = with_objective(problem, options.objective)
+    # First under the heuristic's deadline: the seed that a few evaluations find.
+    seeds.insert(0, cheapest_prefix(costed, structure, budget_left))
+    # With a host link, the last share of the limit plans the block inputs kept in host
+    # memory, on top of the policy found before it (the exact search plans no offload).
+    offload_time = deadline.share(OFFLOAD_SHARE) if problem.host_bandwidth else 0.0
+    solving = deadline.until(deadline.end - offload_time) if offload_time else deadline
     try:
-        schedule = _plan(costed, structure, max(allowance, 0), seeds)
-        schedule = eager_schedule(problem, structure, schedule.info["cached"],
-                                  offload=schedule.info["offload"], budget=max(allowance, 0))
+        heuristic = plan_eager(costed, structure, budget_left, seeds,
+                               deadline.within(deadline.share(HEURISTIC_SHARE)))
+    except BudgetError as e:
+        if strategy is not Strategy.OPTIMAL and not offload_time:
+            raise budget_error_in_user_terms(prepared, e, budget=budget,
+                                             strategy=strategy) from None
+        heuristic, failed = None, e
+    try:
+        try:
+            if strategy is Strategy.OPTIMAL:  # exact over the eager timeline, from the heuristic
+                schedule = optimal_eager(problem, structure, budget_left, options,
+                                         hint=None if heuristic is None
+                                         else heuristic.info["cached"], deadline=solving)
+            elif heuristic is None:
+                raise failed
+            else:
+                schedule = eager_schedule(problem, structure, heuristic.info["cached"],
+                                          budget=budget_left)
+        except BudgetError as e:
+            if not offload_time:
+                raise
+            schedule, failed = None, e  # offloading may fit where caching less cannot
+        if offload_time:
+            schedule = _offloaded(problem, costed, structure, budget_left, seeds, schedule,
+                                  failed if schedule is None else None, deadline)
         if allowance < 0:
             raise BudgetError("the state alone exceeds the budget", budget=allowance,
                               smallest=schedule.peak)
@@ -142,7 +213,7 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
         raise budget_error_in_user_terms(prepared, e, budget=budget, strategy=strategy) from None
     # schedule.peak is the eager timeline's (eager_schedule), so the terms are the eager step's.
     memory = prepared.step_memory(schedule, budget)
-    log.info("eager plan: %d blocks, activation peak %s, recompute %.3g FLOPs", len(paths),
+    log.info("eager plan: %d blocks, activation peak %s, recompute %.3g FLOPs", len(policies),
              format_size(schedule.peak), schedule.recompute_flops)
     return EagerPlan(model=model, prepared=prepared, schedule=schedule, memory=memory,
                      target=target, solver=strategy, solver_options=solver_options,
@@ -150,35 +221,45 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
                      structure=structure, eager_problem=problem, to_graph=to_graph)
 
 
+def eager_structure(model: Any, prepared, blocks: Sequence[str] | None,
+                    example_inputs: Sequence[Any] | None = None,
+                    example_kwargs: dict[str, Any] | None = None):
+    """What the eager planner solves: the problem with eager's bytes (under ZeRO-2/3 with the
+    collectives), the blocks' structure, each block's policy, and for each op of the problem
+    the joint-graph op it is (None: a collective)."""
+    from remat.fx_passes.eager.policy import block_paths
+    from remat.fx_passes.tracing.call_checks import uncached_autocast
+    from remat.fx_passes.eager.probe import probe
 
-def _plan(problem, structure, budget: int, seeds):
-    """`plan_eager`'s policy, and where the problem has a host link, the same with the block
-    inputs whose transfers hide (`remat.solvers.eager_offload.choose_offloads`, judged under
-    the first policy's cache) kept in host memory, whichever costs less."""
-    from remat.solvers.eager import block_runs
-    from remat.solvers.eager_offload import choose_offloads, offloadable
+    paths = block_paths(model, prepared.sharded.graph, blocks, block_of)
+    observed = None
+    if example_inputs is not None and not prepared.meta_weights:
+        # As the applied blocks run: autocast casting each weight at each use (apply.py).
+        with uncached_autocast():
+            observed = probe(model, _as_tuple(example_inputs), paths, example_kwargs or {})
+    else:
+        log.info("eager: no weights to run the blocks with; their eager ops are derived from "
+                 "the joint graph (plan.apply's run checks them)")
+    structure, policies, problem, to_graph = eager_step(prepared, paths, observed=observed)
+    return problem, structure, policies, to_graph
 
-    best, failed = None, None
-    try:
-        best = plan_eager(problem, structure, budget, seeds)
-    except BudgetError as e:  # offloading may fit where caching less cannot
-        failed = e
-    if problem.host_bandwidth:
-        cache = best.info["cached"] if best is not None else ()
-        eligible = offloadable(problem, structure, block_runs(problem, structure, ()))
-        chosen = choose_offloads(problem, eligible, lambda offload: eager_schedule(
-            problem, structure, cache, offload=offload, strict=False))
-        if chosen:
-            try:
-                other = plan_eager(problem, structure, budget, [*seeds, cache], offload=chosen)
-            except BudgetError:
-                other = None
-            if other is not None and (best is None
-                                      or (other.cost, other.peak) < (best.cost, best.peak)):
-                best = other
-    if best is None:
+
+def _offloaded(problem, costed, structure, budget: int, seeds, schedule, failed, deadline):
+    """`schedule` (None: nothing fitted, as `failed` says), or where it costs less or only it
+    fits, the policy planned again from its cache with the block inputs whose transfers hide
+    kept in host memory (`remat.solvers.eager_heuristic.with_offloads`, weighed under the
+    objective like the heuristic: `costed`), as eager_schedule's in seconds (HEURISTIC)."""
+    start = None if schedule is None else eager_schedule(costed, structure,
+                                                         schedule.info["cached"], budget=budget)
+    found = with_offloads(costed, structure, budget, seeds, start, deadline)
+    if found is None:
         raise failed
-    return best
+    if found is start:
+        return schedule
+    offloading = eager_schedule(problem, structure, found.info["cached"],
+                                offload=found.info["offload"], budget=budget)
+    return dataclasses.replace(offloading, info=MappingProxyType(
+        {**offloading.info, "model": "eager heuristic, with offloads"}))
 
 
 def eager_step(prepared, paths: Sequence[str], *, observed=None, policies=None):
@@ -209,14 +290,15 @@ def check_no_cache(model: Any) -> None:
     """Refuse a Hugging Face model whose config keeps a key/value cache: its blocks append to
     the cache in the forward and again when checkpoint recomputes them, so the recomputation
     sees other shapes (what `gradient_checkpointing_enable()` avoids by turning it off)."""
-    for name, module in model.named_modules():
-        config = getattr(module, "config", None)
-        if getattr(config, "use_cache", False) is True:
-            raise RematError(
-                f"plan.apply(model): {name or 'the model'} has config.use_cache=True; its blocks "
-                "would append to the key/value cache again when recomputed; set "
-                "model.config.use_cache = False before optimize (training needs no cache)")
+    caching = cache_configs(model)
+    if caching:
+        raise RematError(
+            f"plan.apply(model): {', '.join(caching)} has use_cache=True; its blocks would "
+            "append to the key/value cache again when recomputed; set use_cache = False there "
+            "before optimize (training needs no cache; a submodule may keep a config of its "
+            "own, as T5's decoder does)")
 
 
 def _as_tuple(inputs: Any) -> tuple:
     return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+

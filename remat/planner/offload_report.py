@@ -10,7 +10,7 @@ from tabulate import tabulate
 from remat.planner.budget import format_size
 from remat.solvers import Problem
 
-__all__ = ["OffloadRow", "offload_rows", "offload_table"]
+__all__ = ["OffloadRow", "offload_price_row", "offload_rows", "offload_table"]
 
 
 @dataclass(frozen=True)
@@ -50,3 +50,11 @@ def offload_table(rows: tuple[OffloadRow, ...]) -> str:
                       f"{r.transfer_time * 1e3:.3g}", f"{r.wait * 1e3:.3g}"] for r in rows],
                     headers=["value", "module", "size", "first read after its load",
                              "transfers ms", "waited ms"], disable_numparse=True)
+
+
+def offload_price_row(p) -> list[str]:
+    """The price table's row of a plan's offloads (`remat.planner.report.Price`)."""
+    return ["offloaded to host", format_size(p.offloaded_bytes),
+            f"transfers {p.transfer_time * 1e3:.3g} ms both ways on copy streams, "
+            f"{p.time_source}: {p.hidden_time * 1e3:.3g} ms hidden under compute, "
+            f"{p.exposed_time * 1e3:.3g} ms waited for (in the step time)"]

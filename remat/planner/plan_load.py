@@ -89,8 +89,11 @@ def loads_plan(text: str, model: Any, *, loss_fn: Callable | None = None,
                                   offload=entry["info"].get("offload", ()),
                                   strategy=entry["strategy"], status=Status(entry["status"]),
                                   budget=entry["budget"])
+        # The solver's notes (who answered, where the bound came from) as saved; the
+        # timeline's own entries (the cached set) as rebuilt here.
         schedule = dataclasses.replace(schedule, bound=entry["bound"],
-                                       solve_time=entry["solve_time"])
+                                       solve_time=entry["solve_time"],
+                                       info={**entry["info"], **schedule.info})
         extra = dict(policies=policies, structure=structure, eager_problem=problem,
                      to_graph=to_graph)
     else:

@@ -18,10 +18,14 @@ tuple op live from the step after it). Which copy a backward op reads: the recom
 the op belongs to the value's own block (its autograd node was packed inside the checkpoint),
 the original otherwise. What lives longer than its readers: a block's inputs, which checkpoint
 holds until the block's backward ends; cached values that the recomputation stops before
-(held by the checkpoint's frame until then too); generator snapshots.
+(held by the checkpoint's frame until then too); cached values the recomputation takes out,
+held by the block's Python variables as long as in the forward (`forward_life`); generator
+snapshots, and on the CPU the copy of the generator's state that the recomputation's
+fork_rng keeps while it runs.
 
-`plan_eager` is a heuristic (status HEURISTIC): from seed cache sets it repairs (caches less)
-until the eager peak fits and improves (caches more) while it still fits.
+The planners: the heuristic `remat.solvers.eager_heuristic.plan_eager` (status HEURISTIC; with
+offloads of block inputs, `remat.solvers.eager_offload`), and the exact
+`remat.solvers.cpsat.eager_search.optimal_eager` (CP-SAT over this timeline), which it hints.
 """
 from __future__ import annotations
 
@@ -30,7 +34,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Iterable, Mapping
 
-from remat.errors import BudgetError
 from remat.solvers.eager_offload import offload_points, offloadable
 from remat.solvers.overlap import Transfers, transfers
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
@@ -70,6 +73,9 @@ class EagerBlocks:
     groups: tuple[tuple[int, ...], ...] = ()
     """ops cached together: the tensors of one eager op with several outputs (layer norm's
     output, mean and rstd), which the policy caches all or none of."""
+    unread_inputs: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    """(bytes, blocks) of a tensor the blocks are called with but never read (position ids):
+    checkpoint keeps it from the first block's forward to the end of their backward."""
 
     def block_of(self) -> dict[int, str]:
         return {v: name for name, ops in self.ops.items() for v in ops}
@@ -93,7 +99,8 @@ class EagerBlocks:
             position={at(v): moved(p) for v, p in self.position.items()},
             forward_life={at(v): at(e) for v, e in self.forward_life.items()},
             state_bytes=self.state_bytes,
-            groups=tuple(tuple(map(at, g)) for g in self.groups))
+            groups=tuple(tuple(map(at, g)) for g in self.groups),
+            unread_inputs=self.unread_inputs)
 
 
 @dataclass(frozen=True)
@@ -245,9 +252,14 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun], 
     block_of = blocks.block_of()
     owner = blocks.owner
     run_of = {run.name: run for run in runs}
-    # How long checkpoint itself holds a storage: a block's inputs to its last backward op,
-    # cached values the recomputation never reaches and snapshots to the same; the cache
-    # holds the values it reaches until the recomputation takes them out.
+    # How long checkpoint itself holds a storage: a block's inputs until the autograd node of
+    # its last backward op finishes (the node's saved tensors hold checkpoint's frame: an
+    # addmm's bias gradient runs after its last read), cached values the recomputation never
+    # reaches and snapshots to the same; the cache holds the values it reaches until the
+    # recomputation takes them out.
+    node_end = blocks.node_end
+    finished = {run.name: step_of[node_end.get(run.end, run.end)] for run in runs
+                if run.end is not None}
     held_to: dict[int, int] = {}
     for run in runs:
         if run.end is None:
@@ -256,12 +268,16 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun], 
         kept += [v for v in blocks.ops[run.name] if recompute_blocker(problem, v) is not None
                  and ops[v].kind is not Kind.VIEW]
         for s in kept:
-            held_to[s] = max(held_to.get(s, 0), step_of[run.end])
+            held_to[s] = max(held_to.get(s, 0), finished[run.name])
         if run.trigger is not None:
             taken = step_of[run.trigger] - len(run.recomputed)  # the recomputation's first step
             for v in run.cached:
                 if v <= run.stop:
-                    held_to[v] = max(held_to.get(v, 0), taken)
+                    # Taken out, it is the recomputation's value: the block's Python variables
+                    # hold it as long as they held it in the forward (`forward_life`).
+                    lives_to = blocks.forward_life.get(v, -1)
+                    frame = [again[u] for u in run.recomputed if u <= lives_to]
+                    held_to[v] = max(held_to.get(v, 0), taken, *frame)
 
     held: list[tuple[int, int, int, int]] = []
 
@@ -270,7 +286,6 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun], 
 
     readers = problem.storage_readers
     pinned = problem.pinned
-    node_end = blocks.node_end
 
     def read_at(r: int) -> int:  # when a backward op's read of a saved tensor ends
         return step_of[node_end.get(r, r)]
@@ -318,54 +333,14 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun], 
 
     for run in runs:
         if run.end is not None and blocks.state_bytes:
-            hold(blocks.state_bytes, step_of[blocks.ops[run.name][0]], step_of[run.end])
+            hold(blocks.state_bytes, step_of[blocks.ops[run.name][0]], finished[run.name])
+        if run.trigger is not None and run.recomputed and blocks.state_bytes:
+            # The recomputation runs inside fork_rng, which keeps a copy of the current state.
+            trigger = step_of[run.trigger]
+            hold(blocks.state_bytes, trigger - len(run.recomputed), trigger - 1)
+    for size, names in blocks.unread_inputs:
+        ends = [finished[n] for n in names if n in finished]
+        if ends:
+            hold(size, min(step_of[blocks.ops[n][0]] for n in names), max(ends))
     return timeline_of(problem, order, held), moved
 
-
-def plan_eager(problem: Problem, blocks: EagerBlocks, budget: int,
-               seeds: Iterable[Iterable[int]], offload: Iterable[int] = ()) -> Schedule:
-    """The cheapest eager policy found from `seeds` (cache sets, e.g. what the exact plan
-    saves, nothing, everything cacheable) whose eager peak fits `budget`: each seed is
-    repaired by caching less (the most bytes per second of recompute first) until it fits,
-    then improved by caching more (the most recompute seconds per byte first) while it fits.
-    `offload`: block inputs kept in host memory (never cached), where the cache allows it.
-    A heuristic: status HEURISTIC. Raises BudgetError with the least peak seen when no
-    seed fits however little it caches."""
-    offload = frozenset(offload)  # in host memory: never cached as well
-    candidates = [v for v in sorted(blocks.cacheable) if problem.ops[v].size > 0
-                  and problem.ops[v].kind is Kind.TENSOR and v not in offload]
-    eps = 1e-15
-
-    def run(cached) -> Schedule:
-        return eager_schedule(problem, blocks, cached, offload=offload, strict=False,
-                              budget=budget)
-
-    best: Schedule | None = None
-    least = None
-    for seed in seeds:
-        cached = set(seed) & set(candidates)
-        schedule = run(cached)
-        for v in sorted(cached, key=lambda v: -problem.ops[v].size / (problem.ops[v].cost + eps)):
-            if schedule.peak <= budget:
-                break
-            cached.discard(v)
-            schedule = run(cached)
-        least = schedule.peak if least is None else min(least, schedule.peak)
-        if schedule.peak > budget:
-            continue
-        for v in sorted(set(candidates) - cached,
-                        key=lambda v: -(problem.ops[v].cost + eps) / problem.ops[v].size):
-            if v not in schedule.recomputed:
-                continue  # caching it would save no recomputation
-            trial = run(cached | {v})
-            if trial.peak <= budget and trial.cost <= schedule.cost:
-                cached.add(v)
-                schedule = trial
-        if best is None or (schedule.cost, schedule.peak) < (best.cost, best.peak):
-            best = schedule
-    if best is None:
-        raise BudgetError(
-            f"eager: no checkpoint policy found fits; the least eager peak seen is "
-            f"{least:,} bytes of activations, above the budget of {budget:,}; checkpoint more "
-            "modules (blocks=) or raise the budget", budget=budget, smallest=least)
-    return best

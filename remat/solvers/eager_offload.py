@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Iterable
 
+from remat.solvers.deadline import Deadline
 from remat.solvers.problem import Kind, Problem
 
 if TYPE_CHECKING:
@@ -74,15 +75,19 @@ def offload_points(blocks: EagerBlocks, runs: list[BlockRun], offload: Iterable[
 
 
 def choose_offloads(problem: Problem, eligible: dict[int, str],
-                    schedule_of: Callable[[frozenset[int]], Schedule]) -> frozenset[int]:
+                    schedule_of: Callable[[frozenset[int]], Schedule],
+                    deadline: Deadline | None = None) -> frozenset[int]:
     """The offloads to plan with: largest first, each taken when the host holds it
     (`Problem.host_capacity`) and the step waits no longer for the transfers with it
     (`schedule_of(offloads)`'s `exposed_time`, under some fixed cache): what moves to host
-    for free, making room to cache (and recompute) less."""
+    for free, making room to cache (and recompute) less. Past `deadline`, those chosen so far
+    (one schedule is evaluated per candidate)."""
     capacity, ops = problem.host_capacity, problem.ops
     chosen: frozenset[int] = frozenset()
     held, exposed = 0, schedule_of(chosen).exposed_time
     for s in sorted(eligible, key=lambda s: (-ops[s].size, s)):
+        if deadline is not None and not deadline.check("eager offloads"):
+            break
         if capacity is not None and held + ops[s].size > capacity:
             continue
         trial = schedule_of(chosen | {s})

@@ -21,9 +21,10 @@ is exactly priced; nothing is claimed about optimality.
 """
 from __future__ import annotations
 
-import time
 from types import MappingProxyType
+from typing import Callable
 
+from remat.solvers.deadline import Deadline, modelled
 from remat.solvers.overlap import host_bytes
 from remat.solvers.problem import Kind, Problem, tuple_of
 from remat.solvers.schedule import Schedule, drop_unneeded, evaluate, make_schedule
@@ -38,18 +39,25 @@ HIDE = 2.0
 
 
 def improve_by_offload(problem: Problem, budget: int, schedule: Schedule, *,
-                       deadline: float) -> Schedule:
-    """`schedule` improved by offloading (module docstring); the same schedule when the
-    problem has no host link or nothing pays. The result is evaluated; its `info` (and other
-    fields) are `schedule`'s, with "offload_search" added when it changed."""
+                       deadline: Deadline) -> Schedule:
+    """`schedule` improved by offloading (module docstring) until `deadline`; the same
+    schedule when the problem has no host link or nothing pays. The result is evaluated; its
+    `info` (and other fields) are `schedule`'s, with "offload_search" added when it
+    changed. Each schedule tried is an evaluation that deterministic mode charges."""
     if not problem.host_bandwidth:
         return schedule
+    evaluation = modelled("evaluation", len(problem))
+
+    def going() -> bool:  # time for one more evaluation
+        deadline.charge(evaluation)
+        return deadline.check("offload search")
+
     best, tried = schedule, 0
-    while time.perf_counter() < deadline:
+    while not deadline.expired():
         # Keep what the plan recomputes; make room only when that is stuck.
-        found, count = _keep_instead(problem, budget, best, deadline)
+        found, count = _keep_instead(problem, budget, best, going)
         if found is None:
-            found, more = _make_room(problem, budget, best, deadline)
+            found, more = _make_room(problem, budget, best, going)
             count += more
         tried += count
         if found is None:
@@ -105,7 +113,7 @@ def _positions(problem: Problem, latest: int, size: int) -> list[int]:
     return found
 
 
-def _make_room(problem: Problem, budget: int, best: Schedule, deadline: float):
+def _make_room(problem: Problem, budget: int, best: Schedule, going: Callable[[], bool]):
     """One pass of the first move over the ROOM_CANDIDATES largest saved values; (the improved
     schedule or None, schedules tried)."""
     ops = problem.ops
@@ -124,10 +132,11 @@ def _make_room(problem: Problem, budget: int, best: Schedule, deadline: float):
         return _fits(problem, budget, trial) and trial.cost <= current.cost \
             and trial.peak < current.peak
 
-    return _in_groups(candidates, best, offloaded, better, deadline, retries=1)
+    return _in_groups(candidates, best, offloaded, better, going, retries=1)
 
 
-def _keep_instead(problem: Problem, budget: int, best: Schedule, deadline: float):
+def _keep_instead(problem: Problem, budget: int, best: Schedule,
+                  going: Callable[[], bool]):
     """One pass of the second move; (the improved schedule or None, schedules tried)."""
     ops = problem.ops
 
@@ -155,18 +164,19 @@ def _keep_instead(problem: Problem, budget: int, best: Schedule, deadline: float
     def better(current: Schedule, trial: Schedule) -> bool:
         return _fits(problem, budget, trial) and trial.cost < current.cost
 
-    return _in_groups(candidates, best, kept, better, deadline, retries=EARLIER_TRIES + 1)
+    return _in_groups(candidates, best, kept, better, going, retries=EARLIER_TRIES + 1)
 
 
-def _in_groups(candidates: list[int], best: Schedule, move, better, deadline: float,
-               retries: int = 0):
+def _in_groups(candidates: list[int], best: Schedule, move, better,
+               going: Callable[[], bool], retries: int = 0):
     """Apply `move(schedule, group)` to consecutive groups of `candidates`, keeping each
     result `better` than the schedule so far: a group that is taken doubles the next one's
     size, one that is not halves it, down to one value, which is then tried `retries` more
     times (`move(schedule, [v], k)`) before it is passed. (the improved schedule or None,
-    schedules tried): O(log n) tries per value refused, where one by one is n tries."""
+    schedules tried): O(log n) tries per value refused, where one by one is n tries. Stops
+    when `going()` (asked before each try) says the time is spent."""
     improved, tried, i, size = None, 0, 0, max(1, len(candidates) // 8)
-    while i < len(candidates) and time.perf_counter() < deadline:
+    while i < len(candidates) and going():
         group = candidates[i:i + size]
         trial = move(best, group)
         tried += trial is not None
@@ -178,6 +188,8 @@ def _in_groups(candidates: list[int], best: Schedule, move, better, deadline: fl
             size //= 2
             continue
         for k in range(1, retries + 1):
+            if not going():
+                break
             trial = move(best, group, k)
             tried += trial is not None
             if trial is not None and better(best, trial):

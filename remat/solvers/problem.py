@@ -48,6 +48,10 @@ class Reason(str, enum.Enum):
     MUTATION = "mutation"  # writes into an input or buffer
     SIDE_EFFECT = "side effect"  # prints, asserts, anything observable
     COLLECTIVE = "collective"  # communication must happen exactly once
+    # A routing decision or a size read from data (top-k, sort, argmax, nonzero, unique):
+    # recomputed by other kernels (fused, or on other rounding) it could come out differently
+    # and send tokens elsewhere, or change shapes. Kept from the forward.
+    DATA = "data-dependent"
     INHERITED = "inherited"  # takes its output out of a tuple op that may not be recomputed
 
 

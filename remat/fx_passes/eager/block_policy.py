@@ -36,6 +36,12 @@ class BlockPolicy:
     """(joint op, joint op): in the probe, the first's tensor lived until the second ran
     (Python variables keep tensors beyond their last use, until the block returns)."""
     cache: frozenset[int] = frozenset()
+    training: bool | None = None
+    """The block's mode (``module.training``) the plan was made in; None if unknown. A block
+    called in the other mode runs without the plan, and a backward through it is refused."""
+    keep: frozenset[int] = frozenset()
+    """Positions cached whatever the plan says: routing decisions (top-k, argmax, nonzero),
+    which a recomputation must not make again (`remat.solvers.Reason.DATA`)."""
     offload: tuple[tuple[tuple[int, ...], str], ...] = ()
     """(shape, dtype) of the block's inputs that checkpoint's frame keeps in host memory
     (`remat.fx_passes.eager.offload`)."""
@@ -51,7 +57,8 @@ def with_offload(policy: BlockPolicy, offload: tuple, prefetch: tuple[str, ...])
 
 
 def with_cache(policy: BlockPolicy, cached: frozenset[int]) -> BlockPolicy:
-    """The block's policy caching the positions whose joint ops are in `cached`."""
+    """The block's policy caching the positions whose joint ops are in `cached`, and the
+    positions it always keeps."""
     cache = frozenset(k for k, (joint, ok) in enumerate(zip(policy.joint, policy.cacheable))
-                      if ok and any(j in cached for j in joint))
+                      if ok and (k in policy.keep or any(j in cached for j in joint)))
     return replace(policy, cache=cache)

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 
 from remat.errors import RematError
+from remat.fx_passes.eager.block_policy import BlockPolicy
 
 __all__ = ["EagerOffloads"]
 
@@ -88,33 +89,34 @@ class _Input:
 
 
 class EagerOffloads:
-    """The offloads of an eager plan's blocks: `plans` maps a block's path to (the (shape,
-    dtype) of each input it offloads, the paths of the blocks whose offloaded inputs load when
-    it unpacks its own)."""
+    """The offloads of an eager plan's blocks, as each call's policy says (its `offload`: the
+    (shape, dtype) of each input the block offloads; its `prefetch`: the paths of the blocks
+    whose offloaded inputs load when it unpacks its own)."""
 
-    def __init__(self, plans: dict[str, tuple[tuple, tuple[str, ...]]]):
-        self.plans = plans
+    def __init__(self):
         self.pending: dict[str, list[list[_Input]]] = defaultdict(list)
         self.pool: dict[tuple, list[tuple[torch.Tensor, Any]]] = defaultdict(list)
         self.allocated = 0
         self.device: torch.device | None = None
         self._streams: dict[torch.device, tuple[Any, Any]] = {}
-        involved = {p for p, (specs, _) in plans.items() if specs}
-        involved |= {p for p, (_, ahead) in plans.items() if ahead}
-        self.involved = involved
 
     @staticmethod
     def of(policies: dict) -> "EagerOffloads | None":
-        plans = {p: (pol.offload, pol.prefetch) for p, pol in policies.items()}
-        return EagerOffloads(plans) if any(s or a for s, a in plans.values()) else None
+        """Offloads for `policies` (BlockPolicy, or GuardedPolicy: one per bucket), None when
+        no policy offloads or prefetches anything."""
+        each = [p for pol in policies.values()
+                for p in ([b for _, b in pol.by_bucket] if hasattr(pol, "by_bucket") else [pol])]
+        return EagerOffloads() if any(p.offload or p.prefetch for p in each) else None
 
-    def wrap(self, path: str, forward: Callable) -> Callable:
-        """`forward` (a block's checkpointed forward) with this block's hooks around it."""
-        if path not in self.involved:
-            return forward
+    def wrap(self, policy: BlockPolicy, call: Callable) -> Callable:
+        """`call` (the block's checkpoint call) with the hooks of `policy` (the block's policy
+        for this call) around it."""
+        if not policy.offload and not policy.prefetch:
+            return call
+        path = policy.path
 
         def run(*args: Any, **kwargs: Any) -> Any:
-            specs = list(self.plans[path][0])
+            specs = list(policy.offload)
             inputs: list[_Input] = []
 
             def pack(t: torch.Tensor) -> _Input:
@@ -126,8 +128,8 @@ class EagerOffloads:
                 inputs.append(_Input(self, t, offloaded))
                 return inputs[-1]
 
-            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack(path)):
-                out = forward(*args, **kwargs)
+            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack(policy.prefetch)):
+                out = call(*args, **kwargs)
             if specs and torch.is_grad_enabled():
                 raise RematError(
                     f"block {path!r}: the plan offloads inputs of shapes {specs} that the "
@@ -142,9 +144,9 @@ class EagerOffloads:
 
         return run
 
-    def _unpack(self, path: str) -> Callable[[_Input], torch.Tensor]:
+    def _unpack(self, prefetch: tuple[str, ...]) -> Callable[[_Input], torch.Tensor]:
         def unpack(item: _Input) -> torch.Tensor:
-            for other in self.plans[path][1]:  # prefetch: issue those loads now
+            for other in prefetch:  # prefetch: issue those loads now
                 if self.pending[other]:
                     for waiting in self.pending[other].pop():
                         waiting.load()

@@ -5,7 +5,7 @@ planner solves (`eager_problem`). `remat.fx_passes.eager.apply` wraps the blocks
 The plan is made on AOTAutograd's joint graph; the policy sees the ATen ops that eager
 PyTorch dispatches below autograd. The two agree op for op except where functionalization or
 a decomposition differs, and this module spells those out (`expected_ops`):
-- the joint graph's getitems and generator snapshots are not ops in eager;
+- the joint graph's getitems, generator snapshots and size arithmetic are not ops in eager;
 - `_unsafe_view` and `view` are one view op, `lift_fresh_copy` and `lift_fresh` one op;
 - dropout on the CPU is ``empty_like, bernoulli_, div_, mul`` in eager but ``native_dropout``
   (a tuple of output and boolean mask) in the joint graph; the eager noise tensor is in the
@@ -16,7 +16,8 @@ matched by position within the block: the policy counts the ops it is called for
 other than the expected one (or a different count) raises RematError naming the block.
 
 What the policy never caches, whatever the plan says: views (free to recompute), in-place ops
-and the tensors they later overwrite (checkpoint refuses a cached tensor that was mutated), and
+and the tensors they later overwrite (checkpoint refuses a cached tensor that was mutated; the
+functional joint graph cannot show them, the probe's run does: `probe.probe`), and
 random ops (checkpoint replays the generator from the block's start: skipping one draw would
 shift the draws of every later random op of the block).
 """
@@ -32,12 +33,14 @@ from torch import fx
 
 from remat.errors import RematError
 from remat.fx_passes.tracing.capture import Captured
+from remat.fx_passes.tracing.dynamic import is_size_arithmetic
 from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
-from remat.fx_passes.eager.probe import aligned
+from remat.fx_passes.eager.probe import Observed, aligned
 from remat.fx_passes.lowering.lower import op_nodes
 from remat.fx_passes.tracing.rng import rng_state, state_bytes
 from remat.solvers.eager import EagerBlocks
-from remat.solvers.problem import Kind, Phase, Problem, recompute_blocker
+from remat.solvers.problem import (Kind, Phase, Problem, Reason, recompute_blocker,
+                                   tuple_of)
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +81,7 @@ def _block_for(module: str, paths: Sequence[str]) -> str | None:
 
 
 def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
-                 observed: dict[str, list[str]] | None = None, *,
+                 observed: dict[str, Observed] | None = None, *,
                  policies: dict[str, BlockPolicy] | None = None
                  ) -> tuple[EagerBlocks, dict[str, BlockPolicy]]:
     """The solver's view of the blocks (ops, owners, packers, what may be cached) and each
@@ -128,8 +131,18 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
                     for p, members in ops.items()}
     elif observed is not None:
         raise ValueError("eager_blocks: give observed ops or policies, not both")
+    unread: tuple[tuple[int, tuple[str, ...]], ...] = ()
     if observed is not None:
-        policies = {p: aligned(pol, *observed[p]) for p, pol in policies.items()}
+        policies = {p: aligned(pol, observed[p].ops, observed[p].freed, observed[p].mutated)
+                    for p, pol in policies.items()}
+        given: dict[int, tuple[int, list[str]]] = {}
+        for p in paths:
+            for number, size in observed[p].unread:
+                given.setdefault(number, (size, []))[1].append(p)
+        unread = tuple((size, tuple(names)) for size, names in given.values())
+    policies = {p: replace(pol, keep=frozenset(
+        k for k, (joint, ok) in enumerate(zip(pol.joint, pol.cacheable))
+        if ok and any(_decision(problem, j) for j in joint))) for p, pol in policies.items()}
     cacheable = frozenset(j for pol in policies.values()
                           for joint, ok in zip(pol.joint, pol.cacheable) if ok for j in joint)
     position = {v: after + 0.5 for pol in policies.values() for v, after in pol.made_after}
@@ -139,7 +152,8 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
     blocks = EagerBlocks(ops={p: tuple(m) for p, m in ops.items()}, owner=owner,
                          state_bytes=state_bytes(torch.device("cpu")) if cpu else 0,
                          packer=packer, cacheable=cacheable, groups=groups,
-                         node_end=node_end, position=position, forward_life=forward_life)
+                         node_end=node_end, position=position, forward_life=forward_life,
+                         unread_inputs=unread)
     return blocks, policies
 
 
@@ -165,7 +179,8 @@ def expected_ops(problem: Problem, nodes: list[fx.Node], path: str, members: Seq
     index = {n: i for i, n in enumerate(nodes)}
     for v in members:
         node, op = nodes[v], problem.ops[v]
-        if node.target is operator.getitem or node.target is rng_state or _kept_input(node):
+        if node.target is operator.getitem or node.target is rng_state or _kept_input(node) \
+                or is_size_arithmetic(node):
             continue
         outputs = (v,)
         if op.kind is Kind.TUPLE:
@@ -186,9 +201,19 @@ def expected_ops(problem: Problem, nodes: list[fx.Node], path: str, members: Seq
             continue
         names.append(name)
         joint.append(outputs)
-        cacheable.append(op.kind is not Kind.VIEW and recompute_blocker(problem, v) is None
+        cacheable.append(op.kind is not Kind.VIEW
+                         and (recompute_blocker(problem, v) is None or _decision(problem, v))
                          and all(problem.ops[o].kind is not Kind.VIEW for o in outputs))
     return BlockPolicy(path, tuple(names), tuple(joint), tuple(cacheable), tuple(made_after))
+
+
+def _decision(problem: Problem, v: int) -> bool:
+    """Whether op `v` is a routing decision read from data, or a tensor taken out of one:
+    the policy caches it (checkpoint would make the decision again) unless the block
+    overwrites it in place (then checkpoint replays it on bitwise-equal inputs)."""
+    t = tuple_of(problem, v)
+    return Reason.DATA in (problem.ops[v].not_recomputable,
+                           None if t is None else problem.ops[t].not_recomputable)
 
 
 def _kept_input(node: fx.Node) -> bool:
@@ -206,7 +231,8 @@ def eager_problem(problem: Problem, nodes: list[fx.Node], device: str) -> Proble
     """The problem with the bytes eager PyTorch allocates where they differ from the joint
     graph's: no generator snapshots (checkpoint keeps the state, `EagerBlocks.state_bytes`),
     a dropout that draws nothing returns its input (a view of it, here); on the CPU
-    a dropout's mask is its noise tensor, in the input's dtype."""
+    a dropout's mask is its noise tensor, in the input's dtype, and its backward a plain
+    product with it (no scratch)."""
     index = {n: i for i, n in enumerate(nodes)}
     ops = list(problem.ops)
     for v, node in enumerate(nodes):
@@ -220,6 +246,11 @@ def eager_problem(problem: Problem, nodes: list[fx.Node], device: str) -> Proble
     for v, node in enumerate(nodes):
         if device.startswith("cuda"):
             break
+        if str(node.target) == "aten.native_dropout_backward.default":
+            # Eager's is MulBackward0, the gradient times the saved noise; the joint graph's
+            # kernel first makes a float copy of its boolean mask (its measured scratch).
+            ops[v] = replace(ops[v], temp=0)
+            continue
         if str(node.target) != "aten.native_dropout.default":
             continue
         items = {n.args[1]: index[n] for n in node.users if n in index}

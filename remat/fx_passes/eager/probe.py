@@ -6,6 +6,13 @@ follows the recorded sequence (`aligned`). And Python variables keep tensors ali
 last use, until the block's forward returns (``q, k = rotate(q), rotate(k)`` holds both
 through attention): the recorded lifetimes tell the eager model how long the forward really
 holds what the policy does not cache.
+
+The joint graph is functional, so it cannot say which tensors eager PyTorch overwrites in
+place; the probe sees it: Mixtral's router normalizes ``topk``'s values with ``/=``,
+DeepSeek-V3 fills a ``new_empty`` buffer through ``copy_`` into slices, T5 adds to its
+position buckets with ``+=``. Checkpoint refuses a cached tensor that was mutated after it was
+cached, and a cached in-place op would skip its write in the recomputation: the probe names
+both (`mutated`), and `aligned` never lets the policy cache them.
 """
 from __future__ import annotations
 
@@ -13,8 +20,8 @@ import contextlib
 import difflib
 import logging
 import weakref
-from dataclasses import replace
-from typing import Any, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -24,19 +31,46 @@ from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
 
 log = logging.getLogger(__name__)
 
-__all__ = ["aligned", "probe"]
+__all__ = ["Observed", "aligned", "probe"]
+
+# Below this share of matched ops, a block runs other code in eager PyTorch than captured.
+DIFFERENT_CODE = 0.9
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What one block did in the probe's forward."""
+
+    ops: list[str]
+    """The ops eager PyTorch dispatched, in order (canonical names)."""
+    freed: list[int]
+    """For each op, how many of the block's ops had run when its output was freed (the
+    block's op count when it outlived the block's forward)."""
+    mutated: set[int]
+    """Positions whose output an in-place op overwrites later, or that write in place."""
+    unread: tuple[tuple[int, int], ...] = ()
+    """(storage, bytes) of tensors the block was called with but never read (position ids
+    that the rotary embedding outside the block used): checkpoint keeps them all the same.
+    Storages are numbered across blocks (one passed to every block has one number); the
+    model's inputs, parameters and buffers are left out (the static term)."""
 
 
 def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
-          kwargs: dict[str, Any] | None = None) -> dict[str, tuple[list[str], list[int]]]:
-    """Per block, the ops eager PyTorch dispatches and, for each, how many of the block's ops
-    had run when its output was freed (the block's op count when it outlived the block's
-    forward). The generator and the buffers are put back afterwards: nothing changes."""
+          kwargs: dict[str, Any] | None = None) -> dict[str, Observed]:
+    """Per block, what eager PyTorch did in one forward (`Observed`). The generator and the
+    buffers are put back afterwards: nothing changes."""
     from torch.utils.checkpoint import checkpoint
 
     seen: dict[str, list[str]] = {p: [] for p in paths}
     freed: dict[str, list[int]] = {p: [] for p in paths}
     alive: dict[str, list[int]] = {p: [] for p in paths}  # outputs of each op not yet freed
+    mutated: dict[str, set[int]] = {p: set() for p in paths}
+    unread: dict[str, list[tuple[int, int]]] = {p: [] for p in paths}
+    static = weakref.WeakSet(_storage(t) for t in [*tree_flatten((inputs, kwargs))[0],
+                                                   *model.parameters(), *model.buffers()]
+                             if _storage(t) is not None)
+    numbers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    read: weakref.WeakSet = weakref.WeakSet()
     saved = {n: b.detach().clone() for n, b in model.named_buffers()}
     originals = {}
 
@@ -62,16 +96,22 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
 
             @contextlib.contextmanager
             def forward_context():  # ours above the caching mode: ops reach ours first
-                with caching, _Outputs(seen[path], watch):
+                with caching, _Outputs(seen[path], watch, mutated[path], read):
                     yield
 
             return forward_context(), recompute
 
         def run(*a, **k):
+            given = {s for s in map(_storage, tree_flatten((a, k))[0])
+                     if s is not None and s not in static}
+            read.clear()
             out = checkpoint(forward, *a, use_reentrant=False, context_fn=contexts, **k)
             # What is still alive when the block returns lives to its end at least.
             freed[path][:] = [len(seen[path]) if n > 0 else f
                               for f, n in zip(freed[path], alive[path])]
+            for storage in given - set(read):
+                number = numbers.setdefault(storage, len(numbers))
+                unread[path].append((number, storage.nbytes()))
             return out
 
         return run
@@ -81,7 +121,10 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
             module = model.get_submodule(path)
             originals[path] = module.__dict__.get("forward")
             module.forward = recorder(path, module.forward)
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        # The generators the forward's random ops draw from: the CPU's, and each GPU's the
+        # model is on (fork_rng(devices=[]) forks the CPU's alone).
+        gpus = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
+        with torch.random.fork_rng(devices=gpus), torch.enable_grad():
             model(*inputs, **(kwargs or {}))
     finally:
         for path, forward in originals.items():
@@ -93,26 +136,65 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
         with torch.no_grad():
             for name, buffer in model.named_buffers():
                 buffer.copy_(saved[name])
-    return {p: (seen[p], freed[p]) for p in paths}
+    return {p: Observed(seen[p], freed[p], mutated[p], tuple(unread[p])) for p in paths}
 
 
 class _Outputs(TorchDispatchMode):
-    """Hands `watch(k, output)` the output of the k-th op the policy was called for. Entered
+    """Hands `watch(k, output)` the output of the k-th op the policy was called for, and
+    adds to `mutated` the positions whose output an in-place op overwrites (every earlier
+    position whose output lives in the storage it writes) and the in-place op's own. Entered
     above the selective-checkpoint mode, each op passes here on its way to the policy and its
     output comes back here. torch 2.13 also gives the policy the output (`ctx.op_output`), but
     2.11 calls the policy before the op runs; this works on both. Ops the policy is not
     called for (checkpoint's own detaches) are passed over."""
 
-    def __init__(self, seen: list[str], watch) -> None:
+    def __init__(self, seen: list[str], watch, mutated: set[int], read) -> None:
         super().__init__()
-        self.seen, self.watch = seen, watch
+        self.seen, self.watch, self.mutated, self.read = seen, watch, mutated, read
+        # storage -> the positions whose outputs live in it; weak, so a storage freed and an
+        # address reused later are not confused
+        self.made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = len(self.seen)
+        self.read.update(s for s in map(_storage, tree_flatten((args, kwargs))[0])
+                         if s is not None)
+        written = [self.made.get(storage, ()) for storage in
+                   map(_storage, _written(func, args, kwargs or {})) if storage is not None]
         out = func(*args, **(kwargs or {}))
         if len(self.seen) == before + 1:
             self.watch(before, out)
+            for t in tree_flatten(out)[0]:
+                storage = _storage(t)
+                if storage is not None:
+                    self.made[storage] = (*self.made.get(storage, ()), before)
+            if _written(func, args, kwargs or {}):
+                self.mutated.add(before)
+        for positions in written:
+            self.mutated.update(positions)
         return out
+
+
+def _storage(t: Any):
+    """The storage of tensor `t` (torch keeps one Python object per storage while it lives,
+    so it keys a weak dictionary), or None for a non-tensor or an empty storage."""
+    if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0:
+        return None
+    return t.untyped_storage()
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors op `func` writes into (in-place and out= arguments)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    written = []
+    for i, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(argument.name)
+        written.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+    return written
 
 
 def _note(freed: list[int], alive: list[int], seen: list[str], k: int) -> None:
@@ -121,23 +203,34 @@ def _note(freed: list[int], alive: list[int], seen: list[str], k: int) -> None:
     freed[k] = len(seen)
 
 
-def aligned(policy: BlockPolicy, observed: Sequence[str],
-            freed: Sequence[int] = ()) -> BlockPolicy:
+def aligned(policy: BlockPolicy, observed: Sequence[str], freed: Sequence[int] = (),
+            mutated: Iterable[int] = ()) -> BlockPolicy:
     """The block's policy over the ops eager PyTorch really dispatches, each matched to the
     joint-graph ops it stands for where the two sequences agree (difflib's longest matching
     blocks); an eager op without a match is never cached, a joint op without one is not
-    cacheable. `freed` (from `probe`) gives each matched joint op its forward lifetime."""
+    cacheable. `freed` (from `probe`) gives each matched joint op its forward lifetime; the
+    `mutated` positions (overwritten in place later, or writing in place) are never cached."""
     matcher = difflib.SequenceMatcher(a=policy.ops, b=list(observed), autojunk=False)
     joint: list[tuple[int, ...]] = [()] * len(observed)
     cacheable = [False] * len(observed)
     for block in matcher.get_matching_blocks():
         for k in range(block.size):
             joint[block.b + k] = policy.joint[block.a + k]
-            cacheable[block.b + k] = policy.cacheable[block.a + k]
-    unmatched = len(observed) - sum(b.size for b in matcher.get_matching_blocks())
-    if unmatched:
+            cacheable[block.b + k] = policy.cacheable[block.a + k] and block.b + k not in mutated
+    matched = sum(b.size for b in matcher.get_matching_blocks())
+    if matched < DIFFERENT_CODE * max(len(observed), len(policy.ops)):
+        log.warning(
+            "block %r: only %d of its %d eager ops match the %d of the captured graph: eager "
+            "PyTorch runs other code in this block than the capture did under torch.compile "
+            "(a branch on torch.compiler.is_compiling(), like the scan of transformers' Mamba "
+            "models with config.use_associative_scan); the eager plan's memory is predicted "
+            "from the captured graph and can be off either way; make the model take one path "
+            "(for Mamba models, use_associative_scan=False)", policy.path, matched,
+            len(observed), len(policy.ops))
+    elif matched < len(observed):
         log.info("block %r: %d of its %d eager ops have no counterpart in the joint graph; "
-                 "they are recomputed, never cached", policy.path, unmatched, len(observed))
+                 "they are recomputed, never cached", policy.path, len(observed) - matched,
+                 len(observed))
     # The latest joint op run by each eager position: where a freed tensor's life ends.
     latest, running = [], -1
     for ops in joint:

@@ -23,23 +23,29 @@ Rules (DESIGN.md, "The execution model"):
   not recomputable, and saved only when the random op is recomputed. A random op with an
   explicit generator has no snapshot and is RANDOM itself. In-place writes, and forward ops
   that read an input the step mutates (BatchNorm running statistics, which change after the
-  forward), are MUTATION; impure nodes are SIDE_EFFECT; communication ops are COLLECTIVE.
+  forward), are MUTATION; impure nodes are SIDE_EFFECT; communication ops are COLLECTIVE;
+  routing decisions and sizes read from data (top-k, sort, argmax, nonzero) are DATA: kept
+  from the forward, so that a recomputation by other kernels cannot route differently.
 - ``is_output``: the forward's outputs (the loss) and gradients; ``forward_output``: mutated
   inputs' new values, which live to the end of the forward.
+- The output gradients (the loss's 4-byte seed) are no ops: the storage of the output each
+  is the gradient of counts it (`_with_seeds`).
 """
 from __future__ import annotations
 
 import logging
 import operator
 import types
+from dataclasses import replace
 
 from torch import fx
 
 from remat.fx_passes.tracing.capture import Captured
+from remat.fx_passes.tracing.dynamic import is_size_arithmetic
 from remat.fx_passes.measuring.profile import profile as run_profile
 from remat.fx_passes.tracing.names import target_name
 from remat.fx_passes.tracing.rng import RandomOp, draws, has_side_effects, rng_state, state_bytes
-from remat.fx_passes.measuring.storage import remat_meta
+from remat.fx_passes.measuring.storage import remat_meta, storage_bytes
 from remat.solvers.problem import Kind, Op, Phase, Problem, Reason
 
 log = logging.getLogger(__name__)
@@ -73,8 +79,37 @@ def phases(captured: Captured) -> dict[fx.Node, Phase]:
         parent = node.args[0] if node.target is operator.getitem else None
         if node in forward or (isinstance(parent, fx.Node) and parent in forward):
             result[node] = Phase.FORWARD
+        elif is_size_arithmetic(node) and all(result.get(a) is Phase.FORWARD
+                                              or a.op == "placeholder"
+                                              for a in node.all_input_nodes):
+            # A size of a forward tensor that the backward reads: taken in the forward and
+            # handed over as a number (AOTAutograd's saved symints), not by keeping the tensor.
+            result[node] = Phase.FORWARD
         else:
             result[node] = Phase.BACKWARD
+    return result
+
+
+def _forward_order(graph: fx.Graph, phase: dict[fx.Node, Phase],
+                   forward: set[fx.Node]) -> list[fx.Node]:
+    """The forward ops in graph order, the sizes that only the backward reads (`phases`) right
+    after what they read, so that they end no tensor's life later than it ends anyway."""
+    moved = [n for n in graph.nodes if phase.get(n) is Phase.FORWARD and n not in forward
+             and is_size_arithmetic(n)]
+    skip = set(moved)
+    order = [n for n in graph.nodes if phase.get(n) is Phase.FORWARD and n not in skip]
+    if not moved:
+        return order
+    position = {n: i for i, n in enumerate(order)}
+    anchor: dict[fx.Node, int] = {}
+    after: dict[int, list[fx.Node]] = {}
+    for node in moved:  # graph order: a size computed from another comes after it
+        anchor[node] = max((position[a] if a in position else anchor.get(a, -1)
+                            for a in node.all_input_nodes), default=-1)
+        after.setdefault(anchor[node], []).append(node)
+    result = list(after.get(-1, []))
+    for i, node in enumerate(order):
+        result += [node, *after.get(i, [])]
     return result
 
 
@@ -88,6 +123,8 @@ def _reason(node: fx.Node, mutated: set[str], phase: Phase) -> Reason | None:
     # itself then replays (rng.py). Random ops that draw from elsewhere cannot.
     if target is rng_state or draws(node):
         return Reason.RANDOM
+    if _decides(target):
+        return Reason.DATA
     if meta.get("writes") or (getattr(target, "_schema", None) is not None
                               and target._schema.is_mutable):
         return Reason.MUTATION
@@ -97,6 +134,22 @@ def _reason(node: fx.Node, mutated: set[str], phase: Phase) -> Reason | None:
     if target is not operator.getitem and has_side_effects(node):
         return Reason.SIDE_EFFECT
     return None
+
+
+# Ops whose output is a decision read from the data: which elements (indices of the top k,
+# of the maximum, of the nonzero entries) or how many (unique, bincount's length).
+_DECISIONS = {"topk", "sort", "argsort", "argmax", "argmin", "kthvalue", "mode", "nonzero",
+              "nonzero_static", "unique", "_unique", "_unique2", "unique_dim",
+              "unique_consecutive", "bincount", "masked_select", "_local_scalar_dense",
+              "searchsorted", "bucketize"}
+_DECISIONS_WITH_DIM = {"max", "min", "median", "nanmedian"}  # max.dim: values and indices
+
+
+def _decides(target) -> bool:
+    packet = getattr(getattr(target, "overloadpacket", None), "__name__", None)
+    if packet in _DECISIONS:
+        return True
+    return packet in _DECISIONS_WITH_DIM and "dim" in getattr(target, "_overloadname", "")
 
 
 def _views_sunk(backward: list[fx.Node]) -> list[fx.Node]:
@@ -132,7 +185,8 @@ def lower(captured: Captured, *, target="h100", measure: bool = False,
         run_profile(captured, target=target, measure=measure, device=device)
     prof = gm.meta["remat_profile"]
     phase = phases(captured)
-    order = ([n for n in gm.graph.nodes if phase.get(n) is Phase.FORWARD]
+    forward = _ancestors(captured.forward_outputs)
+    order = (_forward_order(gm.graph, phase, forward)
              + _views_sunk([n for n in gm.graph.nodes if phase.get(n) is Phase.BACKWARD]))
     index = {n: i for i, n in enumerate(order)}
     values = captured.output_values
@@ -141,7 +195,6 @@ def lower(captured: Captured, *, target="h100", measure: bool = False,
     mutation = {v for v in values[:captured.num_mutation_outputs] if isinstance(v, fx.Node)}
     outputs = {v for v in values[captured.num_mutation_outputs:] if isinstance(v, fx.Node)}
     mutated = set(captured.mutated_inputs)
-
     ops = []
     for node in order:
         meta = remat_meta(node)
@@ -171,6 +224,7 @@ def lower(captured: Captured, *, target="h100", measure: bool = False,
             module=meta.get("module", ""),
             target=_target_string(node.target),
         ))
+    seeds = _with_seeds(ops, captured, index)
     source = {
         "model": captured.model_name, "batch_shapes": [list(s) for s in captured.input_shapes],
         "dtype": captured.dtype, "target": prof.target.name, "device": captured.device,
@@ -181,11 +235,43 @@ def lower(captured: Captured, *, target="h100", measure: bool = False,
         # The parameters' gradients: the values the state's gradients term counts.
         "param_gradients": [n for n in parameter_gradients(captured).values()
                             if n in {o.name for o in ops}],
+        "seeds": seeds,
     }
     problem = Problem(tuple(ops), name=captured.model_name, source=source)
     log.info("lowered %s: %d ops (%d forward)", captured.model_name, len(problem),
              problem.num_forward)
     return problem
+
+
+def _with_seeds(ops: list[Op], captured: Captured, index: dict[fx.Node, int]) -> dict:
+    """The output gradients (the loss's seed, which ``backward()`` makes) are placeholders, not
+    ops, but they take memory: autograd holds them until the backward returns. Each is counted
+    in the storage of the output it is the gradient of, which lives to the end of the step
+    (from the end of the forward: the seed is made as the backward begins). Returns the bytes
+    added, by op name (`Problem.source["seeds"]`: the graph's own bytes are the rest)."""
+    added: dict[str, int] = {}
+    values = [v for v in captured.output_values[captured.num_mutation_outputs:
+                                                 captured.num_fwd_outputs]
+              if isinstance(v, fx.Node) and v in index]
+    for tangent in (n for n in captured.placeholders if n.name in set(captured.tangents)):
+        # tangents follow the outputs they are the gradients of, in order; the others (the
+        # detached logits and caches) have none
+        seed = tangent.meta.get("val")
+        while values and not _same_kind(values[0].meta.get("val"), seed):
+            values.pop(0)
+        if not values:
+            break
+        root = index[values.pop(0)]
+        while ops[root].kind is Kind.VIEW:
+            root = ops[root].inputs[0]
+        ops[root] = replace(ops[root], size=ops[root].size + storage_bytes(seed))
+        added[ops[root].name] = added.get(ops[root].name, 0) + storage_bytes(seed)
+    return added
+
+
+def _same_kind(a, b) -> bool:
+    return getattr(a, "shape", None) == getattr(b, "shape", None) \
+        and getattr(a, "dtype", None) == getattr(b, "dtype", None)
 
 
 def parameter_gradients(captured: Captured) -> dict[str, str]:

@@ -129,20 +129,21 @@ def peak_and_result(step: Callable[[], Any], device: torch.device | str = "cpu"
 def step_peak(forward: Callable[[], Any], backward: Callable[[Any, Any], Any],
               device: torch.device | str = "cpu") -> tuple[int, Any]:
     """(the allocator's peak of a training step, the forward's result). Runs
-    ``out = forward()``, makes the seed ``ones_like`` of the loss outside the measurement, then
-    ``backward(out, seed)``. The peak is above what was allocated before the forward."""
+    ``out = forward()``, then makes the seed ``ones_like`` of the loss and runs
+    ``backward(out, seed)``, as ``loss.backward()`` makes its seed: the seed is part of the
+    step, held through the backward. The peak is above what was allocated before the
+    forward."""
     device = _checked(device)
     if device.type == "cuda":
         base = torch.cuda.memory_allocated(device)
         out, forward_peak = _cuda_window(forward, device)
         held = torch.cuda.memory_allocated(device) - base
-        seed = _seed(out)
-        _, backward_peak = _cuda_window(lambda: backward(out, seed), device)
+        _, backward_peak = _cuda_window(lambda: backward(out, _seed(out)), device)
         return max(forward_peak, held + backward_peak), out
     with cpu_memory_events() as forward_events:
         out = forward()
-    seed = _seed(out)
     with cpu_memory_events() as backward_events:
+        seed = _seed(out)
         backward(out, seed)
         del seed
     return AllocatorTrace(tuple(paired(forward_events + backward_events))).peak, out

@@ -102,10 +102,19 @@ def step_function(model: torch.nn.Module, loss_fn: Callable | None, returns: str
 
 def with_loss(output: Any, loss: torch.Tensor) -> Any:
     """`output` with its tensors other than `loss` detached: they are returned to the caller
-    (and held, as eager holds them, until the caller drops them) but not differentiated."""
+    (and held, as eager holds them, until the caller drops them) but not differentiated.
+
+    Also the tensors an object in the output holds (a Hugging Face key/value cache: its
+    layers' ``keys`` and ``values``). Left attached, each would be an output of the compiled
+    step with a gradient input of its own, which autograd fills with zeros at the start of
+    the backward: the cache's bytes a second time, in no plan (+46,592 bytes on a two-layer
+    Llama, the T5 decoder's self and cross K/V on T5)."""
 
     def keep(value):
-        return value.detach() if isinstance(value, torch.Tensor) and value is not loss else value
+        if isinstance(value, torch.Tensor):
+            return value.detach() if value is not loss else value
+        _detach_held(value, depth=3)
+        return value
 
     if isinstance(output, dict):  # ModelOutput is an OrderedDict whose items are its fields
         for key in list(output.keys()):
@@ -117,6 +126,27 @@ def with_loss(output: Any, loss: torch.Tensor) -> Any:
     if isinstance(output, list):
         return [keep(v) for v in output]
     return loss
+
+
+def _detach_held(value: Any, depth: int) -> None:
+    """Detach, in place, the tensors that `value` (an object other than a module, or a list or
+    tuple of them) holds in its attributes, `depth` levels of objects deep (a cache, its
+    layers, their keys)."""
+    if depth == 0 or isinstance(value, (torch.nn.Module, str, bytes, int, float, bool,
+                                        type(None), type)):
+        return
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            _detach_held(item, depth)
+        return
+    if isinstance(value, dict) or not hasattr(value, "__dict__"):
+        return  # a dict in the output was handled by `with_loss`; a plain value holds nothing
+    for name, item in list(vars(value).items()):
+        if isinstance(item, torch.Tensor):
+            if item.requires_grad:
+                setattr(value, name, item.detach())
+        else:
+            _detach_held(item, depth - 1)
 
 
 def check_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -285,6 +315,13 @@ def _graph_break(e: Exception) -> CaptureError:
         message = f"the model cannot be captured as one graph (graph break): {reason}"
         hint = ("remat plans the whole training step as one graph; remove the break (no "
                 ".item(), print or data-dependent Python branches in forward) and retry.")
+        if "data-dependent expression" in text:
+            hint = ("how many ops the step runs, or their shapes, depend on the data (a Python "
+                    "loop over nonzero() or torch.where(mask), as mixture-of-experts layers "
+                    "that loop over the experts a batch hits, like DBRX's): one graph cannot "
+                    "hold that step; loop over a fixed range (every expert) or use experts "
+                    "of static shapes (transformers: experts_implementation=\"batched_mm\" "
+                    "where the model offers it), and retry.")
     else:
         message = f"tracing the training step failed: {reason}"
         hint = "check that the model runs eagerly on these inputs."
