@@ -21,6 +21,7 @@ from remat.planner.plan_load import loads_plan
 from remat.solvers import SolverOptions, Strategy, problem_file
 from remat.solvers.schedule import make_schedule
 from examples.llama import LLAMA_TEST, tiny_llama
+from tests.ranks import spawn_ranks
 
 CONFIG = LLAMA_TEST
 BATCH = 2
@@ -217,19 +218,8 @@ def _rank(rank: int, init: str, results: str) -> None:
 
 
 def test_broadcast_plan_runs_rank_0s_plan_on_every_rank(tmp_path):
-    import time
-
-    import torch.multiprocessing as mp
-
     results = str(tmp_path / "result")
-    job = mp.spawn(_rank, args=(f"file://{tmp_path}/rendezvous", results), nprocs=WORLD,
-                   join=False)
-    deadline = time.monotonic() + DEADLINE
-    while not job.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in job.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {DEADLINE} s")
+    spawn_ranks(_rank, (f"file://{tmp_path}/rendezvous", results), WORLD, seconds=DEADLINE)
     ranks = [torch.load(f"{results}.{rank}") for rank in range(WORLD)]
     for execution in ("compiled", "eager"):
         sent, received = ranks[0][execution], ranks[1][execution]
