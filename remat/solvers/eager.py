@@ -38,7 +38,7 @@ from remat.errors import BudgetError
 from remat.solvers.deadline import Deadline
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
 from remat.solvers.schedule import Schedule, Status
-from remat.solvers.simulate import Timeline, step_order, steps_of, timeline_of
+from remat.solvers.simulate import StepKind, Timeline, step_order, steps_of, timeline_of
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +197,14 @@ def eager_schedule(problem: Problem, blocks: EagerBlocks, cached: Iterable[int],
 
 def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) -> Timeline:
     """The memory of the step in eager mode, step by step (see the module's docstring)."""
+    return timeline_of(problem, *eager_holds(problem, blocks, runs))
+
+
+def eager_holds(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]
+                ) -> tuple[list[tuple[int, StepKind]], list[tuple[int, int, int, int]]]:
+    """`eager_timeline`'s step order and its holds, (-1, bytes, first step, last step) each
+    (op temps aside): what lives across a gap between two steps (a pipeline stage's, between
+    its forward and its backward) is read off them, not off a step's live bytes."""
     ops = problem.ops
     nf = problem.num_forward
     at = {v: run.trigger for run in runs if run.trigger is not None for v in run.recomputed}
@@ -292,7 +300,7 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
         ends = [finished[n] for n in names if n in finished]
         if ends:
             hold(size, min(step_of[blocks.ops[n][0]] for n in names), max(ends))
-    return timeline_of(problem, order, held)
+    return order, held
 
 
 def cheapest_prefix(problem: Problem, blocks: EagerBlocks, budget: int) -> frozenset[int]:
