@@ -26,7 +26,8 @@ fork_rng keeps while it runs.
 
 `plan_eager` is a heuristic (status HEURISTIC): from seed cache sets it repairs (caches less)
 until the eager peak fits and improves (caches more) while it still fits. The exact planner is
-`remat.solvers.cpsat.eager_search.optimal_eager` (CP-SAT over this timeline), which it hints.
+`remat.solvers.cpsat.eager_search.optimal_eager` (CP-SAT over this timeline, every rule above
+followed: `EagerModel`), which it hints.
 """
 from __future__ import annotations
 
