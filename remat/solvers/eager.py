@@ -19,13 +19,15 @@ the op belongs to the value's own block (its autograd node was packed inside the
 the original otherwise. What lives longer than its readers: a block's inputs, which checkpoint
 holds until the block's backward ends; cached values that the recomputation stops before
 (held by the checkpoint's frame until then too); cached values the recomputation takes out,
-held by the block's Python variables as long as in the forward (`forward_life`); generator
+held by the block's Python variables as long as in the forward (`forward_life`); a backward
+value, until the autograd node that reads it last has finished (`node_end`); generator
 snapshots, and on the CPU the copy of the generator's state that the recomputation's
 fork_rng keeps while it runs.
 
 `plan_eager` is a heuristic (status HEURISTIC): from seed cache sets it repairs (caches less)
 until the eager peak fits and improves (caches more) while it still fits. The exact planner is
-`remat.solvers.cpsat.eager_search.optimal_eager` (CP-SAT over this timeline), which it hints.
+`remat.solvers.cpsat.eager_search.optimal_eager` (CP-SAT over this timeline, every rule above
+followed: `EagerModel`), which it hints.
 """
 from __future__ import annotations
 
@@ -73,6 +75,9 @@ class EagerBlocks:
     groups: tuple[tuple[int, ...], ...] = ()
     """ops cached together: the tensors of one eager op with several outputs (layer norm's
     output, mean and rstd), which the policy caches all or none of."""
+    python_backward: frozenset[int] = frozenset()
+    """backward ops of a backward written in Python (a custom autograd.Function's, BLOOM's
+    GeLU): their temporaries die at their last reader, not when the node returns."""
     unread_inputs: tuple[tuple[int, tuple[str, ...]], ...] = ()
     """(bytes, blocks) of a tensor the blocks are called with but never read (position ids):
     checkpoint keeps it from the first block's forward to the end of their backward."""
@@ -100,6 +105,7 @@ class EagerBlocks:
             forward_life={at(v): at(e) for v, e in self.forward_life.items()},
             state_bytes=self.state_bytes,
             groups=tuple(tuple(map(at, g)) for g in self.groups),
+            python_backward=frozenset(map(at, self.python_backward)),
             unread_inputs=self.unread_inputs)
 
 
@@ -263,7 +269,13 @@ def eager_holds(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]
             hold(op.size, made, end)
             continue
         if i >= nf:
-            hold(op.size, made, max((step_of[r] for r in readers[i]), default=made))
+            # An autograd node's formula holds its temporaries and its input gradient until
+            # it returns (RMSNorm's PowBackward0: x.pow(1), 2 * it and their product at once);
+            # a backward written in Python frees its own temporaries as it goes.
+            python = i in blocks.python_backward
+            hold(op.size, made, max(
+                step_of[r] if python and node_end.get(r, r) == node_end.get(i, i)
+                else read_at(r) for r in (i, *readers[i])))
             continue
         block = block_of.get(i)
         run = run_of.get(block) if block is not None else None
