@@ -24,6 +24,7 @@ from typing import Any, Sequence
 from remat.errors import BudgetError, RematError, SolverError
 from remat.planner.budget import format_size
 from remat.planner.block_compile import compile_blocks
+from remat.planner.job import options_for_this_job
 from remat.planner.plan import Plan, budget_error_in_user_terms
 from remat.planner.prepare import (cache_configs, check_eager_device, check_same_parameters,
                                    has_meta_weights, shard_step)
@@ -158,7 +159,7 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
     allowance = prepared.allowance(budget, activation_budget)
     budget_left = max(allowance, 0)
     # Limits the caller left to None are chosen by the eager problem's size, as for compiled.
-    options = (solver_options or SolverOptions()).by_size(len(problem))
+    options = options_for_this_job(solver_options).by_size(len(problem))
     # One deadline for the eager solve: the compiled seed, the heuristic, the exact search.
     deadline = Deadline(options.time_limit, clock=options.clock or time.perf_counter)
     seeds: list[frozenset[int]] = [frozenset(), structure.cacheable]

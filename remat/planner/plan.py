@@ -17,6 +17,7 @@ from remat.planner.report import (Measured, MemoryColumn, Report, SolverSummary,
                                   module_rows, price)
 from remat.planner.prepare import (Prepared, check_same_parameters, device_of,
                                    has_meta_weights, prepare)
+from remat.planner.job import options_for_this_job
 from remat.planner.training import Training
 from remat.solvers import Problem, Schedule, SolverOptions, Strategy, solve
 
@@ -243,6 +244,7 @@ def plan_prepared(model: Any, prepared: Prepared, *, budget: int | None,
                   solver_options: SolverOptions | None = None) -> Plan:
     """Solve one budget for a prepared step and simulate the result."""
     strategy = Strategy(solver)
+    solver_options = options_for_this_job(solver_options)
     allowance = prepared.allowance(budget, activation_budget)
     log.info("solving with %s for an activation allowance of %s", strategy.value,
              format_size(allowance))

@@ -19,13 +19,16 @@ the op belongs to the value's own block (its autograd node was packed inside the
 the original otherwise. What lives longer than its readers: a block's inputs, which checkpoint
 holds until the block's backward ends; cached values that the recomputation stops before
 (held by the checkpoint's frame until then too); cached values the recomputation takes out,
-held by the block's Python variables as long as in the forward (`forward_life`); generator
+held by the block's Python variables as long as in the forward (`forward_life`); a backward
+value, until the autograd node that reads it last has finished (`node_end`); generator
 snapshots, and on the CPU the copy of the generator's state that the recomputation's
 fork_rng keeps while it runs.
 
-The planners: the heuristic `remat.solvers.eager_heuristic.plan_eager` (status HEURISTIC; with
-offloads of block inputs, `remat.solvers.eager_offload`), and the exact
-`remat.solvers.cpsat.eager_search.optimal_eager` (CP-SAT over this timeline), which it hints.
+The planners: the heuristic `remat.solvers.eager_heuristic.plan_eager` (status HEURISTIC; from
+seed cache sets it repairs, caching less, until the eager peak fits and improves, caching
+more, while it still fits; with offloads of block inputs, `remat.solvers.eager_offload`), and
+the exact `remat.solvers.cpsat.eager_search.optimal_eager` (CP-SAT over this timeline, every
+rule above followed: `EagerModel`; it plans no offload), which the heuristic hints.
 """
 from __future__ import annotations
 
@@ -73,6 +76,9 @@ class EagerBlocks:
     groups: tuple[tuple[int, ...], ...] = ()
     """ops cached together: the tensors of one eager op with several outputs (layer norm's
     output, mean and rstd), which the policy caches all or none of."""
+    python_backward: frozenset[int] = frozenset()
+    """backward ops of a backward written in Python (a custom autograd.Function's, BLOOM's
+    GeLU): their temporaries die at their last reader, not when the node returns."""
     unread_inputs: tuple[tuple[int, tuple[str, ...]], ...] = ()
     """(bytes, blocks) of a tensor the blocks are called with but never read (position ids):
     checkpoint keeps it from the first block's forward to the end of their backward."""
@@ -100,6 +106,7 @@ class EagerBlocks:
             forward_life={at(v): at(e) for v, e in self.forward_life.items()},
             state_bytes=self.state_bytes,
             groups=tuple(tuple(map(at, g)) for g in self.groups),
+            python_backward=frozenset(map(at, self.python_backward)),
             unread_inputs=self.unread_inputs)
 
 
@@ -229,9 +236,21 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun], 
                    loads: Mapping[int, int] | None = None,
                    issues: Mapping[int, int] | None = None) -> tuple[Timeline, Transfers | None]:
     """The memory of the step in eager mode, step by step (see the module's docstring), and
-    the timeline of its offloads' transfers (`loads`: value -> the backward op its load is
-    placed before; `issues`: value -> the forward op after which its copy to host is issued;
-    `remat.solvers.eager_offload.offload_points`): an offloaded value's device copy lives from
+    the timeline of its offloads' transfers (`loads`, `issues`: see `eager_holds`)."""
+    order, held, moved = eager_holds(problem, blocks, runs, loads=loads, issues=issues)
+    return timeline_of(problem, order, held), moved
+
+
+def eager_holds(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun], *,
+                loads: Mapping[int, int] | None = None, issues: Mapping[int, int] | None = None
+                ) -> tuple[list[tuple[int, StepKind]], list[tuple[int, int, int, int]],
+                           Transfers | None]:
+    """`eager_timeline`'s step order, its holds, (-1, bytes, first step, last step) each (op
+    temps aside), and its offloads' transfers: what lives across a gap between two steps (a
+    pipeline stage's, between its forward and its backward) is read off the holds, not off a
+    step's live bytes. `loads`: value -> the backward op its load is placed before; `issues`:
+    value -> the forward op after which its copy to host is issued
+    (`remat.solvers.eager_offload.offload_points`): an offloaded value's device copy lives from
     its op to its last forward read or the end of its copy to host, its loaded copy from its
     load to what would have held it in the backward."""
     ops = problem.ops
@@ -299,7 +318,13 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun], 
             hold(op.size, made, end)
             continue
         if i >= nf:
-            hold(op.size, made, max((step_of[r] for r in readers[i]), default=made))
+            # An autograd node's formula holds its temporaries and its input gradient until
+            # it returns (RMSNorm's PowBackward0: x.pow(1), 2 * it and their product at once);
+            # a backward written in Python frees its own temporaries as it goes.
+            python = i in blocks.python_backward
+            hold(op.size, made, max(
+                step_of[r] if python and node_end.get(r, r) == node_end.get(i, i)
+                else read_at(r) for r in (i, *readers[i])))
             continue
         block = block_of.get(i)
         run = run_of.get(block) if block is not None else None
@@ -342,5 +367,5 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun], 
         ends = [finished[n] for n in names if n in finished]
         if ends:
             hold(size, min(step_of[blocks.ops[n][0]] for n in names), max(ends))
-    return timeline_of(problem, order, held), moved
+    return order, held, moved
 
