@@ -20,7 +20,7 @@ from remat.solvers.overlap import host_bytes
 from remat.solvers.schedule import price
 
 CONFIG = replace(LLAMA_TEST, seq=32, layers=4)
-FAST = SolverOptions(time_limit=4)
+FAST = SolverOptions(time_limit=10)
 
 
 @pytest.fixture(scope="module")
