@@ -19,15 +19,25 @@ __all__ = ["apply_eager"]
 
 def apply_eager(model: torch.nn.Module, policies: dict[str, BlockPolicy]) -> torch.nn.Module:
     """Wrap each block's forward in place (parameter names unchanged, so `fully_shard`, DDP
-    and state dicts see the same model). Returns `model`."""
-    for path, policy in policies.items():
+    and state dicts see the same model). Returns `model`. A module called several times in
+    a step (ALBERT's shared layer) has a policy per call, in order: its calls take them in
+    turn."""
+    by_module: dict[str, list[BlockPolicy]] = {}
+    for policy in policies.values():
+        by_module.setdefault(policy.path, []).append(policy)
+    for path, runs in by_module.items():
         module = model.get_submodule(path)
         if getattr(module, "_remat_policy", None) is not None:
             raise RematError(f"block {path!r} is already wrapped by a remat plan; apply a plan "
                              "once, to a fresh model")
-        module._remat_policy = policy
-        module.forward = partial(_checkpointed, module.forward, policy)
+        module._remat_policy = runs[0] if len(runs) == 1 else tuple(runs)
+        module.forward = partial(_checkpointed, module.forward, runs[0]) if len(runs) == 1 \
+            else partial(_in_turn, module.forward, runs, itertools.count())
     return model
+
+
+def _in_turn(forward, runs: list[BlockPolicy], calls, *args, **kwargs):
+    return _checkpointed(forward, runs[next(calls) % len(runs)], *args, **kwargs)
 
 
 def _checkpointed(forward, policy: BlockPolicy, *args, **kwargs):

@@ -100,6 +100,22 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
     if missing:
         raise RematError(f"execution=\"eager\": blocks {missing[:3]} run no op of the captured "
                          "step; name modules that the forward calls")
+    policies = {p: expected_ops(problem, nodes, p, members, captured.device)
+                for p, members in ops.items()}
+    unread: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    if observed is not None:
+        policies = {p: aligned(pol, observed[p].ops, observed[p].freed, observed[p].mutated)
+                    for p, pol in policies.items()}
+        # A module called several times (ALBERT's shared layer) is one block per call.
+        for p in paths:
+            if len(observed[p].calls) > 1:
+                _split_runs(problem, nodes, p, observed[p].calls, ops, owner, policies)
+        given: dict[int, tuple[int, list[str]]] = {}
+        for p in paths:
+            for number, size, call in observed[p].unread:
+                name = p if len(observed[p].calls) == 1 else _run_name(p, call)
+                given.setdefault(number, (size, []))[1].append(name)
+        unread = tuple((size, tuple(names)) for size, names in given.values())
     # Autograd's sequence number ties a backward op to the forward op whose node it runs;
     # that node packed what the op reads: its outputs after it ran, its inputs before.
     packer: dict[int, int] = {}
@@ -123,17 +139,6 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
             run = []
         if seq is not None:
             run.append(b)
-    policies = {p: expected_ops(problem, nodes, p, members, captured.device)
-                for p, members in ops.items()}
-    unread: tuple[tuple[int, tuple[str, ...]], ...] = ()
-    if observed is not None:
-        policies = {p: aligned(pol, observed[p].ops, observed[p].freed, observed[p].mutated)
-                    for p, pol in policies.items()}
-        given: dict[int, tuple[int, list[str]]] = {}
-        for p in paths:
-            for number, size in observed[p].unread:
-                given.setdefault(number, (size, []))[1].append(p)
-        unread = tuple((size, tuple(names)) for size, names in given.values())
     policies = {p: replace(pol, keep=frozenset(
         k for k, (joint, ok) in enumerate(zip(pol.joint, pol.cacheable))
         if ok and any(_decision(problem, j) for j in joint))) for p, pol in policies.items()}
@@ -149,6 +154,46 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
                          node_end=node_end, position=position, forward_life=forward_life,
                          unread_inputs=unread)
     return blocks, policies
+
+
+def _run_name(path: str, call: int) -> str:
+    return f"{path}#{call}"
+
+
+def _split_runs(problem: Problem, nodes: list[fx.Node], path: str, calls: Sequence[int],
+                ops: dict[str, list[int]], owner: dict[int, str],
+                policies: dict[str, BlockPolicy]) -> None:
+    """Make block `path`, whose module ran once per entry of `calls` (where each call began
+    in its aligned policy), one block per call (`_run_name`), in `ops`, `owner` and
+    `policies`: each joint op goes to the call its matched eager op ran in (an unmatched one
+    to the call of the op before it), each backward op to the call whose forward op has its
+    autograd sequence number (one without to the call of the backward op before it)."""
+    policy, members = policies.pop(path), ops.pop(path)
+    bounds = list(calls) + [len(policy.ops)]
+    call_of: dict[int, int] = {}
+    for k in range(len(calls)):
+        for joint in policy.joint[bounds[k]:bounds[k + 1]]:
+            call_of.update((j, k) for j in joint)
+    runs: list[list[int]] = [[] for _ in calls]
+    current = 0
+    for v in members:
+        current = call_of.get(v, current)
+        runs[current].append(v)
+    for k, run in enumerate(runs):
+        mine = set(run)
+        ops[_run_name(path, k)] = run
+        a, b = bounds[k], bounds[k + 1]
+        policies[_run_name(path, k)] = replace(
+            policy, ops=policy.ops[a:b], joint=policy.joint[a:b],
+            cacheable=policy.cacheable[a:b],
+            made_after=tuple(pair for pair in policy.made_after if pair[0] in mine),
+            life=tuple(pair for pair in policy.life if pair[0] in mine))
+    by_seq = {nodes[v].meta.get("seq_nr"): k for k, run in enumerate(runs) for v in run}
+    by_seq.pop(None, None)
+    current = len(calls) - 1  # the backward runs the last call's nodes first
+    for b in sorted(b for b, name in owner.items() if name == path):
+        current = by_seq.get(nodes[b].meta.get("seq_nr"), current)
+        owner[b] = _run_name(path, current)
 
 
 def _last_needed(problem: Problem, b: int, p: int, members: set[int]) -> int:
