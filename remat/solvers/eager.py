@@ -19,7 +19,8 @@ the op belongs to the value's own block (its autograd node was packed inside the
 the original otherwise. What lives longer than its readers: a block's inputs, which checkpoint
 holds until the block's backward ends; cached values that the recomputation stops before
 (held by the checkpoint's frame until then too); cached values the recomputation takes out,
-held by the block's Python variables as long as in the forward (`forward_life`); generator
+held by the block's Python variables as long as in the forward (`forward_life`); a backward
+value, until the autograd node that reads it last has finished (`node_end`); generator
 snapshots, and on the CPU the copy of the generator's state that the recomputation's
 fork_rng keeps while it runs.
 
@@ -253,7 +254,9 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
             hold(op.size, made, end)
             continue
         if i >= nf:
-            hold(op.size, made, max((step_of[r] for r in readers[i]), default=made))
+            # An autograd node's formula holds its temporaries and its input gradient until
+            # it returns (RMSNorm's PowBackward0: x.pow(1), 2 * it and their product at once).
+            hold(op.size, made, max(read_at(r) for r in (i, *readers[i])))
             continue
         block = block_of.get(i)
         run = run_of.get(block) if block is not None else None
