@@ -228,3 +228,29 @@ def test_a_data_dependent_number_of_ops_is_named_with_its_remedy():
         capture(_ExpertsHit(), (torch.randn(16, 8),))
     message = str(info.value)
     assert "depend on the data" in message and "fixed range" in message
+
+
+class _Router(nn.Module):  # Mixtral's router: top-k weights normalized in place
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up = nn.Linear(8, 4), nn.Linear(8, 8)
+
+    def forward(self, x):
+        top, _ = torch.softmax(self.gate(x), dim=-1).topk(2, dim=-1)
+        top /= top.sum(dim=-1, keepdim=True)
+        return (self.up(x) * top.sum(-1, keepdim=True)).pow(2).mean()
+
+
+def test_backward_ops_no_gradient_reaches_run_where_they_are_read():
+    """The joint graph computes some backward ops from forward values alone (the router's
+    clone of its top-k weights) at the very start of the backward; eager autograd runs them in
+    the node that reads them, and so does the lowered order."""
+    captured = capture(_Router(), (torch.randn(16, 8),))
+    problem = lower(captured)
+    nodes = op_nodes(captured, problem)
+    tangents = set(captured.tangents)
+    first = nodes[problem.num_forward]
+    assert any(a.op == "placeholder" and a.name in tangents for a in first.all_input_nodes)
+    joint_backward = [n.name for n in captured.graph.nodes
+                      if n.name in {problem.ops[b].name for b in problem.backward}]
+    assert joint_backward[0] != first.name  # the joint graph did hoist one
