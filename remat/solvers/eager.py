@@ -72,6 +72,9 @@ class EagerBlocks:
     groups: tuple[tuple[int, ...], ...] = ()
     """ops cached together: the tensors of one eager op with several outputs (layer norm's
     output, mean and rstd), which the policy caches all or none of."""
+    python_backward: frozenset[int] = frozenset()
+    """backward ops of a backward written in Python (a custom autograd.Function's, BLOOM's
+    GeLU): their temporaries die at their last reader, not when the node returns."""
     unread_inputs: tuple[tuple[int, tuple[str, ...]], ...] = ()
     """(bytes, blocks) of a tensor the blocks are called with but never read (position ids):
     checkpoint keeps it from the first block's forward to the end of their backward."""
@@ -99,6 +102,7 @@ class EagerBlocks:
             forward_life={at(v): at(e) for v, e in self.forward_life.items()},
             state_bytes=self.state_bytes,
             groups=tuple(tuple(map(at, g)) for g in self.groups),
+            python_backward=frozenset(map(at, self.python_backward)),
             unread_inputs=self.unread_inputs)
 
 
@@ -255,8 +259,12 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
             continue
         if i >= nf:
             # An autograd node's formula holds its temporaries and its input gradient until
-            # it returns (RMSNorm's PowBackward0: x.pow(1), 2 * it and their product at once).
-            hold(op.size, made, max(read_at(r) for r in (i, *readers[i])))
+            # it returns (RMSNorm's PowBackward0: x.pow(1), 2 * it and their product at once);
+            # a backward written in Python frees its own temporaries as it goes.
+            python = i in blocks.python_backward
+            hold(op.size, made, max(
+                step_of[r] if python and node_end.get(r, r) == node_end.get(i, i)
+                else read_at(r) for r in (i, *readers[i])))
             continue
         block = block_of.get(i)
         run = run_of.get(block) if block is not None else None

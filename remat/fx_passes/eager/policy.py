@@ -152,8 +152,20 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
                          state_bytes=state_bytes(torch.device("cpu")) if cpu else 0,
                          packer=packer, cacheable=cacheable, groups=groups,
                          node_end=node_end, position=position, forward_life=forward_life,
+                         python_backward=_python_backward(problem, nodes),
                          unread_inputs=unread)
     return blocks, policies
+
+
+def _python_backward(problem: Problem, nodes: list[fx.Node]) -> frozenset[int]:
+    """Backward ops traced from a backward written in Python (a custom autograd.Function's):
+    AOTAutograd tags the ops of the C++ derivative formulas ``autograd_backward``; an op of
+    an autograd node without the tag ran the node's Python code. Empty where no op carries
+    the tag (a torch that does not set it)."""
+    backward = [b for b in problem.backward if nodes[b].meta.get("seq_nr") is not None]
+    if not any(nodes[b].meta.get("autograd_backward") for b in backward):
+        return frozenset()
+    return frozenset(b for b in backward if not nodes[b].meta.get("autograd_backward"))
 
 
 def _run_name(path: str, call: int) -> str:
@@ -270,7 +282,8 @@ def eager_problem(problem: Problem, nodes: list[fx.Node], device: str) -> Proble
     graph's: no generator snapshots (checkpoint keeps the state, `EagerBlocks.state_bytes`),
     a dropout that draws nothing returns its input (a view of it, here); on the CPU
     a dropout's mask is its noise tensor, in the input's dtype, and its backward a plain
-    product with it (no scratch)."""
+    product with it (no scratch); a Python number an op takes as a tensor is one (8 bytes)
+    while the op runs."""
     index = {n: i for i, n in enumerate(nodes)}
     ops = list(problem.ops)
     for v, node in enumerate(nodes):
@@ -284,6 +297,11 @@ def eager_problem(problem: Problem, nodes: list[fx.Node], device: str) -> Proble
     for v, node in enumerate(nodes):
         if device.startswith("cuda"):
             break
+        if getattr(node.target, "_overloadname", "") == "Tensor":
+            # A Python number where the op takes a tensor (``x * 0.5``) is wrapped by eager
+            # PyTorch in an 8-byte tensor for the op's duration (the graph keeps the number).
+            numbers = sum(isinstance(a, (int, float)) for a in node.args)
+            ops[v] = replace(ops[v], temp=ops[v].temp + 8 * numbers)
         if str(node.target) == "aten.native_dropout_backward.default":
             # Eager's is MulBackward0, the gradient times the saved noise; the joint graph's
             # kernel first makes a float copy of its boolean mask (its measured scratch).
