@@ -1,6 +1,7 @@
 """Planning time and memory as Llama-style models grow: a column per phase, a row per model.
 
-    python benchmarks/scale.py                       # 15 s a solve, stopping at a proven 1 % gap
+    python benchmarks/scale.py                       # the solver's defaults (limits by size)
+    python benchmarks/scale.py --models 7b 70b --load 2 # beside 2 busy processes
     python benchmarks/scale.py --models 7b 70b --time-limit 30 --relative-gap 0
     python benchmarks/scale.py --models 8L --no-replicate      # the full trace, for comparison
 
@@ -100,6 +101,8 @@ def measure(name: str, *, solver: str, time_limit: float, relative_gap: float, r
     if prepare_only:
         return row
     options = SolverOptions(time_limit=time_limit, relative_gap=relative_gap)
+    sized = options.by_size(len(prepared.problem))
+    row["limit"] = f"{sized.time_limit:g} s, {sized.relative_gap:.0%}"
     activations = None
     if budget is None:  # a share of the save-all peak (the budget's choice, not timed)
         save_all = simulate(prepared.problem, make_schedule(prepared.problem, [])).peak
@@ -119,6 +122,8 @@ def measure(name: str, *, solver: str, time_limit: float, relative_gap: float, r
         return row
     done("solve", time.perf_counter() - mark)
     row["status"] = plan.status.value
+    repeatable = plan.schedule.info.get("deterministic")
+    row["repeatable"] = "-" if repeatable is None else "yes" if repeatable is True else "cut"
     row["gap"] = plan.gap
     row["peak"] = format_size(plan.peak)
     mark = time.perf_counter()
@@ -134,8 +139,11 @@ def measure(name: str, *, solver: str, time_limit: float, relative_gap: float, r
 
 def _run_child(name: str, args) -> dict:
     command = [sys.executable, __file__, "--child", name, "--solver", args.solver,
-               "--time-limit", str(args.time_limit), "--relative-gap", str(args.relative_gap),
                "--fraction", str(args.fraction)]
+    if args.time_limit is not None:
+        command += ["--time-limit", str(args.time_limit)]
+    if args.relative_gap is not None:
+        command += ["--relative-gap", str(args.relative_gap)]
     command += ["--no-replicate"] * args.no_replicate + ["--prepare-only"] * args.prepare_only
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -156,19 +164,22 @@ def table(rows: list[dict]) -> str:
     body = []
     for r in rows:
         total = sum(r.get(p) or 0.0 for p in PHASES) if "capture" in r else None
+        limit = r.get("limit", "-")
+        solve = r.get("solve")
+        wall = "-" if solve is None else f"{solve:.1f}/{limit.split()[0]}"
         body.append([r["model"], cell(r, "layers", str), cell(r, "ops", lambda v: f"{v:,}"),
-                     r.get("budget", "-"),
+                     r.get("budget", "-"), limit, wall,
                      *(cell(r, p, lambda v, p=p: f"{v:.2f} ({r[p + ' cpu']:.2f})")
                        for p in PHASES),
                      cell({"t": total}, "t", lambda v: f"{v:.1f}"),
                      cell(r, "cpu", lambda v: f"{v:.1f}"),
                      cell(r, "import", lambda v: f"{v:.1f}"),
                      cell(r, "rss", lambda v: f"{v:.2f}"), r.get("status", "-"),
-                     cell(r, "gap", lambda v: f"{v:.1%}"), r.get("peak", "-"),
-                     r.get("note", "")])
-    headers = ["model", "layers", "ops", "budget", *(f"{p} s (cpu)" for p in PHASES), "total s",
-               "cpu s", "import s",
-               "RSS GiB", "status", "gap", "peak", "note"]
+                     cell(r, "gap", lambda v: f"{v:.1%}"), r.get("repeatable", "-"),
+                     r.get("peak", "-"), r.get("note", "")])
+    headers = ["model", "layers", "ops", "budget", "limit", "solve/limit",
+               *(f"{p} s (cpu)" for p in PHASES), "total s", "cpu s", "import s",
+               "RSS GiB", "status", "gap", "repeatable", "peak", "note"]
     return tabulate(body, headers=headers, disable_numparse=True)
 
 
@@ -176,10 +187,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--solver", default="optimal", help="a remat.solvers.Strategy value")
-    parser.add_argument("--time-limit", type=float, default=15.0,
-                        help="seconds the solver may take per model")
-    parser.add_argument("--relative-gap", type=float, default=0.01,
-                        help="stop once the plan is proven within this share of the optimum")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds the solver may take per model (default: the solver's, "
+                             "chosen by problem size)")
+    parser.add_argument("--relative-gap", type=float, default=None,
+                        help="stop once the plan is proven within this share of the optimum "
+                             "(default: the solver's, by problem size)")
+    parser.add_argument("--load", type=int, default=0,
+                        help="busy processes (spin loops) to run beside the models")
     parser.add_argument("--no-replicate", action="store_true",
                         help="trace every block (the capture before replication)")
     parser.add_argument("--fraction", type=float, default=0.6,
@@ -194,14 +209,21 @@ def main(argv=None) -> int:
                                  replicate=not args.no_replicate, fraction=args.fraction,
                                  prepare_only=args.prepare_only)))
         return 0
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _load import busy
+
     rows = []
-    for name in args.models:
-        rows.append(_run_child(name, args))
-        print(f"{name}: done", file=sys.stderr, flush=True)
-    print(f"solver {args.solver}, time limit {args.time_limit:g} s, relative gap "
-          f"{args.relative_gap:g}, "
+    with busy(args.load):
+        for name in args.models:
+            rows.append(_run_child(name, args))
+            print(f"{name}: done", file=sys.stderr, flush=True)
+        load = os.getloadavg()[0]
+    limits = ("the solver's default limits (by problem size)" if args.time_limit is None
+              and args.relative_gap is None else
+              f"time limit {args.time_limit}, relative gap {args.relative_gap}")
+    print(f"solver {args.solver}, {limits}, "
           f"{'full trace' if args.no_replicate else 'replicated capture'}, "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+          f"{os.cpu_count()} CPUs, {args.load} busy processes beside, load average {load:.1f}")
     print(table(rows))
     return 0
 

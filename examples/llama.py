@@ -85,7 +85,7 @@ class Attention(nn.Module):
         gqa = {"enable_gqa": True} if self.kv_heads != self.heads else {}
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                            v.transpose(1, 2), is_causal=True, **gqa)
-        return self.wo(y.transpose(1, 2).reshape(b, s, h))
+        return self.wo(y.transpose(1, 2).reshape(b, s, -1))  # -1: h / N under tensor parallel
 
 
 class SwiGLU(nn.Module):

@@ -5,6 +5,8 @@ stays importable without torch.
 """
 from remat.errors import BudgetError, CaptureError, RematError, SolverError
 
+__version__ = "0.1.0"
+
 _LAZY = {
     "optimize": "remat.planner.optimize",
     "Plan": "remat.planner.plan",
@@ -13,6 +15,9 @@ _LAZY = {
     "max_batch": "remat.planner.sweep",
     "parse_size": "remat.planner.budget",
     "compile_blocks": "remat.planner.block_compile",
+    "load_plan": "remat.planner.plan_load",
+    "broadcast_plan": "remat.planner.broadcast",
+    "for_trainer": "remat.planner.hf",
 }
 
 __all__ = ["BudgetError", "CaptureError", "RematError", "SolverError", *_LAZY]

@@ -35,6 +35,23 @@ def test_json_round_trips(tmp_path, capsys):
     assert "Memory of one step" in printed and f"plan written to {out}" in printed
 
 
+def test_out_writes_a_plan_file_that_loads(tmp_path, capsys):
+    import remat
+    from tests.models import gpt
+
+    figures, plan_file = tmp_path / "plan.json", tmp_path / "plan.remat.json"
+    code = main(["-q", "plan", "tests.models:gpt", "--activation-budget", "2MB",
+                 "--solver", "checkpoint_blocks", "--json", str(figures),
+                 "--out", str(plan_file)])
+    assert code == 0
+    assert f"plan file written to {plan_file}" in capsys.readouterr().out
+    model, _ = gpt()
+    loaded = remat.load_plan(plan_file, model)
+    # The loaded plan is the printed one: its figures, schedule and report, unsolved.
+    assert loaded.to_dict() == json.loads(figures.read_text())["plan"]
+    assert loaded.schedule.strategy == "checkpoint_blocks" and loaded.recompute_flops > 0
+
+
 def test_sweep_and_plot(tmp_path, capsys):
     png = tmp_path / "curve.png"
     code = main(["-q", "plan", "tests.models:gpt", "--budget", "1.2GiB", "--solver",

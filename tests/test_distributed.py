@@ -76,6 +76,9 @@ def _train(model, rank: int, wrap, measure: bool = False):
         # An FSDP2 flat buffer from the last step, held by a reference cycle, sometimes
         # outlived it on rank 0 (16-50 KB in full-suite runs): collect it first.
         gc.collect()
+        # Both ranks start the reading together: a rank that waits in a collective for a
+        # slower one holds gloo's buffers longer (+24,704 B once on rank 1 at load).
+        dist.barrier()
         torch.manual_seed(7)
         peaks.append(allocator_peak(lambda: model(*inputs).backward())[0])
         opt.zero_grad()

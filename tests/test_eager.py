@@ -19,6 +19,7 @@ from remat.fx_passes.eager.block_policy import with_cache
 from remat.planner.eager_plan import plan_eager_mode
 from remat.planner.prepare import prepare
 from remat.solvers import SolverOptions, Strategy
+from remat.solvers.schedule import Status
 from remat.solvers.eager import block_runs, eager_schedule
 from examples.llama import LLAMA_TEST, tiny_llama
 
@@ -68,6 +69,10 @@ def test_eager_plan_gradients_equal_eager_and_peak_matches_allocator(llama, frac
     plan = plan_at(llama, budget)
     assert plan.activation_peak <= budget
     assert plan.schedule.info["execution"] == "eager"
+    # The exact eager search answers with what it proved: a bound and a gap. Whether it also
+    # closes the gap within the time limit depends on the machine's load, so it is not
+    # asserted here; tests/test_eager_exact.py checks optimality against brute force.
+    assert plan.status in (Status.OPTIMAL, Status.FEASIBLE)
     mine = plan.apply(copy.deepcopy(model))
     measured, loss = allocator_peak(lambda: step(mine, inputs))
     # Dropout is on: equal gradients mean checkpoint replayed the same masks.
@@ -182,6 +187,7 @@ def test_hugging_face_gpt2_trains_like_eager_and_refuses_a_kv_cache():
     everything = plan(activation_budget=10**9).activation_peak
     plan = plan(activation_budget=int(0.8 * everything))
     assert plan.schedule.recomputed  # the checkpoints run ops again
+    assert plan.status is Status.HEURISTIC  # a baseline's seed, repaired: nothing proven
     cached = copy.deepcopy(model)
     cached.model.config.use_cache = True
     with pytest.raises(RematError, match="use_cache"):

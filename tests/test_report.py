@@ -71,6 +71,33 @@ def test_report_numbers_are_the_plans(plan):
         assert heading in text
 
 
+def test_report_states_the_limits_the_solver_ran_under(model_inputs, prepared, plan):
+    """Given limits are stated as given; with no options, the limits chosen by the problem's
+    size (`SolverOptions.by_size`) are stated; a deterministic plan says whether it repeats."""
+    given = plan.report().solver
+    assert (given.time_limit, given.limits) == (20, "relative gap chosen by problem size")
+    model, _ = model_inputs
+    default = plan_prepared(model, prepared, budget=None,
+                            activation_budget=between_baselines(prepared), target="h100")
+    summary = default.report().solver
+    chosen = SolverOptions().by_size(len(prepared.problem))
+    assert (summary.time_limit, summary.relative_gap) == (chosen.time_limit,
+                                                          chosen.relative_gap)
+    assert summary.limits == "chosen by problem size"
+    text = default.report().render()
+    assert f"{chosen.time_limit:g} s, {100 * chosen.relative_gap:g} % (chosen by problem size)" \
+        in text
+    assert summary.deterministic is None and "repeatable" not in text  # wall-clock mode
+    repeatable = plan_prepared(model, prepared, budget=None,
+                               activation_budget=between_baselines(prepared), target="h100",
+                               solver_options=SolverOptions(deterministic=True))
+    text = repeatable.report().render()
+    if repeatable.report().solver.deterministic is True:
+        assert "the same plan in any process" in text
+    else:  # the wall clock cut it (a loaded machine): the report says the plan may differ
+        assert "may differ from run to run" in text
+
+
 def test_report_words_say_what_the_numbers_are(plan):
     text = plan.report().render()
     # "saved" means kept for the backward (PyTorch's word): the recomputed bytes are avoided.

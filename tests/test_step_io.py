@@ -149,9 +149,11 @@ def test_the_plan_states_its_mode_and_refuses_the_other():
     plan = optimize(model, activation_budget="1MB", example_inputs=(x, y), solver="save_all")
     assert plan.training_mode == "train" and plan.to_dict()["mode"] == "train"
     model.eval()
+    out = plan.module(x, y)  # evaluation in the other mode runs the model itself ...
+    assert torch.equal(out["loss"], model(x, y)["loss"])
     with pytest.raises(RematError, match=r"^planned in train mode, but the model is in eval "
                                          r"mode now; call model.train\(\)"):
-        plan.module(x, y)
+        out["loss"].backward()  # ... but training on it without the plan is refused
     model.train()
     plan.module(x, y)["loss"].backward()  # back in the planned mode, it runs
     eval_plan = optimize(model.eval(), activation_budget="1MB", example_inputs=(x, y),

@@ -120,19 +120,25 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--solver", default="optimal", choices=[s.value for s in Strategy],
                       metavar="SOLVER", help="strategy: "
                       f"{', '.join(s.value for s in Strategy)} (default optimal)")
-    plan.add_argument("--time-limit", type=float, default=60.0, help="seconds per solve")
+    plan.add_argument("--time-limit", type=float, default=None,
+                      help="seconds per solve (default: chosen by the problem's size)")
     plan.add_argument("--objective", choices=("time", "flops"), default="time",
                       help="minimize recompute time on --target (default) or recompute FLOPs")
     plan.add_argument("--sweep", action="store_true",
                       help="also the trade-off curve: one plan per budget")
     plan.add_argument("--budgets", help="budgets of the sweep, comma-separated (default: eight "
                                         "from checkpoint-every-block's peak to save-all's)")
-    plan.add_argument("--json", metavar="FILE", help="write the plan (and sweep) as JSON")
+    plan.add_argument("--json", metavar="FILE", help="write the plan's figures and report "
+                                                     "(and the sweep) as JSON, for tools")
+    plan.add_argument("--out", metavar="FILE", help="write the plan as a plan file, which "
+                                                    "remat.load_plan(FILE, model) loads "
+                                                    "onto the model without solving")
     plan.add_argument("--plot", metavar="FILE", help="with --sweep: a PNG of the curve")
 
     demo = sub.add_parser("demo", help="plan a 7B model on meta tensors for an 80 GB device, "
                                        "then plan and run one step of a small GPT on the CPU")
-    demo.add_argument("--time-limit", type=float, default=15.0, help="seconds per solve")
+    demo.add_argument("--time-limit", type=float, default=None,
+                      help="seconds per solve (default: chosen by the problem's size)")
     return parser
 
 
@@ -185,6 +191,9 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
         print(f"plan written to {args.json}")
+    if args.out:
+        plan.save(args.out)
+        print(f"plan file written to {args.out}: remat.load_plan({args.out!r}, model)")
     return 0
 
 

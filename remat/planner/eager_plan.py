@@ -4,13 +4,17 @@ model's blocks in place.
 
 The plan is made for what the eager mode holds (`remat.solvers.eager`): the exact solver's
 plan for the compiled mode is one seed among others (checkpoint every block whole, cache
-everything cacheable), each repaired until its eager peak fits and improved while it does.
+everything cacheable), each repaired until its eager peak fits and improved while it does;
+with the `optimal` strategy, that policy hints the exact search over the eager timeline
+(`remat.solvers.cpsat.eager_search`), whose plan is OPTIMAL or FEASIBLE with a proven gap.
+`SolverOptions.time_limit` bounds the three together.
 """
 from __future__ import annotations
 
 import dataclasses
 
 import logging
+import time
 from typing import Any, Sequence
 
 from remat.errors import BudgetError, RematError, SolverError
@@ -21,10 +25,19 @@ from remat.planner.prepare import (cache_configs, check_eager_device, check_same
                                    has_meta_weights, shard_step)
 from remat.solvers import SolverOptions, Strategy, solve
 from remat.solvers.baselines import block_of
-from remat.solvers.eager import eager_schedule, plan_eager
+from remat.solvers.cpsat.eager_search import optimal_eager
+from remat.solvers.deadline import Deadline
+from remat.solvers.eager import cheapest_prefix, eager_schedule, plan_eager
 from remat.solvers.objective import with_objective
 
 log = logging.getLogger(__name__)
+
+# Shares of the time limit: the compiled plan that seeds the heuristic, and the heuristic
+# (whose plan hints the exact eager search, which has the rest).
+# (T5, 274 cacheable ops: the exact search proved halfway budgets within 1.3 % in 8 s, and
+# stayed at 54 % with the 6 s that shares of 0.25 and 0.15 left it.)
+COMPILED_SEED_SHARE = 0.1
+HEURISTIC_SHARE = 0.15
 
 
 class EagerPlan(Plan):
@@ -46,11 +59,34 @@ class EagerPlan(Plan):
     @property
     def block_policies(self) -> dict:
         """Each block's policy (picklable): plan on one rank, send these to the others and
-        call `remat.fx_passes.eager.apply.apply_eager(model, policies)` there."""
+        call `remat.fx_passes.eager.apply.apply_eager(model, policies)` there. For a plan made
+        for a range of shapes, each block's policy per bucket with the planned call's checks
+        (`guarded_policies`)."""
+        return self._plain_policies() if self.shapes is None else self.guarded_policies
+
+    def _plain_policies(self) -> dict:
         from remat.fx_passes.eager.block_policy import with_cache
 
         cached = frozenset(self.to_graph[v] for v in self.schedule.info["cached"])
-        return {p: with_cache(pol, cached) for p, pol in self.policies.items()}
+        mode = self.prepared.captured.training  # a block in the other mode runs plainly
+        return {p: dataclasses.replace(with_cache(pol, cached), training=mode)
+                for p, pol in self.policies.items()}
+
+    @property
+    def guarded_policies(self) -> dict:
+        """Each block's policy for each bucket of the planned shapes, with the planned call's
+        spec: `apply_eager` then checks every training call before it runs
+        (remat.fx_passes.eager.call_guard)."""
+        from remat.fx_passes.eager.call_guard import GuardedPolicy
+        from remat.fx_passes.eager.runs import module_path
+
+        plans = self.shapes.plans if self.shapes is not None else {None: self}
+        tables = {bucket: plan._plain_policies() for bucket, plan in plans.items()}
+        spec = dataclasses.replace(self.prepared.call_spec, scalars_free=True)
+        # A run of a shared module (``path#k``) is guarded as the module it runs.
+        return {name: GuardedPolicy(module_path(name),
+                                    tuple((b, t[name]) for b, t in tables.items()), spec)
+                for name in self.policies}
 
     def apply(self, model: Any):
         from remat.fx_passes.eager.apply import apply_eager
@@ -61,12 +97,18 @@ class EagerPlan(Plan):
                              "meta or fake tensors: load or initialize the weights first")
         check_eager_device(model, self.prepared.captured.device)
         check_no_cache(model)
-        return apply_eager(model, self.block_policies)
+        policies = (self._plain_policies() if self.prepared.call_spec is None
+                    else self.guarded_policies)
+        return apply_eager(model, policies)
 
     def compile_blocks(self, model: Any, *, inductor: bool = False):
         """The plan applied by compiling each block with remat's partitioner (torchtitan's
         per-block compile) instead of wrapping it in checkpoint: see
         `remat.planner.block_compile.compile_blocks`."""
+        if self.shapes is not None:
+            raise RematError("compile_blocks compiles each block for the planned shapes only; "
+                             "a plan for a range of shapes (dynamic=) runs with "
+                             "plan.apply(model)")
         return compile_blocks(self, model, inductor=inductor)
 
 
@@ -74,19 +116,94 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
                     target: str, solver: Strategy | str, solver_options: SolverOptions | None,
                     blocks: Sequence[str] | None, example_inputs: Sequence[Any] | None = None,
                     example_kwargs: dict[str, Any] | None = None):
-    from remat.fx_passes.eager.policy import block_paths, eager_blocks, eager_problem
-    from remat.fx_passes.eager.probe import probe
-    from remat.fx_passes.lowering.lower import op_nodes
+    problem, structure, policies, to_graph = eager_structure(
+        model, prepared, blocks, example_inputs, example_kwargs)
+    strategy = Strategy(solver)
+    allowance = prepared.allowance(budget, activation_budget)
+    # Limits the caller left to None are chosen by the eager problem's size, as for compiled.
+    options = (solver_options or SolverOptions()).by_size(len(problem))
+    # One deadline for the eager solve: the compiled seed, the heuristic, the exact search.
+    deadline = Deadline(options.time_limit, clock=options.clock or time.perf_counter)
+    seeds: list[frozenset[int]] = [frozenset(), structure.cacheable]
+    try:
+        # Checkpoint recomputes each value at most once, in the backward: the single model's
+        # space is the one this seed is for.
+        single = dataclasses.replace(options, model="single",
+                                     time_limit=deadline.share(COMPILED_SEED_SHARE))
+        compiled = solve(problem, max(allowance, 0), strategy, single)
+        seeds.insert(0, compiled.saved)
+    except (BudgetError, SolverError) as e:
+        log.info("eager: no compiled-mode plan to start from (%s); seeding from baselines", e)
+    # The eager planner weighs ops by their cost under the objective (seconds, or FLOPs);
+    # the schedule it returns is then costed in seconds like every other.
+    costed = with_objective(problem, options.objective)
+    # First under the heuristic's deadline: the seed that a few evaluations find.
+    seeds.insert(0, cheapest_prefix(costed, structure, max(allowance, 0)))
+    try:
+        heuristic = plan_eager(costed, structure, max(allowance, 0), seeds,
+                               deadline.within(deadline.share(HEURISTIC_SHARE)))
+    except BudgetError as e:
+        if strategy is not Strategy.OPTIMAL:
+            raise budget_error_in_user_terms(prepared, e, budget=budget,
+                                             strategy=strategy) from None
+        heuristic = None
+    try:
+        if strategy is Strategy.OPTIMAL:  # exact over the eager timeline, from the heuristic
+            schedule = optimal_eager(problem, structure, max(allowance, 0), options,
+                                     hint=None if heuristic is None else heuristic.info["cached"],
+                                     deadline=deadline)
+        else:
+            schedule = eager_schedule(problem, structure, heuristic.info["cached"],
+                                      budget=max(allowance, 0))
+        if allowance < 0:
+            raise BudgetError("the state alone exceeds the budget", budget=allowance,
+                              smallest=schedule.peak)
+    except BudgetError as e:
+        raise budget_error_in_user_terms(prepared, e, budget=budget, strategy=strategy) from None
+    # schedule.peak is the eager timeline's (eager_schedule), so the terms are the eager step's.
+    memory = prepared.step_memory(schedule, budget)
+    log.info("eager plan: %d blocks, activation peak %s, recompute %.3g FLOPs", len(policies),
+             format_size(schedule.peak), schedule.recompute_flops)
+    return EagerPlan(model=model, prepared=prepared, schedule=schedule, memory=memory,
+                     target=target, solver=strategy, solver_options=solver_options,
+                     activation_budget=activation_budget, policies=policies,
+                     structure=structure, eager_problem=problem, to_graph=to_graph)
 
-    captured, joint = prepared.captured, prepared.sharded.graph
-    paths = block_paths(model, joint, blocks, block_of)
+
+def eager_structure(model: Any, prepared, blocks: Sequence[str] | None,
+                    example_inputs: Sequence[Any] | None = None,
+                    example_kwargs: dict[str, Any] | None = None):
+    """What the eager planner solves: the problem with eager's bytes (under ZeRO-2/3 with the
+    collectives), the blocks' structure, each block's policy, and for each op of the problem
+    the joint-graph op it is (None: a collective)."""
+    from remat.fx_passes.eager.policy import block_paths
+    from remat.fx_passes.tracing.call_checks import uncached_autocast
+    from remat.fx_passes.eager.probe import probe
+
+    paths = block_paths(model, prepared.sharded.graph, blocks, block_of)
     observed = None
     if example_inputs is not None and not prepared.meta_weights:
-        observed = probe(model, _as_tuple(example_inputs), paths, example_kwargs or {})
+        # As the applied blocks run: autocast casting each weight at each use (apply.py).
+        with uncached_autocast():
+            observed = probe(model, _as_tuple(example_inputs), paths, example_kwargs or {})
     else:
         log.info("eager: no weights to run the blocks with; their eager ops are derived from "
                  "the joint graph (plan.apply's run checks them)")
-    structure, policies = eager_blocks(captured, joint, paths, observed)
+    structure, policies, problem, to_graph = eager_step(prepared, paths, observed=observed)
+    return problem, structure, policies, to_graph
+
+
+
+
+def eager_step(prepared, paths: Sequence[str], *, observed=None, policies=None):
+    """(structure, policies, eager problem, its ops' joint-graph ops) of the eager step whose
+    blocks are `paths`: their policies `observed` by a probe, derived from the joint graph, or
+    given (a saved plan's, `remat.planner.plan_file`)."""
+    from remat.fx_passes.eager.policy import eager_blocks, eager_problem
+    from remat.fx_passes.lowering.lower import op_nodes
+
+    captured, joint = prepared.captured, prepared.sharded.graph
+    structure, policies = eager_blocks(captured, joint, paths, observed, policies=policies)
     # Checkpoint's recomputations run the graph's ops with eager's bytes; under ZeRO-2/3 the
     # collectives of FSDP2 are inserted among them as in the compiled mode (gathered
     # parameters, full gradients until their reduce-scatter), and the blocks renumbered.
@@ -97,38 +214,7 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
         problem, to_graph = sharded.problem, sharded.graph_index
         structure = structure.renumbered({g: i for i, g in enumerate(to_graph)
                                           if g is not None})
-    strategy = Strategy(solver)
-    allowance = prepared.allowance(budget, activation_budget)
-    seeds: list[frozenset[int]] = [frozenset(), structure.cacheable]
-    try:
-        # Checkpoint recomputes each value at most once, in the backward: the single model's
-        # space is the one this seed is for.
-        single = dataclasses.replace(solver_options or SolverOptions(), model="single")
-        compiled = solve(problem, max(allowance, 0), strategy, single)
-        seeds.insert(0, compiled.saved)
-    except (BudgetError, SolverError) as e:
-        log.info("eager: no compiled-mode plan to start from (%s); seeding from baselines", e)
-    # The eager planner weighs ops by their cost under the objective (seconds, or FLOPs);
-    # the schedule it returns is then costed in seconds like every other.
-    costed = with_objective(problem, (solver_options or SolverOptions()).objective)
-    try:
-        schedule = plan_eager(costed, structure, max(allowance, 0), seeds)
-        schedule = eager_schedule(problem, structure, schedule.info["cached"],
-                                  budget=max(allowance, 0))
-        if allowance < 0:
-            raise BudgetError("the state alone exceeds the budget", budget=allowance,
-                              smallest=schedule.peak)
-    except BudgetError as e:
-        raise budget_error_in_user_terms(prepared, e, budget=budget, strategy=strategy) from None
-    # schedule.peak is the eager timeline's (eager_schedule), so the terms are the eager step's.
-    memory = prepared.step_memory(schedule, budget)
-    log.info("eager plan: %d blocks, activation peak %s, recompute %.3g FLOPs", len(paths),
-             format_size(schedule.peak), schedule.recompute_flops)
-    return EagerPlan(model=model, prepared=prepared, schedule=schedule, memory=memory,
-                     target=target, solver=strategy, solver_options=solver_options,
-                     activation_budget=activation_budget, policies=policies,
-                     structure=structure, eager_problem=problem, to_graph=to_graph)
-
+    return structure, policies, problem, to_graph
 
 
 def check_no_cache(model: Any) -> None:
@@ -146,3 +232,4 @@ def check_no_cache(model: Any) -> None:
 
 def _as_tuple(inputs: Any) -> tuple:
     return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+

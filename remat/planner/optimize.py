@@ -13,6 +13,7 @@ from remat.planner.budget import parse_size
 from remat.planner.eager_plan import plan_eager_mode
 from remat.planner.plan import Plan, plan_prepared
 from remat.planner.prepare import prepare
+from remat.planner.shapes import plan_range
 from remat.planner.training import Training
 from remat.solvers import SolverOptions, Strategy
 
@@ -27,7 +28,8 @@ def optimize(model: Any, budget: int | str | None = None, *,
              solver_options: SolverOptions | None = None,
              loss_fn: Callable | None = None, returns: str = "output",
              execution: str = "compiled", blocks: Sequence[str] | None = None,
-             offload: bool = False) -> Plan:
+             offload: bool = False, dynamic: dict | None = None,
+             dynamic_dims: dict | None = None) -> Plan:
     """The plan of least recompute time (least FLOPs with ``SolverOptions(objective="flops")``)
     whose whole training step fits `budget` ("60GB",
     "60GiB", an int of bytes), or whose activations alone fit `activation_budget`; exactly one
@@ -46,7 +48,19 @@ def optimize(model: Any, budget: int | str | None = None, *,
     modules named in `blocks`) in place; see `remat.planner.eager_plan`. `offload=True` lets
     the plan keep saved values in host memory between the forward and the backward, costed by
     their bytes over the target's host link (`Device.host_link`) both ways (compiled execution;
-    the solver's rich model, `SolverOptions(model="rich"|"auto")`, decides)."""
+    the solver's rich model, `SolverOptions(model="rich"|"auto")`, decides).
+
+    `dynamic={"batch": (1, 8), "seq": (8, 128)}` plans one plan for every step whose sizes
+    lie in those ranges (both modes; `remat.planner.shapes`): "batch" is dimension 0 of every
+    tensor input and "seq" dimension 1 of those with two or more, unless `dynamic_dims`
+    (``{input: {dim: name}}``) says otherwise. The budget holds at every shape of the range;
+    a call outside it raises RematError before it runs. The example may have any sizes: it
+    is tiled or cut to each bucket's largest shape.
+
+    Every planned call is checked before it runs against what was planned (input names,
+    dtypes and shapes, the autocast state the step was traced under, parameters' requires_grad
+    and dtypes): what changed is named in a RematError. Under ``torch.autocast`` the plan is
+    made for the autocast graph and runs under the same autocast only."""
     if execution not in ("compiled", "eager"):
         raise ValueError(f"execution must be \"compiled\" or \"eager\", not {execution!r}")
     if blocks is not None and execution != "eager":
@@ -56,17 +70,29 @@ def optimize(model: Any, budget: int | str | None = None, *,
         raise ValueError("offload=True needs execution=\"compiled\": checkpoint's eager "
                          "recomputation has no host copies; plan compiled, or use "
                          "torch.autograd.graph.save_on_cpu yourself")
-    prepared = prepare(model, example_inputs, example_kwargs=example_kwargs, training=training,
-                       target=target, loss_fn=loss_fn, returns=returns)
-    if offload:
-        prepared = prepared.with_host_link(target_device(target).host_link)
-    if execution == "eager":
-        return plan_eager_mode(model, prepared, budget=whole, activation_budget=activations,
-                               target=target, solver=solver, solver_options=solver_options,
-                               blocks=blocks, example_inputs=example_inputs,
-                               example_kwargs=example_kwargs)
-    return plan_prepared(model, prepared, budget=whole, activation_budget=activations,
-                         target=target, solver=solver, solver_options=solver_options)
+
+    def plan_one(example_inputs, example_kwargs, shape_range=None) -> Plan:
+        prepared = prepare(model, example_inputs, example_kwargs=example_kwargs,
+                           training=training, target=target, loss_fn=loss_fn, returns=returns,
+                           shape_range=shape_range)
+        if offload:
+            prepared = prepared.with_host_link(target_device(target).host_link)
+        if execution == "eager":
+            return plan_eager_mode(model, prepared, budget=whole, activation_budget=activations,
+                                   target=target, solver=solver, solver_options=solver_options,
+                                   blocks=blocks, example_inputs=example_inputs,
+                                   example_kwargs=example_kwargs)
+        return plan_prepared(model, prepared, budget=whole, activation_budget=activations,
+                             target=target, solver=solver, solver_options=solver_options)
+
+    if dynamic is None:
+        if dynamic_dims is not None:
+            raise ValueError("dynamic_dims= names the input dimensions of the sizes in dynamic=")
+        return plan_one(example_inputs, example_kwargs)
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
+        else (example_inputs,)
+    return plan_range(model, dynamic, dynamic_dims, args, dict(example_kwargs or {}), plan_one,
+                      execution)
 
 
 def _one_budget(budget, activation_budget) -> tuple[int | None, int | None]:

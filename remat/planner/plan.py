@@ -41,6 +41,8 @@ class Plan:
         self.memory = memory
         self.target = target
         self.solver_options = solver_options
+        self.shapes = None
+        """remat.planner.shapes.RangePlans for a plan made for a range of shapes (dynamic=)."""
 
     # -- the numbers
     @property
@@ -77,7 +79,8 @@ class Plan:
     @property
     def training_mode(self) -> str:
         """"train" or "eval": the mode the model was in when planned. Dropout and BatchNorm
-        make other graphs in the other mode; the planned module refuses to run in it."""
+        make other graphs in the other mode: there the planned module runs the model itself, and
+        refuses a backward through its output."""
         return "train" if self.prepared.captured.training else "eval"
 
     # -- running it
@@ -116,15 +119,24 @@ class Plan:
         from remat.fx_passes.lowering.sharding import project
 
         sharded = plan.prepared.sharded
+        buckets = None if self.shapes is None else {
+            bucket: (p.prepared.sharded.graph, project(p.prepared.sharded, p.schedule))
+            for bucket, p in self.shapes.plans.items()}
         return planned_module(model, sharded.graph, project(sharded, plan.schedule),
                               loss_fn=self.prepared.loss_fn, returns=self.prepared.returns,
-                              training=self.prepared.captured.training)
+                              training=self.prepared.captured.training,
+                              call_spec=self.prepared.call_spec, buckets=buckets)
 
     def _replan(self, model: Any, where: str) -> "Plan":
         """The same plan made on the graph `model`'s device produces: PyTorch picks kernels by
         device (attention on a CPU is another op than on meta), so the schedule of one graph
         cannot run on the other."""
         import torch
+
+        if self.shapes is not None:
+            raise RematError(f"the plan for a range of shapes was made on "
+                             f"{self.prepared.captured.device} tensors and the model is on "
+                             f"{where}: plan it on the device it trains on")
 
         def make(spec):
             if isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], torch.dtype):
@@ -164,6 +176,8 @@ class Plan:
         if self.memory.budget is None:
             notes.append("only the activations were bounded (activation_budget=); the totals "
                          "add the configured state")
+        if self.shapes is not None:
+            notes.extend(self.shapes.notes())
         captured = prepared.captured
         title = (f"remat plan for {captured.model_name} in {self.training_mode} mode: "
                  f"{prepared.state.parameters:,} parameters, inputs {captured.input_shapes}, "
@@ -185,7 +199,27 @@ class Plan:
                 "mode": self.training_mode,
                 "memory": self.memory.to_dict(),
                 "schedule": self.schedule.to_dict(self.problem),
-                "report": self.report().to_dict()}
+                "report": self.report().to_dict(),
+                **({} if self.shapes is None else {"shapes": self.shapes.to_dict()})}
+
+    def save(self, path) -> None:
+        """Write the plan to `path` as a JSON plan file (`remat.planner.plan_file`), which
+        ``remat.load_plan(path, model)`` makes a plan again on the model, without solving."""
+        from remat.planner.plan_file import save
+
+        if self.shapes is not None:
+            raise RematError("plan.save: a plan file holds a plan for fixed shapes; a plan for "
+                             f"a range of shapes ({self.shapes.shape_range}) is made by "
+                             "remat.optimize(..., dynamic=...) on each run")
+        save(self, path)
+
+    def __reduce_ex__(self, protocol):
+        # The plan holds the model and its captured graph (fake tensors, fx code), which
+        # pickle cannot carry; a file holds what makes the plan again on a model.
+        raise TypeError("a remat Plan cannot be pickled: it holds its model and the captured "
+                        "graph. Save it with plan.save(path) and load it onto the model with "
+                        "remat.load_plan(path, model), or send it to other ranks with "
+                        "remat.broadcast_plan; plan.schedule pickles")
 
     def __repr__(self) -> str:
         budget = "" if self.memory.budget is None else f" of {format_size(self.memory.budget)}"

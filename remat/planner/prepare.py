@@ -55,6 +55,11 @@ class Prepared:
     prepare_time: float = 0.0
     sharded: Any = None
     """remat.fx_passes.lowering.sharding.Sharded: `problem` and the graph problem the rewrite runs."""
+    call_spec: Any = None
+    """remat.fx_passes.tracing.call_checks.CallSpec: what a training call of the plan must be."""
+    range_proof: Any = None
+    """remat.fx_passes.lowering.shape_bound.RangeProof, for a step traced for a range of
+    shapes: how its problem bounds every shape of the range."""
 
     def with_host_link(self, bandwidth: float) -> "Prepared":
         """The same step, with saved values allowed to live in host memory between the forward
@@ -101,30 +106,43 @@ def prepare(model: Any, example_inputs: Sequence[Any] = (), *,
             example_kwargs: dict[str, Any] | None = None, training: Training = Training(),
             target: str = "h100", loss_fn: Callable | None = None,
             returns: str = "output", replicate: bool | None = None,
-            progress: Callable[[str, float], None] | None = None) -> Prepared:
+            progress: Callable[[str, float], None] | None = None,
+            shape_range: Any = None) -> Prepared:
     """Capture, profile and lower the step once; compute the state it holds. `replicate`
     traces three blocks of a stack of equal ones and replicates the middle one
     (remat.fx_passes.tracing.replicate): the same problem in a fraction of the time, for planning;
     None: when the weights are meta or fake (a plan that cannot run as it is).
-    `progress(phase, seconds)` hears of each phase as it ends."""
+    `progress(phase, seconds)` hears of each phase as it ends. `shape_range`
+    (remat.fx_passes.tracing.dynamic.ShapeRange): trace the step for the bucket of this range
+    that the example inputs are the largest shape of, its sizes symbolic, and bound the
+    problem over the bucket (remat.fx_passes.lowering.shape_bound)."""
+    from remat.fx_passes.lowering.lower import lower
+    from remat.fx_passes.lowering.shape_bound import bound_range
+    from remat.fx_passes.measuring.profile import profile
+    from remat.fx_passes.tracing.call_checks import CallSpec
     from remat.fx_passes.tracing.capture import capture
     from remat.fx_passes.tracing.replicate import capture_replicated
-    from remat.fx_passes.lowering.lower import lower
-    from remat.fx_passes.measuring.profile import profile
 
     start = time.perf_counter()
     log.info("capturing the training step of %s", type(model).__name__)
     if replicate is None:
         replicate = has_meta_weights(model)
+    if shape_range is not None and replicate:
+        raise RematError("a range of shapes is traced whole: replicate=True cannot serve it")
+    ranged = {} if shape_range is None else {"shape_range": shape_range}
     captured = (capture_replicated if replicate else capture)(
-        model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn, returns=returns)
+        model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn, returns=returns,
+        **ranged)
     done = progress or (lambda phase, seconds: None)
     done("capture", captured.capture_time)
     log.info("profiling %d nodes for %s", len(captured.graph.nodes), target)
     profiled = profile(captured, target=target)
     done("profile", profiled.profile_time)
     lowering = time.perf_counter()
-    sharded = shard_step(lower(captured), captured, training)
+    lowered, proof = lower(captured), None
+    if captured.shape_range is not None:
+        lowered, proof = bound_range(lowered, captured)
+    sharded = shard_step(lowered, captured, training)
     problem = sharded.problem
     done("lower", time.perf_counter() - lowering)
     log.info("lowered to %d ops (%d forward), %d candidates", len(problem),
@@ -139,7 +157,10 @@ def prepare(model: Any, example_inputs: Sequence[Any] = (), *,
                     param_shapes=_param_shapes(model), loss_fn=loss_fn,
                     meta_weights=has_meta_weights(model), inputs=_input_specs(example_inputs),
                     kwargs={k: _input_specs((v,))[0] for k, v in (example_kwargs or {}).items()},
-                    returns=returns, prepare_time=time.perf_counter() - start)
+                    returns=returns, prepare_time=time.perf_counter() - start,
+                    call_spec=CallSpec.of(model, _as_tuple(example_inputs), example_kwargs or {},
+                                          captured.shape_range, captured.autocast),
+                    range_proof=proof)
 
 
 def shard_step(problem: Any, captured: Any, training: Training):
@@ -218,6 +239,10 @@ def has_meta_weights(model: Any) -> bool:
 def device_of(model: Any) -> str:
     return str(next(iter(model.parameters())).device) if any(True for _ in
                                                             model.parameters()) else ""
+
+
+def _as_tuple(inputs: Any) -> tuple:
+    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
 def _input_specs(example_inputs: Sequence[Any]) -> tuple:

@@ -125,6 +125,16 @@ class SolverSummary:
     "auto" the status, bound and gap are over the rich space."""
     single_status: str = ""
     """Under "auto": the single model's own status (over its smaller space)."""
+    time_limit: float | None = None
+    """The time limit the solver ran under (seconds; None for a strategy without one)."""
+    relative_gap: float | None = None
+    """The relative gap at which it could stop (0: it proves optimality or runs to the limit)."""
+    limits: str = ""
+    """Who chose those two: "chosen by problem size" (`SolverOptions`' defaults, `by_size`) or
+    "given" (the caller's options)."""
+    deterministic: bool | str | None = None
+    """True when the plan came from deterministic mode uncut (the same in any process), a
+    sentence when the wall-clock limit cut it, None in wall-clock mode."""
 
     @staticmethod
     def of(schedule: Schedule) -> "SolverSummary":
@@ -135,7 +145,11 @@ class SolverSummary:
                              minimized=schedule.info.get("objective", "time"),
                              bound_from=schedule.info.get("bound_from", ""),
                              model=schedule.info.get("model", ""),
-                             single_status=single.get("status", ""))
+                             single_status=single.get("status", ""),
+                             time_limit=schedule.info.get("time_limit"),
+                             relative_gap=schedule.info.get("relative_gap"),
+                             limits=schedule.info.get("limits", ""),
+                             deterministic=schedule.info.get("deterministic"))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -348,6 +362,12 @@ def _solver_table(s: SolverSummary) -> str:
                                               "in its own space)" if s.single_status else "")]]
               if s.model else []),
             ["solve time", f"{s.time:.2f} s"],
+            *([["time limit, relative gap", f"{s.time_limit:g} s, {100 * s.relative_gap:g} %"
+                + (f" ({s.limits})" if s.limits else "")]]
+              if s.time_limit is not None and s.relative_gap is not None else []),
+            *([["repeatable", "yes: deterministic mode, the same plan in any process"
+                if s.deterministic is True else f"no: {s.deterministic}"]]
+              if s.deterministic is not None else []),
             ["simulated-peak allowance", format_size(s.activation_budget)]]
     return tabulate(rows, disable_numparse=True)
 

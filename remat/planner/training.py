@@ -209,7 +209,8 @@ class StateMemory:
 
 def named_shapes(params: Any) -> list[tuple[str, tuple[int, ...], Any]]:
     """(name, shape, the parameter or None) for a module, (name, tensor) or (name, shape) pairs,
-    or a bare list of shapes."""
+    or a bare list of shapes. A DTensor parameter (tensor parallel) counts as its local shard,
+    what its placements leave this rank."""
     if hasattr(params, "named_parameters"):
         params = params.named_parameters()
     out = []
@@ -218,6 +219,8 @@ def named_shapes(params: Any) -> list[tuple[str, tuple[int, ...], Any]]:
             name, p = item
         else:
             name, p = f"param{i}", item
+        if hasattr(p, "to_local"):  # a DTensor (tensor parallel): this rank's shard
+            p = p.to_local()
         shape = tuple(p.shape) if hasattr(p, "shape") else tuple(p)
         out.append((name, tuple(int(d) for d in shape), p if hasattr(p, "shape") else None))
     return out

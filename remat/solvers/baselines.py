@@ -1,6 +1,7 @@
 """The baselines: small, predictable strategies that the exact solver must never lose to.
 
-Each has the signature of every strategy, `(problem, budget, options) -> Schedule`, places
+Each has the signature of every strategy, `(problem, budget, options) -> Schedule` (the prefix
+searches take the exact solver's `deadline` too, and stop at it), places
 its recomputations just before their first use (the execution model's default), and raises
 BudgetError with its own smallest peak when its schedule does not fit.
 """
@@ -10,6 +11,7 @@ import math
 
 from remat.errors import BudgetError
 from remat.solvers.blocks import block_of
+from remat.solvers.deadline import Deadline
 from remat.solvers.options import SolverOptions
 from remat.solvers.peak_meter import PeakMeter
 from remat.solvers.problem import Problem, tuple_of
@@ -94,7 +96,7 @@ def does_flops(problem: Problem, v: int) -> bool:
 
 
 def _cheapest_prefix(problem: Problem, order: list[int], budget: int,
-                     strategy: Strategy) -> Schedule:
+                     strategy: Strategy, deadline: Deadline | None = None) -> Schedule:
     """The cheapest fitting schedule that recomputes a prefix of `order`, as few as fit.
 
     A longer prefix costs more but does not always peak lower: recomputing everything puts
@@ -102,11 +104,13 @@ def _cheapest_prefix(problem: Problem, order: list[int], budget: int,
     everything. So the search scans prefix lengths on a grid, then bisects below the first that
     fits, and returns the cheapest fitting prefix it evaluated; BudgetError with the least peak
     it saw when none fits. That is O(log n) evaluations of O(n) each (`PeakMeter`); only the
-    chosen prefix is built and simulated as a Schedule."""
+    chosen prefix is built and simulated as a Schedule. OutOfTime when `deadline` passes."""
     meter = PeakMeter(problem)
     evaluated: dict[int, tuple[float, int, set[int]]] = {}  # length: (cost, peak, decision)
 
     def peak(k: int) -> int:
+        if deadline is not None:
+            deadline.raise_if_expired(strategy.value)
         if k not in evaluated:
             recomputed = meter.drop_unneeded(order[:k])
             evaluated[k] = (meter.cost(recomputed), meter.peak(recomputed), recomputed)
@@ -138,17 +142,19 @@ def _cheapest_prefix(problem: Problem, order: list[int], budget: int,
 
 
 @register(Strategy.GREEDY)
-def greedy(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
+def greedy(problem: Problem, budget: int, options: SolverOptions, *,
+           deadline: Deadline | None = None) -> Schedule:
     """Recompute the values that cost the least per byte first, as few as fit
     (`_cheapest_prefix`). A tensor taken out of a tuple op pays for the tuple op (`unit_cost`):
     by its own cost of zero, attention's output would go first, and its recomputation with it."""
     order = sorted(recomputable(problem),
                    key=lambda v: (unit_cost(problem, v) / problem.ops[v].size, v))
-    return _cheapest_prefix(problem, order, budget, Strategy.GREEDY)
+    return _cheapest_prefix(problem, order, budget, Strategy.GREEDY, deadline)
 
 
 @register(Strategy.SELECTIVE)
-def selective(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
+def selective(problem: Problem, budget: int, options: SolverOptions, *,
+              deadline: Deadline | None = None) -> Schedule:
     """Megatron's selective recomputation (Korthikanti et al. 2022): keep the outputs of the ops
     that do FLOPs (matmuls, attention) and recompute only memory-bound ones (norms,
     activations, rotary embeddings, casts), cheapest per byte first, as few as fit; BudgetError
@@ -161,4 +167,4 @@ def selective(problem: Problem, budget: int, options: SolverOptions) -> Schedule
     23.4 ms; started from this one (7.8 ms, none), it reaches 6.5 ms."""
     order = sorted((v for v in recomputable(problem) if not does_flops(problem, v)),
                    key=lambda v: (unit_cost(problem, v) / problem.ops[v].size, v))
-    return _cheapest_prefix(problem, order, budget, Strategy.SELECTIVE)
+    return _cheapest_prefix(problem, order, budget, Strategy.SELECTIVE, deadline)

@@ -30,30 +30,23 @@ backward in autograd's order (torch.utils.checkpoint's does) can beat them.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from ortools.sat.python import cp_model
-
-from remat.solvers.problem import Kind, Problem, recompute_blocker
+from remat.solvers.deadline import Deadline, OutOfTime
+from remat.solvers.problem import Problem
+from remat.solvers.relaxation import COST_RESOLUTION, WORKERS, Relaxation
 from remat.solvers.schedule import Schedule
 from remat.solvers.simulate import holds
 
-__all__ = ["Bound", "Relaxation", "fixed_bytes", "peak_bound", "recompute_bound"]
+__all__ = ["COST_RESOLUTION", "WORKERS", "Bound", "Relaxation", "fixed_bytes", "peak_bound",
+           "recompute_bound"]
 
 # Backward steps tried, besides the first backward op and any the caller names: those that hold
 # the most whatever the schedule, where the room left for forward values is least.
 STEPS = 8
 # Backward steps the joint model adds, evenly spread, besides those tried alone.
 SPREAD = 16
-# CP-SAT workers for the relaxations when the caller names none. At 8 the portfolio runs the
-# subsolvers that prove these knapsacks at once (Llama stack, one step: 0.06 s); at 2 or 4
-# workers the same proof takes 15 s or does not end within 20.
-WORKERS = 8
-# Costs become integers in this fraction of their total, rounded down, so that the integer
-# bound stays a bound of the real costs (the rounding loses at most ops x this share).
-COST_RESOLUTION = 1e-9
 
 
 @dataclass(frozen=True)
@@ -96,11 +89,16 @@ def fixed_bytes(problem: Problem) -> list[int]:
 
 def recompute_bound(problem: Problem, budget: int, *, time_limit: float = 10.0,
                     steps: Iterable[int] = (), cost: Callable | None = None,
-                    workers: int = 0, rich: bool = False) -> Bound:
+                    workers: int = 0, rich: bool = False,
+                    deadline: Deadline | None = None) -> Bound:
     """A lower bound on the recompute cost (`Op.cost`, or `cost(op)`) of every schedule whose
     simulated activation peak is at most `budget`; math.inf when none can fit. `steps` adds
     backward ops to try (the peak step of a known schedule is a good one). `rich`: a bound over
-    the richer execution model too (`Schedule.again`, `offload_at`; `Relaxation`'s `rich`)."""
+    the richer execution model too (`Schedule.again`, `offload_at`; `Relaxation`'s `rich`).
+    Within `time_limit` seconds of `deadline` (a part of a caller's call), or of now."""
+    deadline = _part(deadline, time_limit)
+    if not deadline.check("proving a bound"):
+        return Bound(0.0, (), False)
     cost = cost or (lambda op: op.cost)
     nf = problem.num_forward
     fixed = fixed_bytes(problem)
@@ -114,12 +112,16 @@ def recompute_bound(problem: Problem, budget: int, *, time_limit: float = 10.0,
         rooms = {b: budget - fixed[b - nf] for b in relaxation.keep}
         return relaxation.least_cost(rooms, cost, seconds, workers)
 
-    return _best(problem, tried, least_cost, time_limit, pairs=list(steps), rich=rich)
+    return _best(problem, tried, least_cost, deadline, pairs=list(steps), rich=rich)
 
 
 def peak_bound(problem: Problem, *, time_limit: float = 10.0, steps: Iterable[int] = (),
-               workers: int = 0) -> Bound:
-    """A lower bound on the simulated activation peak of every schedule, in bytes."""
+               workers: int = 0, deadline: Deadline | None = None) -> Bound:
+    """A lower bound on the simulated activation peak of every schedule, in bytes (within
+    `time_limit` seconds of `deadline`, or of now)."""
+    deadline = _part(deadline, time_limit)
+    if not deadline.check("proving a peak bound"):
+        return Bound(0.0, (), False)
     nf = problem.num_forward
     fixed = fixed_bytes(problem)
 
@@ -127,10 +129,14 @@ def peak_bound(problem: Problem, *, time_limit: float = 10.0, steps: Iterable[in
         return relaxation.least_peak({b: fixed[b - nf] for b in relaxation.keep}, seconds,
                                      workers)
 
-    return _best(problem, _steps(problem, fixed, steps), least_peak, time_limit)
+    return _best(problem, _steps(problem, fixed, steps), least_peak, deadline)
 
 
-def _best(problem: Problem, tried: list[int], solve: Callable, time_limit: float,
+def _part(deadline: Deadline | None, seconds: float) -> Deadline:
+    return Deadline(seconds) if deadline is None else deadline.within(seconds)
+
+
+def _best(problem: Problem, tried: list[int], solve: Callable, deadline: Deadline,
           pairs: Sequence[int] = (), rich: bool = False) -> Bound:
     """The best bound `solve(relaxation, seconds)` proves: the first backward step with each of
     `pairs`; each of `tried` alone, with half the time left, in two turns (first an equal share
@@ -139,9 +145,20 @@ def _best(problem: Problem, tried: list[int], solve: Callable, time_limit: float
     model over them and steps spread over the backward. Building a relaxation takes time too
     (0.2 s a step at 10,000 ops): a step is tried only when the time left exceeds what the last
     one took to build, and the joint model only when it exceeds that many times its steps, so
-    the whole stays within `time_limit`."""
-    deadline = time.perf_counter() + time_limit
-    best = Bound(0.0, (), True)
+    the whole stays within `deadline`, which also stops a relaxation's build (OutOfTime: the
+    best bound so far stands)."""
+    found = [Bound(0.0, (), True)]  # the best so far, where OutOfTime finds it
+    try:
+        return _steps_in_turn(problem, tried, solve, deadline, pairs, rich, found)
+    except OutOfTime:
+        return found[0]
+
+
+def _steps_in_turn(problem: Problem, tried: list[int], solve: Callable, deadline: Deadline,
+                   pairs: Sequence[int], rich: bool, found: list[Bound]) -> Bound:
+    time_limit = deadline.limit
+    now = deadline.now
+    best = found[0]
     # First, the first backward step with each step the caller named (where a known plan
     # binds), with two thirds of the time: on a stack of blocks the first step alone misses the
     # room the top block's recomputations need when its backward runs; the pair does not
@@ -150,41 +167,41 @@ def _best(problem: Problem, tried: list[int], solve: Callable, time_limit: float
     pairs = [b for b in pairs if b != first]
     build = 0.0  # seconds the last relaxation took to build
     for i, b in enumerate(pairs):
-        left = deadline - time_limit / 3 - time.perf_counter()
+        left = deadline.left() - time_limit / 3
         if left <= 2 * build:
             break
-        began = time.perf_counter()
-        relaxation = Relaxation(problem, [first, b], rich)
-        build = time.perf_counter() - began
+        began = now()
+        relaxation = Relaxation(problem, [first, b], rich, deadline)
+        build = now() - began
         value, exact = solve(relaxation, left / (len(pairs) - i) - build)
         if value > best.value or not best.steps:
-            best = Bound(value, (first, b), exact)
+            best = found[0] = Bound(value, (first, b), exact)
         if value == math.inf:
             return best
     pending = list(tried)
     for _ in range(2):
         unproven = []
         for i, b in enumerate(pending):
-            left = (deadline - time.perf_counter()) / 2
+            left = deadline.left() / 2
             if left <= build:
                 break
-            began = time.perf_counter()
-            relaxation = Relaxation(problem, [b], rich)
-            build = time.perf_counter() - began
+            began = now()
+            relaxation = Relaxation(problem, [b], rich, deadline)
+            build = now() - began
             value, exact = solve(relaxation, left / (len(pending) - i) - build)
             if value > best.value or not best.steps:
-                best = Bound(value, (b,), exact)
+                best = found[0] = Bound(value, (b,), exact)
             if value == math.inf:
                 return best
             if not exact:
                 unproven.append(b)
         pending = unproven
     joint = _spread(problem, tried)
-    if len(joint) > 1 and deadline - time.perf_counter() > 2 * build * len(joint):
-        relaxation = Relaxation(problem, joint, rich)
-        value, exact = solve(relaxation, deadline - time.perf_counter())
+    if len(joint) > 1 and deadline.left() > 2 * build * len(joint):
+        relaxation = Relaxation(problem, joint, rich, deadline)
+        value, exact = solve(relaxation, deadline.left())
         if value > best.value:
-            best = Bound(value, tuple(joint), exact)
+            best = found[0] = Bound(value, tuple(joint), exact)
     return best
 
 
@@ -209,172 +226,3 @@ def _spread(problem: Problem, tried: list[int]) -> list[int]:
     return sorted(set(tried) | set(picked))
 
 
-class Relaxation:
-    """The joint model over backward ops `steps`: per forward storage that the backward may
-    need, save[v] or recompute[v] once; per step b, keep[b, v] (v live at b's step) and
-    after[b, v] (v recomputed after it). `rich`: valid over the richer execution model too
-    (recomputing twice, within the forward, offloading where the problem has a host link)."""
-
-    def __init__(self, problem: Problem, steps: Sequence[int], rich: bool = False):
-        nf = problem.num_forward
-        pinned = problem.pinned
-        inputs = problem.storage_inputs
-
-        def forward(storages):  # outputs are always held: fixed bytes, never decided
-            return [s for s in storages if s < nf and s not in pinned]
-
-        def closure(start) -> list[int]:
-            reach, frontier = set(), list(start)
-            while frontier:
-                v = frontier.pop()
-                if v not in reach:
-                    reach.add(v)
-                    frontier.extend(forward(inputs[v]))
-            return sorted(reach)
-
-        m = cp_model.CpModel()
-        self.model, self.problem = m, problem
-        # One step alone needs no whole-step decision: what it recomputes after it is its cost.
-        # (Solved without that layer, real graphs' single steps prove in a second, not 20.)
-        joint = len(steps) > 1
-        self.redo: dict[int, cp_model.IntVar] = {}
-        save: dict[int, cp_model.IntVar] = {}
-        bandwidth = problem.host_bandwidth if rich else None
-
-        def offloadable(v: int) -> bool:
-            op = problem.ops[v]
-            return bool(bandwidth) and op.kind is Kind.TENSOR and op.size > 0
-
-        # The richer model (`rich`): save[v] means no backward recomputation and no load; a
-        # value loaded from host (off[v]) is not held between its last forward reader and its
-        # load, at its transfers' cost; one recomputed in the backward may be recomputed again,
-        # so at a step it may be both held and recomputed after it, for a second run's cost.
-        off: dict[int, cp_model.IntVar] = {}
-        self.off: dict[int, tuple[cp_model.IntVar, float]] = {}
-        twice: dict[int, cp_model.IntVar] = {}
-        if joint:
-            read_by_backward = {s for r in problem.backward for s in forward(inputs[r])}
-            values = closure(read_by_backward)
-            last_read = {v: max((r for r in problem.storage_readers[v] if r >= nf), default=-1)
-                         for v in values}
-            for v in values:
-                # A tuple op holds no storage of its own: what is live of it are its getitems.
-                tuple_op = problem.ops[v].kind is Kind.TUPLE
-                save[v] = m.NewConstant(0) if tuple_op else m.NewBoolVar(f"s{v}")
-                self.redo[v] = (m.NewBoolVar(f"r{v}") if recompute_blocker(problem, v) is None
-                                else m.NewConstant(0))
-                if offloadable(v):
-                    off[v] = m.NewBoolVar(f"o{v}")
-                    self.off[v] = (off[v], 2 * problem.ops[v].size / bandwidth)
-                if rich and recompute_blocker(problem, v) is None:
-                    twice[v] = m.NewBoolVar(f"t{v}")
-                m.Add(save[v] + self.redo[v] + off.get(v, 0) <= 1)
-            for v in read_by_backward:
-                m.AddBoolOr([save[v], self.redo[v], *([off[v]] if v in off else [])])
-            for u in values:
-                for s in forward(inputs[u]):
-                    m.Add(save[s] + self.redo[s] + off.get(s, 0) >= self.redo[u])
-
-        self.keep: dict[int, dict[int, cp_model.IntVar]] = {}
-        earlier: dict[int, cp_model.IntVar] | None = None
-        for b in sorted(steps):
-            ahead = {s for r in range(b, len(problem.ops)) for s in forward(inputs[r])}
-            keep, after = {}, {}
-            for v in closure(ahead):
-                tuple_op = problem.ops[v].kind is Kind.TUPLE
-                keep[v] = m.NewConstant(0) if tuple_op else m.NewBoolVar(f"k{b}_{v}")
-                after[v] = (m.NewBoolVar(f"a{b}_{v}") if recompute_blocker(problem, v) is None
-                            else m.NewConstant(0))
-                if not joint:
-                    continue
-                if rich:
-                    m.Add(keep[v] <= save[v] + self.redo[v] + off.get(v, 0))
-                    if v in twice:  # held from one backward run, recomputed after: two runs
-                        m.Add(twice[v] >= keep[v] + after[v] - 1)
-                else:
-                    m.Add(keep[v] + after[v] <= save[v] + self.redo[v])
-                m.AddImplication(after[v], self.redo[v])
-                if last_read[v] >= b:  # a saved value lives to its last reader
-                    m.AddImplication(save[v], keep[v])
-                if earlier is not None:  # recomputed after b: after every earlier step too
-                    m.AddImplication(after[v], earlier[v])
-            if not joint:  # a saved tensor loaded back from host after b: not held at b
-                off = {v: m.NewBoolVar(f"o{b}_{v}") for v in keep if offloadable(v)}
-                self.off = {v: (x, 2 * problem.ops[v].size / bandwidth) for v, x in off.items()}
-                for v, x in off.items():
-                    m.Add(x + after[v] <= 1)  # an offloaded value is saved, never recomputed
-            for v in ahead:
-                m.AddBoolOr([keep[v], after[v], *([off[v]] if v in off else [])])
-            for s in forward(inputs[b]):
-                m.Add(keep[s] == 1)
-            for u in after:
-                for s in forward(inputs[u]):
-                    m.Add(keep[s] + after[s] + (off[s] if s in off else 0) >= after[u])
-            self.keep[b], earlier = keep, after
-        if not joint:  # the step's own recomputations after it are all there is to pay
-            self.redo = earlier or {}
-        self.twice = twice
-
-    def _bytes(self, b: int):
-        ops = self.problem.ops
-        return sum(ops[v].size * k for v, k in self.keep[b].items() if ops[v].size)
-
-    def least_cost(self, rooms: dict[int, int], cost: Callable, seconds: float,
-                   workers: int, gap: float = 0.0) -> tuple[float, bool]:
-        """The least cost (a bound: CP-SAT's best bound of it), and whether it is proven; the
-        search may stop once its solution is within `gap` (relative) of that bound."""
-        ops = self.problem.ops
-        for b, room in rooms.items():
-            if self.keep[b]:
-                self.model.Add(self._bytes(b) <= room)
-        terms = [(self.redo[v], cost(ops[v])) for v in self.redo]
-        terms += [(x, cost(ops[v])) for v, x in self.twice.items()]
-        terms += list(self.off.values())
-        total = sum(w for _, w in terms)
-        if total <= 0:
-            return self._solve(1.0, seconds, workers, costless=True)
-        unit = total * COST_RESOLUTION
-        self.model.Minimize(sum(math.floor(w / unit) * x for x, w in terms if w >= unit))
-        return self._solve(unit, seconds, workers, gap=gap)
-
-    def least_peak(self, fixed: dict[int, int], seconds: float,
-                   workers: int) -> tuple[float, bool]:
-        """The least, over the model's choices, of the most that any of the steps holds."""
-        top = sum(op.size for op in self.problem.ops) + max(fixed.values())
-        peak = self.model.NewIntVar(0, top, "peak")
-        for b, held in fixed.items():
-            self.model.Add(held + self._bytes(b) <= peak)
-        self.model.Minimize(peak)
-        return self._solve(1, seconds, workers)
-
-    def recomputed(self) -> set[int] | None:
-        """What the last solve's solution recomputes (None: it found no solution)."""
-        if self._status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return None
-        return {v for v, x in self.redo.items()
-                if not isinstance(x, int) and self._solver.Value(x)}
-
-    def _solve(self, unit: float, seconds: float, workers: int,
-               costless: bool = False, gap: float = 0.0) -> tuple[float, bool]:
-        solver = self._solver = cp_model.CpSolver()
-        solver.parameters.max_time_in_seconds = max(seconds, 0.05)
-        solver.parameters.num_workers = workers or WORKERS
-        solver.parameters.relative_gap_limit = gap
-        status = self._status = solver.Solve(self.model)
-        if status == cp_model.INFEASIBLE:
-            return math.inf, True
-        if costless:
-            return 0.0, status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            # No solution in the time given, but what the search proved still bounds it
-            # (a minimization's best bound; -inf or nan when it proved nothing).
-            proved = solver.BestObjectiveBound()
-            if not math.isfinite(proved) or proved <= 0:
-                return 0.0, False
-            return math.ceil(proved - 1e-6) * (1 if unit == 1 else unit * (1 - 1e-12)), False
-        # The objective is an integer: its bound rounds up, less float noise (448.00000000000006);
-        # back in seconds, the product rounds down by more than a float's error, so that it
-        # stays at most the true least cost (each weight was rounded down already).
-        units = math.ceil(solver.BestObjectiveBound() - 1e-6)
-        value = units if unit == 1 else units * unit * (1 - 1e-12)  # bytes: exact integers
-        return value, status == cp_model.OPTIMAL and not gap

@@ -25,7 +25,8 @@ snapshots, and on the CPU the copy of the generator's state that the recomputati
 fork_rng keeps while it runs.
 
 `plan_eager` is a heuristic (status HEURISTIC): from seed cache sets it repairs (caches less)
-until the eager peak fits and improves (caches more) while it still fits.
+until the eager peak fits and improves (caches more) while it still fits. The exact planner is
+`remat.solvers.cpsat.eager_search.optimal_eager` (CP-SAT over this timeline), which it hints.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from types import MappingProxyType
 from typing import Iterable, Mapping
 
 from remat.errors import BudgetError
+from remat.solvers.deadline import Deadline
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
 from remat.solvers.schedule import Schedule, Status
 from remat.solvers.simulate import Timeline, step_order, steps_of, timeline_of
@@ -304,14 +306,35 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
     return timeline_of(problem, order, held)
 
 
+def cheapest_prefix(problem: Problem, blocks: EagerBlocks, budget: int) -> frozenset[int]:
+    """A seed for `plan_eager` in a few evaluations (a bisection): the longest prefix of the
+    ops the blocks recompute, the most recompute seconds per byte first, whose caching fits
+    `budget` (the peak need not grow with the prefix: this is where the bisection lands).
+    T5 (234 such ops): 0.1 s, where plan_eager's passes take 5 s from the empty seed."""
+    recomputed = eager_schedule(problem, blocks, ()).recomputed
+    order = sorted((v for v in blocks.cacheable if v in recomputed and problem.ops[v].size > 0
+                    and problem.ops[v].kind is Kind.TENSOR),
+                   key=lambda v: (-(problem.ops[v].cost + 1e-15) / problem.ops[v].size, v))
+    low, high = 0, len(order)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if eager_schedule(problem, blocks, order[:middle]).peak <= budget:
+            low = middle
+        else:
+            high = middle - 1
+    return frozenset(order[:low])
+
+
 def plan_eager(problem: Problem, blocks: EagerBlocks, budget: int,
-               seeds: Iterable[Iterable[int]]) -> Schedule:
+               seeds: Iterable[Iterable[int]], deadline: Deadline | None = None) -> Schedule:
     """The cheapest eager policy found from `seeds` (cache sets, e.g. what the exact plan
     saves, nothing, everything cacheable) whose eager peak fits `budget`: each seed is
     repaired by caching less (the most bytes per second of recompute first) until it fits,
     then improved by caching more (the most recompute seconds per byte first) while it fits.
-    A heuristic: status HEURISTIC. Raises BudgetError with the least peak seen when no
-    seed fits however little it caches."""
+    A heuristic: status HEURISTIC (`remat.solvers.cpsat.eager_search` is the exact planner,
+    which this starts). Raises BudgetError with the least peak seen when no seed fits however
+    little it caches. Past `deadline`, it stops improving and tries no further seed (one
+    schedule is evaluated at a time, each O(ops))."""
     candidates = [v for v in sorted(blocks.cacheable) if problem.ops[v].size > 0
                   and problem.ops[v].kind is Kind.TENSOR]
     eps = 1e-15
@@ -321,11 +344,17 @@ def plan_eager(problem: Problem, blocks: EagerBlocks, budget: int,
 
     best: Schedule | None = None
     least = None
+
+    def out_of_time() -> bool:
+        return deadline is not None and not deadline.check("eager heuristic")
+
     for seed in seeds:
+        if least is not None and out_of_time():
+            break
         cached = set(seed) & set(candidates)
         schedule = run(cached)
         for v in sorted(cached, key=lambda v: -problem.ops[v].size / (problem.ops[v].cost + eps)):
-            if schedule.peak <= budget:
+            if schedule.peak <= budget or out_of_time():
                 break
             cached.discard(v)
             schedule = run(cached)
@@ -336,6 +365,8 @@ def plan_eager(problem: Problem, blocks: EagerBlocks, budget: int,
                         key=lambda v: -(problem.ops[v].cost + eps) / problem.ops[v].size):
             if v not in schedule.recomputed:
                 continue  # caching it would save no recomputation
+            if out_of_time():
+                break
             trial = run(cached | {v})
             if trial.peak <= budget and trial.cost <= schedule.cost:
                 cached.add(v)

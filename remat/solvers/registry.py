@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from types import MappingProxyType
 
 from remat.errors import BudgetError, SolverError
 from remat.solvers.options import SolverOptions
@@ -14,6 +15,9 @@ from remat.solvers.schedule import Schedule, evaluate
 from remat.solvers.strategies import STRATEGIES, Strategy, StrategyFn, register
 # Importing the strategies registers them in the table.
 from remat.solvers import baselines, brute_force, cpsat, tiled  # noqa: E402,F401
+
+# The strategies that run under `SolverOptions.time_limit` and `relative_gap`.
+LIMITED = {STRATEGIES[Strategy.OPTIMAL], STRATEGIES[Strategy.TILED]}
 
 __all__ = ["STRATEGIES", "Strategy", "StrategyFn", "register", "solve"]
 
@@ -31,6 +35,8 @@ def solve(problem: Problem, budget: int, strategy: Strategy | str = Strategy.OPT
     if not isinstance(budget, int) or budget < 0:
         raise ValueError(f"budget must be a non-negative int of bytes, not {budget!r}")
     options = options or SolverOptions()
+    limits = _who_chose(options)
+    options = options.by_size(len(problem))
     start = time.perf_counter()
     costed = with_objective(problem, options.objective)
     if costed is problem:
@@ -51,7 +57,21 @@ def solve(problem: Problem, budget: int, strategy: Strategy | str = Strategy.OPT
             "with the problem (remat.solvers.problem_file.dumps) and the budget")
     if not schedule.solve_time:
         schedule = replace(schedule, solve_time=time.perf_counter() - start)
+    if fn in LIMITED:  # the report states the limits the call ran under, and who chose them
+        schedule = replace(schedule, info=MappingProxyType({
+            **schedule.info, "time_limit": options.time_limit,
+            "relative_gap": options.relative_gap,
+            "limits": limits}))
     return schedule
+
+
+def _who_chose(options: SolverOptions) -> str:
+    """Who chose the time limit and relative gap: the caller, or the problem's size."""
+    sized = [name for name, value in (("time limit", options.time_limit),
+                                      ("relative gap", options.relative_gap)) if value is None]
+    if not sized:
+        return "given"
+    return "chosen by problem size" if len(sized) == 2 else f"{sized[0]} chosen by problem size"
 
 
 def _in_problem_units(problem: Problem, schedule: Schedule, objective: str) -> Schedule:

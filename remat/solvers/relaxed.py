@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 
-from remat.solvers.bound import Bound, Relaxation, fixed_bytes
+from remat.solvers.bound import Bound, fixed_bytes
+from remat.solvers.deadline import Deadline, OutOfTime, modelled
+from remat.solvers.relaxation import Relaxation
 from remat.solvers.problem import Problem
 from remat.solvers.schedule import Schedule, drop_unneeded, make_schedule
 from remat.solvers.simulate import simulate
@@ -41,43 +42,72 @@ GAP = 2e-3
 
 
 def relaxed_schedule(problem: Problem, budget: int, *, time_limit: float = 10.0,
-                     workers: int = 0, lowest: list | None = None) -> tuple[Schedule | None, Bound]:
-    """The cheapest plan that fits `budget` found this way in `time_limit` (None: none), and the
-    best bound its solves with the true rooms proved (math.inf: no schedule fits). `lowest`, a
-    list, receives the plan of least peak seen, fitting or not (near the floor, where none
-    fits, a start for the least-peak search)."""
-    deadline = time.perf_counter() + time_limit
+                     workers: int = 0, lowest: list | None = None,
+                     deadline: Deadline | None = None,
+                     one_step: list | None = None) -> tuple[Schedule | None, Bound]:
+    """The cheapest plan that fits `budget` found this way in `time_limit` seconds of
+    `deadline` (a part of a caller's call) or of now (None: none), and the best bound its
+    solves with the true rooms proved (math.inf: no schedule fits). `lowest`, a list, receives
+    the plan of least peak seen, fitting or not (near the floor, where none fits, a start for
+    the least-peak search); `one_step`, a list, the bound proven at the first backward step
+    alone (which holds over the rich space too, where no value may wait in host memory)."""
+    deadline = Deadline(time_limit) if deadline is None else deadline.within(time_limit)
+    found: list = [None, Bound(0.0, (), True)]  # the best plan and bound, where OutOfTime finds
+    try:
+        return _read_plans(problem, budget, workers, lowest, deadline, found, one_step)
+    except OutOfTime:
+        return found[0], found[1]
+
+
+def _read_plans(problem: Problem, budget: int, workers: int, lowest: list | None,
+                deadline: Deadline, found: list, one_step: list | None
+                ) -> tuple[Schedule | None, Bound]:
+    now = deadline.now
+    evaluation = modelled("evaluation", len(problem))
     nf = problem.num_forward
     proven = Bound(0.0, (), True)
     if nf == len(problem.ops):
         return None, proven
+    deadline.charge(evaluation)
     fixed = fixed_bytes(problem)
     if budget < fixed[0]:  # the first backward step holds more under every schedule
         return None, Bound(math.inf, (nf,), True)
     steps, shrink = [nf], 0
+    ceiling = None  # the least shrink found infeasible
     best, fits, fails = None, None, None  # the cheapest fitting plan; shrinks that fit and not
     overhead = 0.0  # what the last turn spent outside the solve: building, evaluating
-    while deadline - time.perf_counter() > overhead:
-        began = time.perf_counter()
+    while deadline.left() > overhead and deadline.check("reading a plan off the relaxation"):
+        began = now()
         rooms = {b: budget - fixed[b - nf] - shrink for b in steps}
-        if min(rooms.values()) < 0:
+        if min(rooms.values()) < 0 and not shrink:
             break
-        relaxation = Relaxation(problem, steps)
-        built = time.perf_counter()
+        relaxation = Relaxation(problem, steps, deadline=deadline)
+        built = now()
         value, exact = relaxation.least_cost(rooms, lambda op: op.cost,
-                                             deadline - built - overhead, workers, gap=GAP)
-        solved = time.perf_counter()
+                                             deadline.left() - overhead, workers, gap=GAP)
+        solved = now()
         if not shrink and value > proven.value or not proven.steps:
-            proven = Bound(value, tuple(steps), exact)
+            proven = found[1] = Bound(value, tuple(steps), exact)
+        if not shrink and len(steps) == 1 and one_step is not None:
+            one_step[:] = [Bound(value, tuple(steps), exact)]
         recomputed = relaxation.recomputed()
+        if value == math.inf and shrink:
+            # Shrunk past what some step can hold: bisect below (bert at half its save-all
+            # peak, where the overshoot passed the only shrinks whose plans fit).
+            ceiling, low = shrink, fails or 0
+            if ceiling - low <= max(1, PRECISION * budget):
+                break
+            shrink = (low + ceiling) // 2
+            continue
         if value == math.inf or recomputed is None:
             break
+        deadline.charge(evaluation)
         try:
             schedule = make_schedule(problem, drop_unneeded(problem, recomputed),
                                      strategy="relaxation", budget=budget)
         except ValueError:  # a decision the execution model cannot run (a tuple's getitem)
             break
-        overhead = built - began + time.perf_counter() - solved
+        overhead = built - began + now() - solved
         logger.debug("relaxation over %d steps, rooms less %d: bound %.6g, plan %.6g s peaking "
                      "%d above the budget (%.2f s)", len(steps), shrink, value, schedule.cost,
                      schedule.peak - budget, solved - built)
@@ -86,19 +116,23 @@ def relaxed_schedule(problem: Problem, budget: int, *, time_limit: float = 10.0,
         if schedule.peak <= budget:
             fits = shrink
             if best is None or schedule.cost < best.cost:
-                best = schedule
+                best = found[0] = schedule
             if not shrink:
                 break  # the plan meets the relaxation's own optimum
         else:
             fails = shrink
             binding = binding_step(problem, schedule)
-            quick = solved - built < QUICK_SHARE * (deadline - time.perf_counter())
+            quick = solved - built < QUICK_SHARE * deadline.left()
             if (not shrink and quick and binding is not None and binding not in steps
                     and len(steps) < MAX_STEPS):
                 steps = sorted(steps + [binding])
                 continue
         if fits is None:  # a little past the excess, so that the next plan likely fits
             shrink += int(OVERSHOOT * (schedule.peak - budget))
+            if ceiling is not None and shrink >= ceiling:  # bisect below the ceiling
+                if ceiling - fails <= max(1, PRECISION * budget):
+                    break
+                shrink = (fails + ceiling) // 2
         elif fails is None or fits - fails <= max(1, PRECISION * budget):  # bytes: 1 at least
             break
         else:  # bisect: a smaller shrink is cheaper

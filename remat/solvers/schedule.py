@@ -85,6 +85,23 @@ class Schedule:
             "transfer_time": self.transfer_time,
         }
 
+    # Read-only views (MappingProxyType) keep a schedule's decisions from changing under the
+    # problem's evaluation, but pickle cannot copy them: pickled as dicts, made views again.
+    _VIEWS = ("recompute_at", "again", "offload_at")
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        for name in (*self._VIEWS, "info"):
+            if isinstance(state.get(name), MappingProxyType):
+                state[name] = dict(state[name])
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            if name in self._VIEWS:
+                value = MappingProxyType(value)
+            object.__setattr__(self, name, value)
+
     @property
     def recomputations(self) -> int:
         """How many times the step runs a forward op again, all copies counted."""

@@ -83,7 +83,8 @@ def _ladder(family: Family, sub: Sub, count: int, options: SolverOptions,
     try:
         # Free positions: the least-peak search finds the least peak in a fraction of the time.
         optimal(sub.problem, 0, SolverOptions(
-            time_limit=options.time_limit, workers=options.workers, seed=options.seed))
+            time_limit=options.time_limit, workers=options.workers, seed=options.seed,
+            deterministic=options.deterministic))
         return found
     except BudgetError as e:
         low = e.smallest if e.smallest is not None else high
@@ -131,6 +132,7 @@ def _plan(family: Family, sub: Sub, recomputed) -> Plan:
 
 @register(Strategy.TILED)
 def tiled(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
+    options = options.by_size(len(problem))
     deadline = time.perf_counter() + options.time_limit
     save_all = make_schedule(problem, [], strategy=Strategy.TILED.value,
                              status=Status.HEURISTIC, budget=budget)
@@ -144,12 +146,14 @@ class Tiler:
     at any budget (`fit`): a sweep over budgets solves the blocks once."""
 
     def __init__(self, problem: Problem, options: SolverOptions, deadline: float | None = None):
+        options = options.by_size(len(problem))
         deadline = time.perf_counter() + options.time_limit if deadline is None else deadline
         self.problem = problem
         self.families = families(problem)
         per_solve = min(SUB_SOLVE_CAP, max(0.2, options.time_limit * SUB_SOLVE_SHARE))
         sub_options = SolverOptions(time_limit=per_solve, workers=options.workers,
                                     seed=options.seed, free_positions=False,
+                                    deterministic=options.deterministic,
                                     cost_resolution=options.cost_resolution)
         self.plans = [block_plans(problem, f, sub_options, deadline) for f in self.families]
         self.meter = PeakMeter(problem)

@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 
 from remat.errors import RematError
+from remat.fx_passes.tracing.dynamic import ShapeRange, in_names, symbol_names
 from remat.fx_passes.tracing.names import target_name
 from remat.fx_passes.tracing.rng import draws, has_side_effects, rng_state
 from remat.fx_passes.measuring.storage import remat_meta, storage_pass
@@ -22,10 +23,12 @@ log = logging.getLogger(__name__)
 
 # --- matching the joint graph to the problem -------------------------------------------------
 
-def match_problem(joint: fx.GraphModule, problem: Problem) -> list[fx.Node]:
+def match_problem(joint: fx.GraphModule, problem: Problem,
+                  shape_range: ShapeRange | None = None) -> list[fx.Node]:
     """The joint graph's node for every op of the problem, after checking that the two describe
-    the same computation: the same nodes by name, with the same targets and inputs, forward ops
-    independent of the output gradients."""
+    the same computation: the same nodes by name, with the same targets, inputs and bytes
+    (for a graph traced for a range of shapes: the same bytes as expressions in the range's
+    names, `shape_range`), forward ops independent of the output gradients."""
     if not all("bytes" in remat_meta(n) for n in joint.graph.nodes if n.op == "call_function"):
         storage_pass(joint)
     by_name = {n.name: n for n in joint.graph.nodes}
@@ -34,6 +37,8 @@ def match_problem(joint: fx.GraphModule, problem: Problem) -> list[fx.Node]:
     advice = ("; plan on the graph this model and these input shapes produce (capture and lower "
               "again after changing the model, its inputs' shapes or dtypes, or torch)")
     op_names = [op.name for op in problem.ops]
+    expressions = problem.source.get("byte_expressions", {})
+    names = symbol_names(joint, shape_range) if shape_range is not None else {}
     # Nodes that no output needs never run (the lowering drops them, fx would too); any other
     # node the problem lacks means the plan was made for another graph.
     needed = _ancestors([x for x in flat_outputs(joint) if isinstance(x, fx.Node)])
@@ -54,11 +59,19 @@ def match_problem(joint: fx.GraphModule, problem: Problem) -> list[fx.Node]:
             raise RematError(f"{where}: op {op.name!r} reads {sorted(op_inputs)} in the problem "
                              f"but {sorted(graph_inputs)} in the graph{advice}")
         graph_bytes = _storage_bytes(node)
-        # A tuple op's temp is its outputs plus its kernel scratch (scratch.py); an output's
-        # size may count the gradient seed of the backward too (lower's `_with_seeds`).
+        # An output's size may count the gradient seed of the backward too (lower's
+        # `_with_seeds`).
         own = op.size - problem.source.get("seeds", {}).get(op.name, 0)
-        if graph_bytes is not None and (graph_bytes > op.temp if op.kind is Kind.TUPLE
-                                        else graph_bytes != own):
+        if isinstance(graph_bytes, torch.SymInt):
+            # Symbolic: compared as expressions, which fixes no size of the graph compiled.
+            expected = expressions.get(op.name, ("?", "?"))[op.kind is Kind.TUPLE]
+            got = in_names(graph_bytes, names)
+            if got != expected:
+                raise RematError(f"{where}: op {op.name!r} holds {expected} bytes in the problem "
+                                 f"but {got} in the graph (different shapes or dtypes){advice}")
+        # A tuple op's temp is its outputs plus its kernel scratch (scratch.py).
+        elif graph_bytes is not None and (graph_bytes > op.temp if op.kind is Kind.TUPLE
+                                          else graph_bytes != own):
             raise RematError(f"{where}: op {op.name!r} holds {op.size or op.temp} bytes in the "
                              f"problem but {graph_bytes} in the graph (different shapes or "
                              f"dtypes){advice}")
@@ -86,7 +99,7 @@ def mutated_inputs(joint: fx.GraphModule) -> list[str]:
             if placeholder_kind(n) == "primal" and n.meta.get("desc") in mutated]
 
 
-def _storage_bytes(node: fx.Node) -> int | None:
+def _storage_bytes(node: fx.Node) -> Any:
     """The bytes the lowering gives a node that owns its storage (None for aliases), by the
     storage pass's own rules (kernel quirks included), so that shapes are compared exactly."""
     meta = remat_meta(node)

@@ -30,9 +30,11 @@ import torch
 from torch import nn
 
 from remat.errors import RematError
+from remat.fx_passes.compiled.call_checks import PlannedSteps, explained
 from remat.fx_passes.compiled.inductor import inductor_compilers
 from remat.fx_passes.compiled.rewrite import Partition, partition_fn
-from remat.fx_passes.tracing.step_io import remat_error
+from remat.fx_passes.tracing.plain import records_graph, refuse_backward, wrong_mode_message
+from remat.fx_passes.tracing.step_io import remat_error, step_function
 from remat.solvers.problem import Problem
 from remat.solvers.schedule import Schedule
 
@@ -96,7 +98,8 @@ class PlannedModule(nn.Module):
 
     def __init__(self, model: nn.Module, problem: Problem, schedule: Schedule, *,
                  compile: bool = False, loss_fn: Callable | None = None,
-                 returns: str = "loss", training: bool | None = None):
+                 returns: str = "loss", training: bool | None = None,
+                 call_spec: Any = None, buckets: dict | None = None):
         super().__init__()
         from torch._dynamo.backends.debugging import boxed_nop
 
@@ -114,13 +117,23 @@ class PlannedModule(nn.Module):
         else:
             fw_compiler = _instrumented(fw, "forward", self._hooks)
             bw_compiler = _instrumented(bw, "backward", self._hooks)
-        self._step = _opaque_to_dynamo(compile_step(
-            model, partition_fn(problem, schedule, self.partitions.append),
-            fw_compiler=fw_compiler, bw_compiler=bw_compiler, loss_fn=loss_fn, reset=False,
-            returns=returns))
+        shape_range = call_spec.shape_range if call_spec is not None else None
+
+        def make(problem: Problem, schedule: Schedule, bucket: Any) -> Callable:
+            return _opaque_to_dynamo(explained(compile_step(
+                model, partition_fn(problem, schedule, self.partitions.append,
+                                    shape_range=shape_range),
+                fw_compiler=fw_compiler, bw_compiler=bw_compiler, loss_fn=loss_fn, reset=False,
+                returns=returns, shape_range=shape_range, bucket=bucket), bucket))
+
+        self._steps = PlannedSteps(make, problem, schedule, call_spec, buckets)
         self.compiled = compile
         self.training_mode = training
         """The mode (``model.training``) the plan was made in, None if unknown."""
+        # What a call without the plan returns: the model's own output, or the loss where the
+        # planned step returns the loss.
+        self._plain = model if returns == "output" and loss_fn is None \
+            else step_function(model, loss_fn, returns)
 
     @torch.compiler.disable(recursive=False)
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -134,26 +147,29 @@ class PlannedModule(nn.Module):
             raise RematError(_FULLGRAPH_REFUSED) from e
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._check_mode()
+        # Evaluation (no_grad, inference_mode, nothing requiring grad) keeps nothing for a
+        # backward: the model runs itself. The other mode than the plan's traces other ops
+        # (dropout, BatchNorm): it runs itself too, and only a backward through it is refused.
+        if not records_graph(self.model.parameters(), args, kwargs):
+            return self._plain(*args, **kwargs)
+        if self.training_mode is not None and self.model.training != self.training_mode:
+            return refuse_backward(self._plain(*args, **kwargs),
+                                   wrong_mode_message(self.training_mode, self.model.training))
+        # A training call: what changed since the plan was made is named before anything runs.
+        self._steps.check(self.model, args, kwargs)
+        step = self._steps.step_for(self.model, args, kwargs)
         try:
-            return self._step(*args, **kwargs)
+            return step(*args, **kwargs)
         except Exception as e:
             inner = remat_error(e)
             if inner is not None and inner is not e:
                 raise inner from e
             raise
 
-    def _check_mode(self) -> None:
-        # Dropout and BatchNorm trace other graphs in the other mode: the plan names ops of
-        # the mode it was made in, and would fail in the other with a graph mismatch.
-        if self.training_mode is None or self.model.training == self.training_mode:
-            return
-        planned, now = ("train", "eval") if self.training_mode else ("eval", "train")
-        call = "model.train()" if self.training_mode else "model.eval()"
-        raise RematError(
-            f"planned in {planned} mode, but the model is in {now} mode now; call "
-            f"{call} before running the plan, or plan the model again in {now} mode (for "
-            f"validation, run the original model under torch.no_grad())")
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's own ``generate`` (Hugging Face): generation records no graph, so it
+        runs the model plainly, as `forward` does under ``torch.no_grad()``."""
+        return self.model.generate(*args, **kwargs)
 
     @property
     def partition(self) -> Partition:
@@ -182,17 +198,25 @@ class PlannedModule(nn.Module):
 
 def planned_module(model: nn.Module, problem: Problem, schedule: Schedule, *,
                    compile: bool = False, loss_fn: Callable | None = None,
-                   returns: str = "loss", training: bool | None = None) -> PlannedModule:
+                   returns: str = "loss", training: bool | None = None,
+                   call_spec: Any = None, buckets: dict | None = None) -> PlannedModule:
     """`model`'s training step running `schedule`: op by op (`compile=False`, the graphs that
     can be measured against the simulator), or through Inductor (`compile=True`). `problem`
     must be the one lowered from `capture(model, args, example_kwargs=kwargs, loss_fn=loss_fn,
     returns=returns)` for inputs of the shapes the module is called with; anything else raises
     RematError at the first call. `returns`: "loss" (the forward returns the loss tensor) or
     "output" (the model's output with the loss attached to the plan, other tensors detached;
-    see `remat.fx_passes.tracing.step_io`). `training`: the mode the plan was made in; calling the
-    module in the other mode raises RematError saying so."""
+    see `remat.fx_passes.tracing.step_io`). `training`: the mode the plan was made in; a call in
+    the other mode runs the model itself, and a backward through it raises RematError saying
+    so. Calls that record no autograd graph (``torch.no_grad()``, ``torch.inference_mode()``,
+    nothing requiring grad) run the model itself, without the plan
+    (`remat.fx_passes.tracing.plain`). `call_spec`
+    (`remat.fx_passes.tracing.call_checks.CallSpec`): what a training call must look like,
+    checked before each; with a range of shapes, `buckets` gives each bucket's problem and
+    schedule (`remat.fx_passes.compiled.call_checks`)."""
     return PlannedModule(model, problem, schedule, compile=compile, loss_fn=loss_fn,
-                         returns=returns, training=training)
+                         returns=returns, training=training, call_spec=call_spec,
+                         buckets=buckets)
 
 
 _OPAQUE_REASON = ("remat's planned step is compiled with its own partitioner, and an outer "

@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from remat.errors import RematError
 from remat.fx_passes.tracing.capture import prepare_joint
+from remat.fx_passes.tracing.dynamic import ShapeRange
 from remat.fx_passes.compiled.joint_graph import (check_schedule, flat_outputs, is_sym,
                                                   match_problem, mutated_inputs, output_descs,
                                                   placeholder_kind, saved_descs)
@@ -71,13 +72,15 @@ class Partition:
 
 
 def partition(joint: fx.GraphModule, problem: Problem, schedule: Schedule, *,
-              num_fwd_outputs: int, mutated_inputs: Iterable[str] = ()) -> Partition:
+              num_fwd_outputs: int, mutated_inputs: Iterable[str] = (),
+              shape_range: ShapeRange | None = None) -> Partition:
     """The forward and backward GraphModules that run `schedule` on `joint`, the graph lowered
     to `problem`. `mutated_inputs` names the placeholders whose data the step overwrites after
-    the forward (BatchNorm running statistics). Raises RematError when the graph is not the
-    problem's or the schedule cannot run on it."""
+    the forward (BatchNorm running statistics); `shape_range`, the range a symbolic graph was
+    traced for. Raises RematError when the graph is not the problem's or the schedule cannot
+    run on it."""
     prepare_joint(joint)  # as capture did
-    nodes = match_problem(joint, problem)
+    nodes = match_problem(joint, problem, shape_range)
     check_schedule(problem, schedule, nodes, frozenset(mutated_inputs))
     outputs = flat_outputs(joint)
     fwd_outputs, bwd_outputs = outputs[:num_fwd_outputs], outputs[num_fwd_outputs:]
@@ -112,14 +115,16 @@ def partition(joint: fx.GraphModule, problem: Problem, schedule: Schedule, *,
 
 
 def partition_fn(problem: Problem, schedule: Schedule,
-                 on_partition: Callable[[Partition], None] | None = None) -> Callable:
+                 on_partition: Callable[[Partition], None] | None = None, *,
+                 shape_range: ShapeRange | None = None) -> Callable:
     """A `partition_fn` for `aot_autograd(...)` that applies `schedule`; `on_partition` is
     called with every Partition it makes (once per compilation)."""
 
     def apply(joint_module: fx.GraphModule, _joint_inputs: Any, *, num_fwd_outputs: int,
               **_unused: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         result = partition(joint_module, problem, schedule, num_fwd_outputs=num_fwd_outputs,
-                           mutated_inputs=mutated_inputs(joint_module))
+                           mutated_inputs=mutated_inputs(joint_module),
+                           shape_range=shape_range)
         log.debug("partitioned %s: %d saved, %d recomputed", problem.name or "graph",
                   len(result.saved), len(result.recomputed))
         if on_partition is not None:

@@ -2,7 +2,13 @@
 non-reentrant `torch.utils.checkpoint` and a selective-checkpoint policy that caches
 (MUST_SAVE) exactly the ops the plan keeps and recomputes (PREFER_RECOMPUTE) the rest. Ops are
 matched by position within the block: the policy counts the ops it is called for, and an op
-other than the expected one (or a different count) raises RematError naming the block."""
+other than the expected one (or a different count) raises RematError naming the block.
+
+A block call that records no autograd graph (``torch.no_grad()``, ``torch.inference_mode()``,
+``generate()``, nothing requiring grad) runs the block plainly: nothing is kept for a backward,
+so there is nothing to plan or check. One in the other mode than the plan's (``model.eval()``
+with grad enabled) runs plainly too, and a backward through it is refused
+(`remat.fx_passes.tracing.plain`)."""
 from __future__ import annotations
 
 import itertools
@@ -13,44 +19,92 @@ import torch
 
 from remat.errors import RematError
 from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
+from remat.fx_passes.eager.call_guard import current, guard_calls, mismatch_cause
+from remat.fx_passes.eager.runs import module_path, run_index
+from remat.fx_passes.tracing.call_checks import autocast_state, uncached_autocast
+from remat.fx_passes.tracing.plain import records_graph, refuse_backward, wrong_mode_message
 
 __all__ = ["apply_eager"]
 
 
 def apply_eager(model: torch.nn.Module, policies: dict[str, BlockPolicy]) -> torch.nn.Module:
     """Wrap each block's forward in place (parameter names unchanged, so `fully_shard`, DDP
-    and state dicts see the same model). Returns `model`. A module called several times in
-    a step (ALBERT's shared layer) has a policy per call, in order: its calls take them in
-    turn."""
-    by_module: dict[str, list[BlockPolicy]] = {}
-    for policy in policies.values():
-        by_module.setdefault(policy.path, []).append(policy)
-    for path, runs in by_module.items():
-        module = model.get_submodule(path)
-        if getattr(module, "_remat_policy", None) is not None:
+    and state dicts see the same model). Returns `model`. Guarded policies (an EagerPlan's
+    `block_policies`) also check every training call before it runs, and pick each block's
+    policy for the call's shapes (`remat.fx_passes.eager.call_guard`). A module called
+    several times in a step (ALBERT's shared layer) has a policy per run (``path#k``,
+    `remat.fx_passes.eager.runs`): its calls that run the plan take them in turn, from the
+    first at each call of `model`; a run the policies leave out runs without checkpoint."""
+    by_module: dict[str, dict[int | None, str]] = {}
+    for name in policies:
+        by_module.setdefault(module_path(name), {})[run_index(name)] = name
+    for path in by_module:
+        if getattr(model.get_submodule(path), "_remat_policy", None) is not None:
             raise RematError(f"block {path!r} is already wrapped by a remat plan; apply a plan "
                              "once, to a fresh model")
-        module._remat_policy = runs[0] if len(runs) == 1 else tuple(runs)
-        module.forward = partial(_checkpointed, module.forward, runs[0]) if len(runs) == 1 \
-            else partial(_in_turn, module.forward, runs, itertools.count())
+    planned = guard_calls(model, policies)
+    turns: list[_Turn] = []
+    for path, names in by_module.items():
+        module = model.get_submodule(path)
+        if None in names:
+            module._remat_policy = planned[names[None]]
+            module.forward = partial(_checkpointed, module, module.forward, planned[names[None]])
+            continue
+        runs = tuple(planned.get(names.get(k)) for k in range(max(names) + 1))
+        turns.append(_Turn())
+        module._remat_policy = runs
+        module.forward = partial(_in_turn, module, module.forward, runs, turns[-1])
+    if turns:
+        def first_turn(module, args):  # each step starts at the first run, whatever came before
+            for turn in turns:
+                turn.next = 0
+
+        model.register_forward_pre_hook(first_turn)
     return model
 
 
-def _in_turn(forward, runs: list[BlockPolicy], calls, *args, **kwargs):
-    return _checkpointed(forward, runs[next(calls) % len(runs)], *args, **kwargs)
+class _Turn:
+    """Which run of a module called several times in a step its next planned call is."""
+
+    next = 0
 
 
-def _checkpointed(forward, policy: BlockPolicy, *args, **kwargs):
+def _in_turn(module: torch.nn.Module, forward, runs: tuple, turn: _Turn, *args, **kwargs):
+    planned = next(p for p in runs if p is not None)
+    if not records_graph(module.parameters(), args, kwargs) or \
+            not _in_mode(current(planned), module):
+        # Not the planned step (no_grad, the other mode): runs plainly, and takes no turn.
+        return _checkpointed(module, forward, planned, *args, **kwargs)
+    k, turn.next = turn.next % len(runs), turn.next + 1
+    if runs[k] is None:
+        return forward(*args, **kwargs)
+    return _checkpointed(module, forward, runs[k], *args, **kwargs)
+
+
+def _in_mode(policy: BlockPolicy, module: torch.nn.Module) -> bool:
+    return policy.training is None or module.training == policy.training
+
+
+def _checkpointed(module: torch.nn.Module, forward, planned: Any, *args, **kwargs):
     from torch.utils.checkpoint import checkpoint
+
+    policy = current(planned)  # the block's policy for the call's shapes
+    if not records_graph(module.parameters(), args, kwargs):
+        return forward(*args, **kwargs)
+    if not _in_mode(policy, module):
+        return refuse_backward(forward(*args, **kwargs), wrong_mode_message(
+            policy.training, module.training, f"block {policy.path!r}: "))
+    autocast = autocast_state()  # read here: inside dispatch, autocast reads as off
 
     counters: list[Any] = []
 
     def contexts():
         counter = itertools.count()
         counters.append(counter)
-        return _contexts(policy, counter)
+        return _contexts(policy, counter, lambda: mismatch_cause(planned, module, autocast))
 
-    out = checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+    with uncached_autocast():  # the same casts at each call and in the recomputation
+        out = checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
     if counters:
         seen = next(counters[0])
         if seen != len(policy.ops):
@@ -58,11 +112,11 @@ def _checkpointed(forward, policy: BlockPolicy, *args, **kwargs):
                 f"block {policy.path!r}: the run called {seen} ops where the plan's capture had "
                 f"{len(policy.ops)}; the block's ops differ between capture and run (other "
                 "shapes, flags such as use_cache, or code paths): plan with the inputs and "
-                "settings you train with")
+                f"settings you train with{mismatch_cause(planned, module, autocast)}")
     return out
 
 
-def _contexts(policy: BlockPolicy, counter):
+def _contexts(policy: BlockPolicy, counter, cause=lambda: ""):
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     # torch 2.13 asks once per op, in the forward, and replays the answers in the
@@ -78,7 +132,7 @@ def _contexts(policy: BlockPolicy, counter):
             raise RematError(
                 f"block {policy.path!r}: op {k} of the run is {name} where the plan's capture "
                 f"had {expected}; the block's ops differ between capture and run: plan with "
-                "the inputs and settings you train with")
+                f"the inputs and settings you train with{cause()}")
         return CheckpointPolicy.MUST_SAVE if k in policy.cache else \
             CheckpointPolicy.PREFER_RECOMPUTE
 

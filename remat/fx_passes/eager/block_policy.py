@@ -36,6 +36,9 @@ class BlockPolicy:
     """(joint op, joint op): in the probe, the first's tensor lived until the second ran
     (Python variables keep tensors beyond their last use, until the block returns)."""
     cache: frozenset[int] = frozenset()
+    training: bool | None = None
+    """The block's mode (``module.training``) the plan was made in; None if unknown. A block
+    called in the other mode runs without the plan, and a backward through it is refused."""
     keep: frozenset[int] = frozenset()
     """Positions cached whatever the plan says: routing decisions (top-k, argmax, nonzero),
     which a recomputation must not make again (`remat.solvers.Reason.DATA`)."""

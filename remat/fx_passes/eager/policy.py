@@ -5,7 +5,7 @@ planner solves (`eager_problem`). `remat.fx_passes.eager.apply` wraps the blocks
 The plan is made on AOTAutograd's joint graph; the policy sees the ATen ops that eager
 PyTorch dispatches below autograd. The two agree op for op except where functionalization or
 a decomposition differs, and this module spells those out (`expected_ops`):
-- the joint graph's getitems and generator snapshots are not ops in eager;
+- the joint graph's getitems, generator snapshots and size arithmetic are not ops in eager;
 - `_unsafe_view` and `view` are one view op, `lift_fresh_copy` and `lift_fresh` one op;
 - dropout on the CPU is ``empty_like, bernoulli_, div_, mul`` in eager but ``native_dropout``
   (a tuple of output and boolean mask) in the joint graph; the eager noise tensor is in the
@@ -33,8 +33,10 @@ from torch import fx
 
 from remat.errors import RematError
 from remat.fx_passes.tracing.capture import Captured
+from remat.fx_passes.tracing.dynamic import is_size_arithmetic
 from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
 from remat.fx_passes.eager.probe import Observed, aligned
+from remat.fx_passes.eager.runs import joined_runs, module_path, run_name, split_runs
 from remat.fx_passes.lowering.lower import op_nodes
 from remat.fx_passes.tracing.rng import rng_state, state_bytes
 from remat.solvers.eager import EagerBlocks
@@ -80,12 +82,16 @@ def _block_for(module: str, paths: Sequence[str]) -> str | None:
 
 
 def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
-                 observed: dict[str, Observed] | None = None
+                 observed: dict[str, Observed] | None = None, *,
+                 policies: dict[str, BlockPolicy] | None = None
                  ) -> tuple[EagerBlocks, dict[str, BlockPolicy]]:
     """The solver's view of the blocks (ops, owners, packers, what may be cached) and each
     block's op sequence: the `observed` one (`probe`) aligned with the joint graph where
-    given, else the one derived from the joint graph."""
+    given, else the one derived from the joint graph; or the `policies` given (a saved
+    plan's, `remat.planner.plan_file`), as they are. A module the probe saw run several
+    times in the step is a block per run (`remat.fx_passes.eager.runs`)."""
     nodes = op_nodes(captured, problem)
+    paths = list(dict.fromkeys(map(module_path, paths)))  # a saved plan names each run
     ops: dict[str, list[int]] = {p: [] for p in paths}
     owner: dict[int, str] = {}
     for i, op in enumerate(problem.ops):
@@ -100,20 +106,28 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
     if missing:
         raise RematError(f"execution=\"eager\": blocks {missing[:3]} run no op of the captured "
                          "step; name modules that the forward calls")
-    policies = {p: expected_ops(problem, nodes, p, members, captured.device)
-                for p, members in ops.items()}
+    calls: dict[str, tuple[int, ...]] = {}  # where each run of a block began in its ops
+    if policies is None:
+        policies = {p: expected_ops(problem, nodes, p, members, captured.device)
+                    for p, members in ops.items()}
+        if observed is not None:
+            policies = {p: aligned(pol, observed[p].ops, observed[p].freed, observed[p].mutated)
+                        for p, pol in policies.items()}
+            calls = {p: observed[p].calls for p in paths}
+    elif observed is not None:
+        raise ValueError("eager_blocks: give observed ops or policies, not both")
+    else:
+        policies, calls = joined_runs(policies)
+    # A module called several times (ALBERT's shared layer) is one block per call.
+    for p, starts in calls.items():
+        if len(starts) > 1:
+            split_runs(problem, nodes, p, starts, ops, owner, policies)
     unread: tuple[tuple[int, tuple[str, ...]], ...] = ()
     if observed is not None:
-        policies = {p: aligned(pol, observed[p].ops, observed[p].freed, observed[p].mutated)
-                    for p, pol in policies.items()}
-        # A module called several times (ALBERT's shared layer) is one block per call.
-        for p in paths:
-            if len(observed[p].calls) > 1:
-                _split_runs(problem, nodes, p, observed[p].calls, ops, owner, policies)
         given: dict[int, tuple[int, list[str]]] = {}
         for p in paths:
             for number, size, call in observed[p].unread:
-                name = p if len(observed[p].calls) == 1 else _run_name(p, call)
+                name = p if len(observed[p].calls) == 1 else run_name(p, call)
                 given.setdefault(number, (size, []))[1].append(name)
         unread = tuple((size, tuple(names)) for size, names in given.values())
     # Autograd's sequence number ties a backward op to the forward op whose node it runs;
@@ -168,46 +182,6 @@ def _python_backward(problem: Problem, nodes: list[fx.Node]) -> frozenset[int]:
     return frozenset(b for b in backward if not nodes[b].meta.get("autograd_backward"))
 
 
-def _run_name(path: str, call: int) -> str:
-    return f"{path}#{call}"
-
-
-def _split_runs(problem: Problem, nodes: list[fx.Node], path: str, calls: Sequence[int],
-                ops: dict[str, list[int]], owner: dict[int, str],
-                policies: dict[str, BlockPolicy]) -> None:
-    """Make block `path`, whose module ran once per entry of `calls` (where each call began
-    in its aligned policy), one block per call (`_run_name`), in `ops`, `owner` and
-    `policies`: each joint op goes to the call its matched eager op ran in (an unmatched one
-    to the call of the op before it), each backward op to the call whose forward op has its
-    autograd sequence number (one without to the call of the backward op before it)."""
-    policy, members = policies.pop(path), ops.pop(path)
-    bounds = list(calls) + [len(policy.ops)]
-    call_of: dict[int, int] = {}
-    for k in range(len(calls)):
-        for joint in policy.joint[bounds[k]:bounds[k + 1]]:
-            call_of.update((j, k) for j in joint)
-    runs: list[list[int]] = [[] for _ in calls]
-    current = 0
-    for v in members:
-        current = call_of.get(v, current)
-        runs[current].append(v)
-    for k, run in enumerate(runs):
-        mine = set(run)
-        ops[_run_name(path, k)] = run
-        a, b = bounds[k], bounds[k + 1]
-        policies[_run_name(path, k)] = replace(
-            policy, ops=policy.ops[a:b], joint=policy.joint[a:b],
-            cacheable=policy.cacheable[a:b],
-            made_after=tuple(pair for pair in policy.made_after if pair[0] in mine),
-            life=tuple(pair for pair in policy.life if pair[0] in mine))
-    by_seq = {nodes[v].meta.get("seq_nr"): k for k, run in enumerate(runs) for v in run}
-    by_seq.pop(None, None)
-    current = len(calls) - 1  # the backward runs the last call's nodes first
-    for b in sorted(b for b, name in owner.items() if name == path):
-        current = by_seq.get(nodes[b].meta.get("seq_nr"), current)
-        owner[b] = _run_name(path, current)
-
-
 def _last_needed(problem: Problem, b: int, p: int, members: set[int]) -> int:
     """The last forward op the recomputation must run for backward op `b`, whose autograd
     node is forward op `p`'s: what `b` reads of `p`'s outputs (`p`, or the getitem that takes
@@ -230,7 +204,8 @@ def expected_ops(problem: Problem, nodes: list[fx.Node], path: str, members: Seq
     index = {n: i for i, n in enumerate(nodes)}
     for v in members:
         node, op = nodes[v], problem.ops[v]
-        if node.target is operator.getitem or node.target is rng_state or _kept_input(node):
+        if node.target is operator.getitem or node.target is rng_state or _kept_input(node) \
+                or is_size_arithmetic(node):
             continue
         outputs = (v,)
         if op.kind is Kind.TUPLE:

@@ -126,7 +126,10 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
             module = model.get_submodule(path)
             originals[path] = module.__dict__.get("forward")
             module.forward = recorder(path, module.forward)
-        with torch.random.fork_rng(devices=[]), torch.enable_grad():
+        # The generators the forward's random ops draw from: the CPU's, and each GPU's the
+        # model is on (fork_rng(devices=[]) forks the CPU's alone).
+        gpus = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
+        with torch.random.fork_rng(devices=gpus), torch.enable_grad():
             model(*inputs, **(kwargs or {}))
     finally:
         for path, forward in originals.items():

@@ -43,6 +43,7 @@ from dataclasses import replace
 from torch import fx
 
 from remat.fx_passes.tracing.capture import Captured
+from remat.fx_passes.tracing.dynamic import is_size_arithmetic
 from remat.fx_passes.measuring.profile import profile as run_profile
 from remat.fx_passes.tracing.names import target_name
 from remat.fx_passes.tracing.rng import RandomOp, draws, has_side_effects, rng_state, state_bytes
@@ -80,8 +81,37 @@ def phases(captured: Captured) -> dict[fx.Node, Phase]:
         parent = node.args[0] if node.target is operator.getitem else None
         if node in forward or (isinstance(parent, fx.Node) and parent in forward):
             result[node] = Phase.FORWARD
+        elif is_size_arithmetic(node) and all(result.get(a) is Phase.FORWARD
+                                              or a.op == "placeholder"
+                                              for a in node.all_input_nodes):
+            # A size of a forward tensor that the backward reads: taken in the forward and
+            # handed over as a number (AOTAutograd's saved symints), not by keeping the tensor.
+            result[node] = Phase.FORWARD
         else:
             result[node] = Phase.BACKWARD
+    return result
+
+
+def _forward_order(graph: fx.Graph, phase: dict[fx.Node, Phase],
+                   forward: set[fx.Node]) -> list[fx.Node]:
+    """The forward ops in graph order, the sizes that only the backward reads (`phases`) right
+    after what they read, so that they end no tensor's life later than it ends anyway."""
+    moved = [n for n in graph.nodes if phase.get(n) is Phase.FORWARD and n not in forward
+             and is_size_arithmetic(n)]
+    skip = set(moved)
+    order = [n for n in graph.nodes if phase.get(n) is Phase.FORWARD and n not in skip]
+    if not moved:
+        return order
+    position = {n: i for i, n in enumerate(order)}
+    anchor: dict[fx.Node, int] = {}
+    after: dict[int, list[fx.Node]] = {}
+    for node in moved:  # graph order: a size computed from another comes after it
+        anchor[node] = max((position[a] if a in position else anchor.get(a, -1)
+                            for a in node.all_input_nodes), default=-1)
+        after.setdefault(anchor[node], []).append(node)
+    result = list(after.get(-1, []))
+    for i, node in enumerate(order):
+        result += [node, *after.get(i, [])]
     return result
 
 
@@ -161,6 +191,16 @@ def _views_sunk(backward: list[fx.Node], tangents: set[str] = frozenset()) -> li
     return order
 
 
+def _gradient_sources(captured: Captured, phase: dict[fx.Node, Phase]) -> set[str]:
+    """The placeholders the backward's gradients start from: the output gradients (tangents),
+    and an input that only backward ops read (a pipeline stage's received gradient, which its
+    `Seed` hands to the stage's output: there the loss's tangent reaches no op)."""
+    only_backward = {p.name for p in captured.placeholders
+                     if any(phase.get(u) is Phase.BACKWARD for u in p.users)
+                     and not any(phase.get(u) is Phase.FORWARD for u in p.users)}
+    return set(captured.tangents) | only_backward
+
+
 def lower(captured: Captured, *, target="h100", measure: bool = False,
           device=None) -> Problem:
     gm = captured.graph_module
@@ -168,9 +208,10 @@ def lower(captured: Captured, *, target="h100", measure: bool = False,
         run_profile(captured, target=target, measure=measure, device=device)
     prof = gm.meta["remat_profile"]
     phase = phases(captured)
-    order = ([n for n in gm.graph.nodes if phase.get(n) is Phase.FORWARD]
+    forward = _ancestors(captured.forward_outputs)
+    order = (_forward_order(gm.graph, phase, forward)
              + _views_sunk([n for n in gm.graph.nodes if phase.get(n) is Phase.BACKWARD],
-                           set(captured.tangents)))
+                           _gradient_sources(captured, phase)))
     index = {n: i for i, n in enumerate(order)}
     values = captured.output_values
     # The new values of mutated buffers lead the forward outputs; AOTAutograd copies them into

@@ -9,6 +9,13 @@ One pass over the joint graph writes into ``node.meta["remat"]``:
 - ``tuple_bytes``: for an op with several fresh outputs, the bytes of all of them (the op
   allocates them together; its getitems then own one each);
 - ``view_tuple``: True for a multi-output op whose outputs all alias an input (split, unbind).
+
+Symbolic graphs (a range of shapes, `remat.fx_passes.tracing.dynamic`): a value whose sizes are
+symbols has symbolic bytes, kept as a SymInt (turning it into an int would specialize the graph
+being compiled to one shape). A graph that capture concretized keeps each node's symbolic value
+in ``node.meta["symbolic_val"]``; the pass then also writes ``bytes_expr`` and
+``tuple_bytes_expr``, the same bytes as expressions in the range's names ("12288*batch*seq"),
+which the range's proof bounds (`remat.fx_passes.lowering.shape_bound`).
 """
 from __future__ import annotations
 
@@ -18,20 +25,22 @@ from typing import Any
 import torch
 from torch import fx
 
+from remat.fx_passes.tracing.dynamic import in_names
+
 __all__ = ["aliased_input", "remat_meta", "storage_bytes", "storage_pass", "storage_root"]
 
 # Ops whose schema promises a fresh tensor but whose kernels return a view of their input.
 _ALIASING_WITHOUT_SCHEMA = {"_unsafe_view", "_reshape_alias", "lift_fresh"}
 
 
-def _reduced_loss_keeps_buffer(node: fx.Node) -> int | None:
+def _reduced_loss_keeps_buffer(node: fx.Node, key: str = "val") -> Any:
     # The CPU kernels of these losses reduce in place into their unreduced buffer and return
     # a 0-dim tensor over it: the loss holds the whole buffer for as long as it lives.
-    value = node.meta.get("val")
+    value = node.meta.get(key)
     reduction = node.args[2] if len(node.args) > 2 else node.kwargs.get("reduction", 1)
     if not isinstance(value, torch.Tensor) or value.device.type != "cpu" or reduction == 0:
         return None
-    source = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    source = node.args[0].meta.get(key) if isinstance(node.args[0], fx.Node) else None
     if not isinstance(source, torch.Tensor):
         return None
     return source.numel() * value.element_size()
@@ -45,12 +54,15 @@ def remat_meta(node: fx.Node) -> dict:
     return node.meta.setdefault("remat", {})
 
 
-def storage_bytes(value: Any) -> int:
+def storage_bytes(value: Any) -> Any:
+    """The bytes of `value`'s storage: an int, or a SymInt for symbolic sizes (never forced to
+    an int, which would specialize the graph being compiled)."""
     if isinstance(value, torch.Tensor):
         try:
-            return int(value.untyped_storage().nbytes())
+            nbytes = value.untyped_storage().nbytes()
         except (NotImplementedError, RuntimeError):  # sparse or other storage-less tensors
-            return int(value.numel() * value.element_size())
+            nbytes = value.numel() * value.element_size()
+        return nbytes if isinstance(nbytes, torch.SymInt) else int(nbytes)
     return 0
 
 
@@ -81,37 +93,50 @@ def aliased_input(node: fx.Node) -> tuple[fx.Node | None, bool]:
 
 
 def storage_pass(gm: fx.GraphModule) -> None:
+    names = gm.meta.get("remat_symbol_names", {})
     for node in gm.graph.nodes:
         meta = remat_meta(node)
-        value = node.meta.get("val")
-        meta.update(alias_of=None, bytes=0, tuple_bytes=0, view_tuple=False, writes=False)
-        if node.op == "placeholder":
-            meta["bytes"] = storage_bytes(value)
-        elif node.op != "call_function":
-            continue
-        elif node.target is operator.getitem:
-            parent = node.args[0]
-            if isinstance(parent, fx.Node) and remat_meta(parent).get("view_tuple"):
-                meta["alias_of"] = parent
-            else:
-                meta["bytes"] = storage_bytes(value)
+        meta.update(_storage(node, "val"))
+        if "symbolic_val" in node.meta:
+            symbolic = _storage(node, "symbolic_val")
+            meta["bytes_expr"] = in_names(symbolic["bytes"], names)
+            meta["tuple_bytes_expr"] = in_names(symbolic["tuple_bytes"], names)
+
+
+def _storage(node: fx.Node, key: str) -> dict:
+    """The storage pass's fields for one node, read from ``node.meta[key]``."""
+    value = node.meta.get(key)
+    meta = dict(alias_of=None, bytes=0, tuple_bytes=0, view_tuple=False, writes=False)
+    if node.op == "placeholder":
+        meta["bytes"] = storage_bytes(value)
+    elif node.op != "call_function":
+        pass
+    elif node.target is operator.getitem:
+        parent = node.args[0]
+        if isinstance(parent, fx.Node) and remat_meta(parent).get("view_tuple"):
+            meta["alias_of"] = parent
         else:
-            base, writes = aliased_input(node)
-            if isinstance(value, (tuple, list)):
-                if base is not None and not writes:
-                    meta.update(view_tuple=True, alias_of=base)
-                else:
-                    meta["tuple_bytes"] = sum(storage_bytes(v) for v in value)
-            elif base is not None:
-                meta.update(alias_of=base, writes=writes)
+            meta["bytes"] = storage_bytes(value)
+    else:
+        base, writes = aliased_input(node)
+        if isinstance(value, (tuple, list)):
+            if base is not None and not writes:
+                meta.update(view_tuple=True, alias_of=base)
             else:
-                meta["bytes"] = _kernel_bytes(node) or storage_bytes(value)
+                meta["tuple_bytes"] = sum(storage_bytes(v) for v in value)
+        elif base is not None:
+            meta.update(alias_of=base, writes=writes)
+        else:
+            quirk = _kernel_bytes(node, key)
+            unknown = quirk is None or (isinstance(quirk, int) and quirk == 0)
+            meta["bytes"] = storage_bytes(value) if unknown else quirk
+    return meta
 
 
-def _kernel_bytes(node: fx.Node) -> int | None:
+def _kernel_bytes(node: fx.Node, key: str = "val") -> Any:
     schema = getattr(node.target, "_schema", None)
     quirk = _KERNEL_STORAGE.get(schema.name.split("::")[-1]) if schema is not None else None
-    return quirk(node) if quirk is not None else None
+    return quirk(node, key) if quirk is not None else None
 
 
 def storage_root(node: fx.Node) -> fx.Node:

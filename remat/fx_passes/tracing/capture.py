@@ -30,8 +30,9 @@ returns="loss") -> Captured``
 
 Dynamo caches compiled frames per code object; `capture` and `compile_step` reset dynamo
 (``torch._dynamo.reset()``) so that captures never see each other's caches or recompile limits.
-For Hugging Face GPT-2 set ``model.loss_type = "ForCausalLM"`` first (a warning in its loss
-lookup is a graph break otherwise; `capture` does it for models that have the attribute unset).
+Hugging Face causal LMs whose ``loss_type`` is None (GPT-2) warn in their loss lookup, a graph
+break: `capture` and the compiled step name the loss they fall back to while they trace and
+run, and put the attribute back after (the Trainer reads it to count the loss's tokens).
 """
 from __future__ import annotations
 
@@ -45,6 +46,11 @@ import torch
 from torch import fx
 
 from remat.errors import CaptureError, RematError
+from remat.fx_passes.tracing.call_checks import autocast_state
+from remat.fx_passes.tracing.dynamic import (Bucket, ShapeRange, concretize, mark, marked,
+                                             tracing_sizes)
+from remat.fx_passes.tracing.fake_weights import fake_meta_tensors
+from remat.fx_passes.tracing.loss_type import loss_types_named, unnamed_loss_types
 from remat.fx_passes.tracing.rng import snapshot_random_ops
 from remat.fx_passes.tracing.step_io import (capture_failure, check_inputs, default_loss, progress,
                                      quiet_torch_logs, step_function)
@@ -81,6 +87,9 @@ class Captured:
     capture_time: seconds the capture took.
     training: the model's mode (``model.training``) when captured: dropout and BatchNorm
         trace other graphs in eval mode, so a plan runs only in the mode it was made in.
+    autocast: the autocast state traced under (`call_checks.autocast_state`).
+    shape_range, bucket: the range of shapes and the bucket of it traced for, symbolic
+        values in ``meta["symbolic_val"]`` (`remat.fx_passes.tracing.dynamic.concretize`).
     """
 
     graph_module: fx.GraphModule
@@ -101,6 +110,9 @@ class Captured:
     device: str = ""
     capture_time: float = 0.0
     training: bool = True
+    autocast: tuple = ()
+    shape_range: ShapeRange | None = None
+    bucket: Bucket | None = None
 
     @property
     def graph(self) -> fx.Graph:
@@ -190,15 +202,28 @@ def drop_unused_running_stats(joint: fx.GraphModule) -> None:
 def compile_step(model: torch.nn.Module, partition_fn: Callable, *,
                  fw_compiler: Callable | None = None, bw_compiler: Callable | None = None,
                  loss_fn: Callable | None = None, reset: bool = True,
-                 returns: str = "loss") -> Callable:
+                 returns: str = "loss", shape_range: ShapeRange | None = None,
+                 bucket: Bucket | None = None) -> Callable:
     """``step(*args, **kwargs) -> loss`` (or the model's output, `returns`) compiled through
-    `capture`'s path with ``partition_fn``."""
-    _prepare(model)
+    `capture`'s path with ``partition_fn``; with `shape_range`, one graph for every call in
+    `bucket`, its sizes symbolic as `capture` traces them."""
     if reset:
         torch._dynamo.reset()
     backend = make_backend(partition_fn, fw_compiler=fw_compiler, bw_compiler=bw_compiler)
-    return torch.compile(step_function(model, loss_fn, returns), backend=backend,
-                         fullgraph=True, dynamic=False)
+    compiled = torch.compile(step_function(model, loss_fn, returns), backend=backend,
+                             fullgraph=True, dynamic=False)
+    if shape_range is not None:
+        compiled = marked(compiled, shape_range, bucket)
+    unnamed = unnamed_loss_types(model)
+    if not unnamed:
+        return compiled
+
+    def step(*args, **kwargs):
+        # Named at every call, as when captured: dynamo guards on the attribute.
+        with loss_types_named(unnamed):
+            return compiled(*args, **kwargs)
+
+    return step
 
 
 class _Stop(Exception):
@@ -208,13 +233,17 @@ class _Stop(Exception):
 def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
             example_kwargs: dict[str, Any] | None = None, loss_fn: Callable | None = None,
             name: str | None = None, fake_device: str = "cpu",
-            returns: str = "loss") -> Captured:
+            returns: str = "loss", shape_range: ShapeRange | None = None) -> Captured:
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
     example_kwargs = dict(example_kwargs or {})
-    _prepare(model)
     check_inputs(model, example_inputs, example_kwargs)
+    bucket = None
+    if shape_range is not None:
+        # The example is the bucket's largest shape: the graph's values are taken there.
+        bucket = shape_range.bucket_of(shape_range.sizes_of(example_inputs, example_kwargs))
+        mark(example_inputs, example_kwargs, shape_range, bucket)
     start = time.perf_counter()
     seen: dict[str, Any] = {"device": next((str(p.device) for p in model.parameters()), "")}
 
@@ -241,11 +270,12 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
     compiled = torch.compile(step, backend=backend, fullgraph=True, dynamic=False)
     label = name or type(model).__name__
     failure: Exception | None = None
-    with _fake_meta_tensors(model, (example_inputs, example_kwargs), fake_device) as faked, \
-            quiet_torch_logs(), progress(label):
+    with fake_meta_tensors(model, (example_inputs, example_kwargs), fake_device) as faked, \
+            loss_types_named(unnamed_loss_types(model)), quiet_torch_logs(), progress(label):
         args, kwargs = faked
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), (tracing_sizes() if shape_range is not None
+                                       else contextlib.nullcontext()):
                 compiled(*args, **kwargs)
         except RematError:
             raise
@@ -259,6 +289,8 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
                 raise CaptureError("no backward graph was traced: the loss does not require "
                                    "grad (are all parameters frozen, or is the model under "
                                    "no_grad?)")
+            if shape_range is not None:
+                concretize(seen["joint"], shape_range, bucket, label)
             prepare_joint(seen["joint"])
             captured = _describe(model, args, kwargs, seen, name)
     if failure is not None:
@@ -266,62 +298,11 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
         raise capture_failure(failure, step, example_inputs, example_kwargs) from failure
     captured.capture_time = time.perf_counter() - start
     captured.training = model.training
+    captured.autocast = autocast_state()
+    captured.shape_range, captured.bucket = shape_range, bucket
     log.info("captured %s: %d nodes in %.1f s", captured.model_name,
              len(captured.graph.nodes), captured.capture_time)
     return captured
-
-
-@contextlib.contextmanager
-def _fake_meta_tensors(model: torch.nn.Module, inputs: tuple[tuple, dict], device: str):
-    """Stand fake tensors on `device` in for meta parameters, buffers and inputs (`inputs` is
-    ``(args, kwargs)``) while tracing.
-
-    Tracing meta tensors directly loses backward formulas (under fake mode on the meta device
-    nll_loss has no autograd kernel: cross-entropy then gets no gradient at all), so a model
-    built on meta is traced as if on `device`, without allocating anything. Shared (tied)
-    tensors stay shared; the model gets its meta tensors back afterwards."""
-    args, kwargs = inputs
-    tensors = [*model.parameters(), *model.buffers(), *args, *kwargs.values()]
-    if not any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in tensors):
-        yield inputs
-        return
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    memo: dict[int, torch.Tensor] = {}
-
-    def fake(t):
-        if not isinstance(t, torch.Tensor) or t.device.type != "meta":
-            return t
-        if id(t) not in memo:
-            with mode:
-                new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
-            if isinstance(t, torch.nn.Parameter):
-                new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
-            memo[id(t)] = new
-        return memo[id(t)]
-
-    swapped = []
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for key, value in list(table.items()):
-                if value is not None and value.device.type == "meta":
-                    swapped.append((table, key, value))
-                    table[key] = fake(value)
-    try:
-        yield tuple(fake(x) for x in args), {k: fake(v) for k, v in kwargs.items()}
-    finally:
-        for table, key, value in swapped:
-            table[key] = value
-
-
-def _prepare(model: torch.nn.Module) -> None:
-    # Hugging Face models whose loss_type is unset warn (warning_once) and fall back to the
-    # causal-LM loss: dynamo cannot trace that logging call and breaks the graph there. Naming
-    # the fallback keeps the same loss without the warning, also for a model wrapped in another.
-    for module in model.modules():
-        if hasattr(module, "loss_type") and getattr(module, "loss_type", None) is None:
-            module.loss_type = "ForCausalLM"
 
 
 def _is_stop(e: BaseException | None) -> bool:
@@ -330,6 +311,24 @@ def _is_stop(e: BaseException | None) -> bool:
             return True
         e = e.__cause__ or e.__context__
     return False
+
+
+def _flat_inputs(inputs: list, primals: int) -> list:
+    """Dynamo's graph inputs, one per AOTAutograd primal: a tensor subclass (a DTensor
+    parameter under tensor parallelism) enters as its inner tensors in `__tensor_flatten__`'s
+    order, the subclass itself standing for the first (a DTensor's local shard); an opaque
+    object (a DeviceMesh) as one. Unchanged when the counts do not add up."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    def count(x) -> int:
+        if isinstance(x, torch.Tensor) and is_traceable_wrapper_subclass(x):
+            return sum(count(getattr(x, name)) for name in x.__tensor_flatten__()[0])
+        return 1
+
+    counts = [count(x) for x in inputs]
+    if sum(counts) != primals or len(counts) == primals:
+        return inputs
+    return [x if k == 0 else None for x, n in zip(inputs, counts) for k in range(n)]
 
 
 def _describe(model, args, kwargs, seen, name) -> Captured:
@@ -342,7 +341,7 @@ def _describe(model, args, kwargs, seen, name) -> Captured:
     # A tied tensor is named as named_parameters() names it: by its first registration.
     by_id_param = {id(p): n for n, p in model.named_parameters()}
     by_id_buffer = {id(b): n for n, b in model.named_buffers()}
-    inputs = seen.get("inputs", [])
+    inputs = _flat_inputs(seen.get("inputs", []), len(primals))
     params, buffers, user_inputs = {}, {}, []
     for i, p in enumerate(primals):
         value = inputs[i] if i < len(inputs) else None

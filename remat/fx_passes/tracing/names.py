@@ -32,8 +32,11 @@ _INDEX = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
 
 
 def module_path(qualified: str) -> str:
-    """dynamo's "L['self'].h[3].attn" or "G['model'].layers['0']" -> "h.3.attn"."""
+    """dynamo's "L['self'].h[3].attn" or "G['model'].layers['0']" -> "h.3.attn"; a wrapper
+    that forwards attributes (PEFT's) is traced through its ``__dict__['_modules']``:
+    "L['model'].__dict__['_modules']['base_model'].model" -> "base_model.model", the path
+    ``get_submodule`` takes."""
     path = _PREFIX.sub("", qualified)
     path = _INDEX.sub(r".\1", path)
-    path = re.sub(r"\._modules\.|\.modules\.", ".", path)
+    path = re.sub(r"(?:^|\.)(?:__dict__\.)?_modules\.|\.modules\.", ".", path)
     return path.strip(".")

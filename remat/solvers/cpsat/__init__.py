@@ -12,7 +12,9 @@
   hinted by `rich_hint`;
 - `rich_search`: `SolverOptions.model` "rich" and "auto" (the single model first, the rich one
   where a bound over its space leaves room);
-- `driver`: `optimal` itself, its deadline and its stages.
+- `driver`: `optimal` itself, its deadline and its stages;
+- `eager_model`, `eager_search`: the eager mode's own exact planner (which ops each block's
+  selective-checkpoint policy caches, against `remat.solvers.eager`'s timeline).
 """
 from remat.solvers.cpsat.driver import optimal
 from remat.solvers.cpsat.hints import BASELINES, HINT_POOL, _best_baseline

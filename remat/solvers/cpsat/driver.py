@@ -1,10 +1,14 @@
-"""Strategy `optimal`: the search driver. One deadline, `options.time_limit` from the call's
-start, bounds everything it runs, in this order: the hint pool's baselines, the plan read off
-the bound's relaxation (`remat.solvers.relaxed`, which proves a bound too), the least-peak search
-where nothing fits, the drop pass, the bound at the step where the hint binds, the model's
-construction, the least-cost stage, the least-peak-at-that-cost stage, and every fallback. Each
-part gets a share of the limit and never more than what is left; what could not run is named in
-`info` ("skipped", "model", "peak_stage").
+"""Strategy `optimal`: the search driver. One deadline (`remat.solvers.deadline.Deadline`,
+`options.time_limit` from the call's start) bounds everything it runs, in this order: the hint
+pool's baselines, the plan read off the bound's relaxation (`remat.solvers.relaxed`, which proves
+a bound too), the least-peak search where nothing fits, the drop pass, the bound at the step
+where the hint binds, the model's construction, the least-cost stage, the least-peak-at-that-cost
+stage, and every fallback. Each part gets a share of the limit and never more than what is left
+less the time kept to finish; each checks the deadline between its steps (a model's
+construction too) and every CP-SAT solve runs under its watchdog. What could not run is named in
+`info` ("skipped", "model_build", "peak_stage", "stopped_in"). In deterministic mode
+(`SolverOptions.deterministic`) the shares are of deterministic time, so the same decisions are
+taken in any process (`remat.solvers.cpsat.search.deadline_of`).
 
 The status is the truth about the returned schedule's true (unrounded) cost: OPTIMAL only when
 it is within OPTIMAL_TOLERANCE of a proven bound; else FEASIBLE, with that bound and its gap.
@@ -23,8 +27,10 @@ from remat.solvers.bound import Bound, recompute_bound
 from remat.solvers.cpsat.hints import Pool, drop_pass
 from remat.solvers.cpsat.least_peak import least_peak, too_small
 from remat.solvers.cpsat.rich_search import full_cost, optimal_rich
-from remat.solvers.cpsat.search import Progress, Trace, build_model, cp_solver
+from remat.solvers.cpsat.search import (Progress, Trace, build_model, cp_solver, deadline_info,
+                                        deadline_of, run_solver)
 from remat.solvers.cpsat.units import Units
+from remat.solvers.deadline import Deadline, OutOfTime, modelled
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Problem
 from remat.solvers.strategies import Strategy, register
@@ -42,7 +48,7 @@ OPTIMAL_TOLERANCE = 1e-4
 # when no baseline fits (of what is left; it stops once the budget is met); the bound proven from backward steps (a second or
 # two on real graphs, where CP-SAT's own bound stays near zero); the stage that lowers the peak
 # at the found cost.
-BASELINE_SHARE = 0.1
+BASELINE_SHARE = 0.25
 UNTIL_ONE_FITS_SHARE = 0.4  # the pool's while none of it fits yet
 RELAXED_SHARE = 0.55
 HINT_SHARE = 0.05
@@ -63,24 +69,29 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
     equals; OPTIMAL when proven, else FEASIBLE with the best bound (time limit, relative gap).
     Raises BudgetError when no schedule fits (or none was found and the least peak found is
     above the budget: the message says which), SolverError when the time allowed nothing."""
-    with Progress(options.time_limit) as progress:
+    options = options.by_size(len(problem))
+    deadline = deadline_of(options)
+    with Progress(deadline) as progress:
         if options.model == "single" or (options.model == "auto" and not options.free_positions):
             # Just-in-time positions are the single model's space (the rich model's are free).
-            return _Call(problem, budget, options, progress).run()
+            return _Call(problem, budget, options, progress, deadline).run()
         # The richer model ("rich"), or the single model first and the richer one where a
         # bound over its space leaves room ("auto"): `remat.solvers.cpsat.rich_search`.
-        return optimal_rich(problem, budget, options, progress,
-                            lambda first: _Call(problem, budget, first, progress).run(),
-                            OPTIMAL_TOLERANCE)
+        return optimal_rich(
+            problem, budget, options, progress, deadline,
+            lambda first, part: _Call(problem, budget, first, progress, part).run(),
+            OPTIMAL_TOLERANCE)
 
 
 class _Call:
-    """One call of `optimal`: its deadline, its shared state, its stages."""
+    """One call of `optimal` (or its single-model part): its deadline, its shared state, its
+    stages."""
 
-    def __init__(self, problem: Problem, budget: int, options: SolverOptions, progress: Progress):
+    def __init__(self, problem: Problem, budget: int, options: SolverOptions, progress: Progress,
+                 deadline: Deadline):
         self.problem, self.budget, self.options, self.progress = problem, budget, options, progress
-        self.start = time.perf_counter()
-        self.deadline = self.start + options.time_limit
+        self.deadline, self.limit = deadline, deadline.limit
+        self.start = time.perf_counter()  # the anytime trace's times are wall seconds from here
         self.units = Units.of(problem, options)
         self.pool = Pool(problem, options)
         self.least: Schedule | None = None
@@ -89,14 +100,14 @@ class _Call:
         self.info: dict = {"byte_unit": self.units.byte, "cost_unit": self.units.cost,
                            "exact": self.units.exact_bytes, "model": "single"}
 
-    def left(self) -> float:
-        return self.deadline - time.perf_counter()
+    def work(self) -> Deadline:
+        """The deadline less the time kept for finishing (FINISH_EVALUATIONS evaluations)."""
+        return self.deadline.reserving(self.finish())
 
-    def share(self, fraction: float) -> float:
-        """A deadline `fraction` of the limit from now, never past the call's less the time
-        kept for finishing."""
-        return min(time.perf_counter() + fraction * self.options.time_limit,
-                   self.deadline - self.finish())
+    def part(self, fraction: float, less: float = 0.0) -> Deadline:
+        """A stage's part: `fraction` of the limit from now less `less` seconds, never past the
+        call's end less the time kept for finishing."""
+        return self.work().within(fraction * self.limit - less)
 
     def run(self) -> Schedule:
         problem, budget, units, info = self.problem, self.budget, self.units, self.info
@@ -107,17 +118,22 @@ class _Call:
             began = time.perf_counter()
             hint = evaluate(problem, hint)
             self.pool.seconds_per_evaluation = time.perf_counter() - began
+            self.deadline.charge(modelled("evaluation", len(problem)))
         if hint is None or hint.peak > budget:
-            hint = self.pool.best(budget, self.share(BASELINE_SHARE),
-                                  until_one_fits=self.share(UNTIL_ONE_FITS_SHARE))
+            hint = self.pool.best(budget, self.part(BASELINE_SHARE),
+                                  until_one_fits=self.part(UNTIL_ONE_FITS_SHARE))
         # The plan the first backward step's relaxation suggests, repaired to fit: on stacks
         # of blocks far cheaper than any baseline's, and sometimes the only one that fits.
         relaxed, relaxed_bound = None, Bound(0.0, (), True)
-        seconds = self.seconds(RELAXED_SHARE)
-        if seconds > 0:
+        part = self.part(RELAXED_SHARE, PART_EVALUATIONS * self.evaluation())
+        if part.check("reading a plan off the relaxation"):
             self.progress.update(stage="reading a plan off the relaxation")
-            relaxed, relaxed_bound = relaxed_schedule(problem, budget, time_limit=seconds,
-                                                      lowest=self.lowest)
+            one_step: list[Bound] = []
+            relaxed, relaxed_bound = relaxed_schedule(problem, budget, time_limit=part.limit,
+                                                      lowest=self.lowest, deadline=part,
+                                                      one_step=one_step)
+            if one_step and math.isfinite(one_step[0].value):  # for the rich space's bound
+                info["one_step_bound"] = one_step[0].value
         else:
             info["relaxation"] = "skipped: no time left"
         if relaxed is not None and (hint is None or relaxed.cost < hint.cost):
@@ -135,7 +151,8 @@ class _Call:
                 return self.nothing_found("no time left to build the model")
             if model.fixed_peak > units.capacity(budget):
                 return self.fail(model)
-            self.search_least_peak(model, time.perf_counter() + LEAST_PEAK_SHARE * self.left(),
+            work = self.work()
+            self.search_least_peak(model, work.within(LEAST_PEAK_SHARE * work.left()),
                                    target=units.capacity(budget))
             if self.least is not None and self.least.peak <= budget:
                 hint = self.least
@@ -144,20 +161,26 @@ class _Call:
         if self.pool.skipped:
             info["skipped"] = dict(self.pool.skipped)
         if hint is not None:
-            if hint is not relaxed:  # a knapsack's optimum: nothing to drop
-                self.progress.update(stage="improving the hint", cost=hint.cost)
-                hint = drop_pass(problem, budget, hint,
-                                 self.share(HINT_SHARE) - self.evaluation())
+            # The relaxation's plan too: its rooms shrink evenly until a plan fits, which
+            # recomputes more than fitting needs (gpt2 at half its save-all peak: 0.118 ms,
+            # 0.090 ms after the drop pass in 0.5 s).
+            part = self.part(HINT_SHARE, self.evaluation())
+            self.progress.update(cost=hint.cost)
+            if part.check("improving the hint"):
+                self.progress.update(stage="improving the hint")
+                hint = drop_pass(problem, budget, hint, part)
             info["hint"] = hint.strategy
 
         # --- A bound proven at the step where the hint peaks, where the budget binds, unless
         # the relaxation's solves proved one there already (or one over several steps).
         step_bound = relaxed_bound
-        if len(relaxed_bound.steps) < 2 and self.seconds(BOUND_SHARE) > 0:
+        part = self.part(BOUND_SHARE, (1 + PART_EVALUATIONS) * self.evaluation())
+        if len(relaxed_bound.steps) < 2 and part.check("proving a bound"):
+            self.deadline.charge(modelled("evaluation", len(problem)))
             binding = binding_step(problem, hint) if hint is not None else None
             if binding not in relaxed_bound.steps:
                 self.progress.update(stage="proving a bound")
-                found = recompute_bound(problem, budget, time_limit=self.seconds(BOUND_SHARE),
+                found = recompute_bound(problem, budget, time_limit=part.limit, deadline=part,
                                         steps=[binding] if binding is not None else [])
                 step_bound = max(found, relaxed_bound, key=lambda bound: bound.value)
         if step_bound.value == math.inf:  # no schedule fits: find the least peak for the error
@@ -194,10 +217,10 @@ class _Call:
             model.hint(hint)
         trace = Trace(units, self.start, self.options.on_solution, self.progress,
                       enough=step_bound.value / (1 - OPTIMAL_TOLERANCE), slack=len(model.rec))
-        reserve = self.finish() + (PEAK_STAGE_SHARE * self.options.time_limit if hint is None
-                                   or hint.recomputed else 0.0)
-        solver = cp_solver(self.options, self.left() - reserve, self.progress, units)
-        status = solver.Solve(m, trace)
+        work = self.work()
+        reserve = (PEAK_STAGE_SHARE * self.limit if hint is None or hint.recomputed else 0.0)
+        solver = cp_solver(self.options, work, work.left() - reserve, self.progress, units)
+        status = run_solver(solver, m, work, "searching for the least cost", trace)
         info.update(stage1_time=solver.WallTime(), trace=trace.trace)
         searched = solver.BestObjectiveBound() * units.cost
         # CP-SAT's bound holds for the true problem only where the model's bytes are exact.
@@ -212,8 +235,7 @@ class _Call:
                 found = self.result(hint, bound)
                 # The hint's status is its own: OPTIMAL where the bound proves its cost least.
                 logger.warning("optimal: CP-SAT found no schedule within %.1f s; returning the "
-                               "hint (%s), %s", self.options.time_limit, hint.strategy,
-                               found.status.value)
+                               "hint (%s), %s", self.limit, hint.strategy, found.status.value)
                 return found
             return self.nothing_found(solver.StatusName(status))
         best_cost = round(solver.ObjectiveValue())
@@ -222,21 +244,22 @@ class _Call:
 
         # --- Stage 2: least peak at that cost (keeps the live-range ends tight, too). Bounded
         # by its share; pointless when nothing is recomputed (the peak is then fixed).
-        seconds = min(self.left() - self.finish(), PEAK_STAGE_SHARE * self.options.time_limit)
+        part = self.part(PEAK_STAGE_SHARE, self.evaluation())
         if not recomputed:
             info["peak_stage"] = "skipped: nothing is recomputed"
-        elif seconds <= 0.05:
+        elif not part.check("lowering the peak at that cost") or part.left() <= 0.05:
             info["peak_stage"] = "skipped: no time left"
         else:
             self.progress.update(stage="lowering the peak at that cost")
+            self.deadline.charge(modelled("evaluation", len(problem)))
             first = make_schedule(problem, recomputed, recompute_at=positions)
             self.progress.update(stage="lowering the peak: solving")
             m.Add(model.cost <= best_cost)
             m.Minimize(model.peak)
             m.ClearHints()  # the first stage's hint would stand beside this one's
             model.hint(first)
-            solver = cp_solver(self.options, seconds)
-            status2 = solver.Solve(m)
+            solver = cp_solver(self.options, part)
+            status2 = run_solver(solver, m, part, "lowering the peak: solving")
             if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
                 recomputed, positions = model.decision(solver.Value)
                 model_peak = solver.Value(model.peak)
@@ -260,31 +283,36 @@ class _Call:
         return cost - bound <= self.options.relative_gap * cost
 
     def evaluation(self) -> float:
-        """Seconds one schedule evaluation (make_schedule, simulate) takes on this problem."""
-        return self.pool.seconds_per_evaluation or 0.0
-
-    def seconds(self, fraction: float) -> float:
-        """Seconds for a part that builds a relaxation and evaluates plans, which it cannot
-        interrupt (about PART_EVALUATIONS evaluations): its share less those; 0 if that leaves
-        nothing."""
-        left = self.share(fraction) - time.perf_counter() - PART_EVALUATIONS * self.evaluation()
-        return max(0.0, left)
+        """Seconds one schedule evaluation (make_schedule, simulate) takes on this problem:
+        measured on the wall clock, modelled in deterministic mode."""
+        return self.pool.evaluation(self.deadline.deterministic)
 
     def finish(self) -> float:
         """Seconds to keep for turning the search's answer into a schedule (a few
-        evaluations: make_schedule, the hint, evaluate)."""
-        return FINISH_EVALUATIONS * self.evaluation()
+        evaluations: make_schedule, the hint, evaluate), on the wall clock: an evaluation as
+        measured, where that is longer than modelled (a loaded machine)."""
+        measured = self.pool.seconds_per_evaluation or 0.0
+        return FINISH_EVALUATIONS * max(self.evaluation(), measured)
 
     def build(self):
         """The model for the options, when its construction (predicted from the time one
-        schedule evaluation takes) fits in the time left; else None."""
+        schedule evaluation takes) fits in the time left and ends before the deadline; else
+        None."""
         expected = BUILD_EVALUATIONS * self.evaluation()
-        if expected + self.finish() > self.left():
+        work = self.work()
+        if expected > work.left() or not work.check("building the model"):
             self.info["model_build"] = f"not built: would take about {expected:.1f} s"
+            work.stop("building the model", f"would take about {expected:.1f} s, "
+                      f"{work.left():.1f} s left")
             return None
         self.progress.update(stage="building the model")
         began = time.perf_counter()
-        model = build_model(self.problem, self.units, self.options)
+        self.deadline.charge(modelled("model", len(self.problem)))
+        try:
+            model = build_model(self.problem, self.units, self.options, work)
+        except OutOfTime:
+            self.info["model_build"] = "stopped at the deadline"
+            return None
         self.info.update(variables=len(model.model.Proto().variables),
                          build_time=time.perf_counter() - began)
         return model
@@ -294,7 +322,7 @@ class _Call:
     def result(self, schedule: Schedule, bound: float) -> Schedule:
         """`schedule` with its true status: OPTIMAL within OPTIMAL_TOLERANCE of `bound`."""
         self.progress.update(stage="done")
-        self.info["stages"] = tuple(self.progress.stages)
+        self.info.update(deadline_info(self.deadline))
         cost = full_cost(self.problem, schedule)  # a caller's hint may be a rich schedule
         optimum = cost - bound <= OPTIMAL_TOLERANCE * cost
         return evaluate(self.problem, schedule, strategy=Strategy.OPTIMAL.value,
@@ -316,7 +344,7 @@ class _Call:
         self.info.pop("bound_steps", None)
         return searched
 
-    def search_least_peak(self, model, deadline: float, target: int = -1) -> None:
+    def search_least_peak(self, model, deadline: Deadline, target: int = -1) -> None:
         if self.least is None:
             self.progress.update(stage="searching for the least peak")
             self.least, self.least_proven = least_peak(
@@ -325,16 +353,16 @@ class _Call:
 
     def too_small(self) -> BudgetError:
         return too_small(self.problem, self.budget, self.least, self.least_proven, self.options,
-                         self.deadline)
+                         self.work())
 
     def fail(self, model) -> Schedule:
         """Where the model (or a bound) finds nothing that fits: the least-peak schedule, which
         fits only where rounding made the model conservative; else BudgetError."""
         model = model or self.build()
         if model is not None:
-            self.search_least_peak(model, self.deadline - self.finish())
+            self.search_least_peak(model, self.work())
         elif self.least is None:  # no time to search: the pool's least peak, unproven
-            self.least = self.pool.least_peak(self.deadline - self.finish())
+            self.least = self.pool.least_peak(self.work())
         if self.least is None:
             return self.nothing_found("no time left for the least-peak search")
         if self.least.peak > self.budget:
@@ -349,5 +377,5 @@ class _Call:
                  else "no baseline fits to hint")
         skipped = f"; skipped: {', '.join(self.pool.skipped)}" if self.pool.skipped else ""
         raise SolverError(f"optimal: no schedule within the time limit of "
-                          f"{self.options.time_limit} s ({why}; {tried}{skipped}); raise "
+                          f"{self.options.time_limit:g} s ({why}; {tried}{skipped}); raise "
                           "time_limit or the budget")

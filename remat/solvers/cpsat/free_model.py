@@ -18,6 +18,7 @@ import bisect
 from ortools.sat.python import cp_model
 
 from remat.solvers.cpsat.units import Axis, Profile, Units, provide_what_is_needed
+from remat.solvers.deadline import Deadline, ticker
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
 from remat.solvers.schedule import Schedule
 
@@ -29,8 +30,10 @@ class FreeModel:
     """The CP-SAT model with free recompute positions (`SolverOptions.free_positions`), without
     capacity or objective (the stages add those)."""
 
-    def __init__(self, problem: Problem, units: Units):
+    def __init__(self, problem: Problem, units: Units, deadline: Deadline | None = None):
+        """OutOfTime when `deadline` passes while the model is built."""
         self.problem, self.units = problem, units
+        tick = ticker(deadline, "building the model")
         ops, nf = problem.ops, problem.num_forward
         axis = self.axis = Axis(problem)
         readers = self.readers = problem.storage_readers
@@ -76,6 +79,7 @@ class FreeModel:
         # --- Recompute positions: before every recomputed reader (before every backward reader
         # is the domain), and a getitem where its tuple op is (recomputing the tuple makes it).
         for v in latest:
+            tick()
             m.Add(self.pos[v] == latest[v]).OnlyEnforceIf(self.rec[v].Not())  # no symmetry
             for r in readers[v]:
                 if r in self.rec:
@@ -91,6 +95,7 @@ class FreeModel:
         self.rec_length: dict[int, cp_model.IntVar] = {}
         self.end_low: dict[int, int] = {}
         for v in candidates:
+            tick()
             last_fwd = max((r for r in readers[v] if r < nf), default=v)
             last_bwd = max((axis.op(r) for r in readers[v] if r >= nf), default=None)
             later = [r for r in readers[v] if r in self.rec]
@@ -162,6 +167,7 @@ class FreeModel:
             if v in self.rec and latest[v] <= last:
                 window.append((latest[v], last, size[v], self.rec[v]))
         for b in self._cut_points(problem, window, level_at):
+            tick()
             terms = [(c, x) for lo, hi, c, x in window if lo <= b <= hi]
             if terms:
                 m.Add(sum(c * x for c, x in terms) + level_at(axis.op(b)) <= self.peak)

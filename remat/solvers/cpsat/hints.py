@@ -5,11 +5,13 @@ takes out the recomputations a hint can do without.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
 from remat.errors import BudgetError
 from remat.solvers import baselines  # noqa: F401  (registers the pool's strategies)
+from remat.solvers.deadline import Deadline, OutOfTime, modelled
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Kind, Problem
 from remat.solvers.strategies import STRATEGIES, Strategy
@@ -24,9 +26,11 @@ HINT_POOL = (Strategy.SAVE_ALL, Strategy.CHECKPOINT_BLOCKS, Strategy.CHEN_SQRT,
              Strategy.SELECTIVE, Strategy.GREEDY)
 BASELINES = HINT_POOL  # the name the benchmarks and tests know the pool by
 # Schedule evaluations (make_schedule + simulate) a strategy is expected to run, to predict
-# whether it can finish in the time left: one for a fixed plan, a prefix search for the rest.
+# whether it can finish in the time left: one for a fixed plan; a prefix search (PeakMeter's
+# evaluations are cheaper: greedy took 5 to 10 at 2,000 to 5,000 ops) stops at the deadline
+# anyway, so it is predicted on the low side.
 EVALUATIONS = {Strategy.SAVE_ALL: 1, Strategy.CHECKPOINT_BLOCKS: 1, Strategy.CHEN_SQRT: 1}
-PREFIX_SEARCH_EVALUATIONS = 40
+PREFIX_SEARCH_EVALUATIONS = 8
 
 
 @dataclass
@@ -38,42 +42,57 @@ class Pool:
     skipped: dict[str, str] = field(default_factory=dict)
     seconds_per_evaluation: float | None = None
 
-    def run(self, budget: int, deadline: float, until_one_fits: float | None = None
+    def evaluation(self, deterministic: bool) -> float:
+        """Seconds one schedule evaluation takes on the problem, to predict a stage's time:
+        measured on the first baseline, or modelled (deterministic mode, and before that)."""
+        if deterministic or self.seconds_per_evaluation is None:
+            return modelled("evaluation", len(self.problem))
+        return self.seconds_per_evaluation
+
+    def run(self, budget: int, deadline: Deadline, until_one_fits: Deadline | None = None
             ) -> list[Schedule]:
         """Every pool strategy's schedule at `budget` (those that fit), each run only when it
         is predicted to finish before `deadline`, or before `until_one_fits` while none fits
-        (a plan late is better than none)."""
+        (a plan late is better than none); a prefix search that runs past it is stopped."""
         found = []
         for strategy in HINT_POOL:
             if strategy not in STRATEGIES:
                 continue
-            if not found and until_one_fits is not None:
-                deadline = max(deadline, until_one_fits)
-            expected = EVALUATIONS.get(strategy, PREFIX_SEARCH_EVALUATIONS) * (
-                self.seconds_per_evaluation or 0.0)
-            now = time.perf_counter()
-            if now + expected > deadline:
+            part = deadline
+            if not found and until_one_fits is not None and until_one_fits.end > deadline.end:
+                part = until_one_fits
+            evaluations = EVALUATIONS.get(strategy, PREFIX_SEARCH_EVALUATIONS)
+            expected = evaluations * self.evaluation(part.deterministic)
+            if expected > part.left() or part.expired():
                 self.skipped[strategy.value] = (f"would take about {expected:.1f} s, "
-                                                f"{max(0.0, deadline - now):.1f} s left")
+                                                f"{part.left():.1f} s left")
                 continue
+            began = time.perf_counter()
             try:
-                found.append(STRATEGIES[strategy](self.problem, budget, self.options))
+                if strategy in EVALUATIONS:  # a fixed plan: one evaluation, nothing to stop
+                    found.append(STRATEGIES[strategy](self.problem, budget, self.options))
+                else:
+                    found.append(STRATEGIES[strategy](self.problem, budget, self.options,
+                                                      deadline=part))
                 self.skipped.pop(strategy.value, None)
             except BudgetError:
                 pass
+            except OutOfTime:
+                self.skipped[strategy.value] = "stopped at the deadline"
             finally:
-                spent = time.perf_counter() - now
+                part.charge(evaluations * modelled("evaluation", len(self.problem)))
                 if self.seconds_per_evaluation is None:  # the first is a single evaluation
+                    spent = time.perf_counter() - began
                     self.seconds_per_evaluation = spent / EVALUATIONS.get(strategy, 1)
         return found
 
-    def best(self, budget: int, deadline: float, until_one_fits: float | None = None
+    def best(self, budget: int, deadline: Deadline, until_one_fits: Deadline | None = None
              ) -> Schedule | None:
         """The cheapest fitting schedule of the pool, least peak among equals."""
         return min(self.run(budget, deadline, until_one_fits), key=lambda s: (s.cost, s.peak),
                    default=None)
 
-    def least_peak(self, deadline: float) -> Schedule | None:
+    def least_peak(self, deadline: Deadline) -> Schedule | None:
         """The pool's schedule of least peak, each strategy at a budget it always meets."""
         unbounded = sum(op.size + op.temp for op in self.problem.ops)
         return min(self.run(unbounded, deadline), key=lambda s: (s.peak, s.cost), default=None)
@@ -81,25 +100,28 @@ class Pool:
 
 def _best_baseline(problem: Problem, budget: int, options: SolverOptions) -> Schedule | None:
     """The best baseline of the pool at `budget`, with no deadline (tests, benchmarks)."""
-    return Pool(problem, options).best(budget, float("inf"))
+    return Pool(problem, options).best(budget, Deadline(math.inf))
 
 
-def drop_pass(problem: Problem, budget: int, hint: Schedule, deadline: float) -> Schedule:
+def drop_pass(problem: Problem, budget: int, hint: Schedule, deadline: Deadline) -> Schedule:
     """The hint with every recomputation it can do without, most expensive first, until none
-    can go or the deadline: a local search evaluated by `simulate` (through make_schedule).
+    can go or the deadline: a local search evaluated by `simulate` (through make_schedule), each
+    evaluation charged to the deadline (deterministic mode).
     The baselines recompute whole blocks; most of that is not needed to fit, and CP-SAT's
     neighbourhood search takes tens of seconds to find what this finds in one (505 ops,
     checkpoint_blocks at half the save-all peak: 3.96 -> 3.53 ms in 1 s)."""
     best = hint
     recomputed = set(hint.recomputed)
     improved = True
-    while improved and time.perf_counter() < deadline:
+    evaluation = modelled("evaluation", len(problem))
+    while improved and not deadline.expired():
         improved = False
-        for v in sorted(recomputed, key=lambda v: -problem.ops[v].cost):
+        for v in sorted(recomputed, key=lambda v: (-problem.ops[v].cost, v)):
             if v not in recomputed or problem.ops[v].kind is Kind.TUPLE:
                 continue  # gone with an earlier drop; a tuple op goes with its getitems
-            if time.perf_counter() >= deadline:
+            if deadline.expired():
                 break
+            deadline.charge(evaluation)
             try:
                 trial = make_schedule(problem, drop_unneeded(problem, recomputed - {v}),
                                       strategy=hint.strategy, status=hint.status, budget=budget)

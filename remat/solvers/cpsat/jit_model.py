@@ -6,6 +6,7 @@ from __future__ import annotations
 from ortools.sat.python import cp_model
 
 from remat.solvers.cpsat.units import Units, provide_what_is_needed
+from remat.solvers.deadline import Deadline, ticker
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
 from remat.solvers.schedule import Schedule, make_schedule
 
@@ -32,8 +33,10 @@ class JitModel:
     below, which can only overstate memory, so the least cost is exact and the least-peak stage
     makes them tight where the peak is (info["model_peak"] equals simulate's peak)."""
 
-    def __init__(self, problem: Problem, units: Units):
+    def __init__(self, problem: Problem, units: Units, deadline: Deadline | None = None):
+        """OutOfTime when `deadline` passes while the model is built."""
         self.problem, self.units = problem, units
+        tick = ticker(deadline, "building the model")
         ops, nf = problem.ops, problem.num_forward
         readers = self.readers = problem.storage_readers
         pinned = problem.pinned
@@ -126,6 +129,7 @@ class JitModel:
                 m.Add(lit <= sum(ups)) if ups else m.Add(lit == 0)
 
         for v in self.rec:
+            tick()
             if ops[v].kind is Kind.TUPLE:
                 getitems = [g for g in problem.users[v] if g in self.rec]
                 for p, lit in self.le[v].items():
@@ -207,6 +211,7 @@ class JitModel:
         self.hge: dict[int, list[tuple[int, object]]] = {}
         self.direct_end: dict[int, int] = {}
         for v in candidates:
+            tick()
             s = size[v]
             keep, again = self.save.get(v), self.rec.get(v)
             held = [x for x in (keep, again) if x is not None]
@@ -270,6 +275,7 @@ class JitModel:
                     previous = lit
         level = 0
         for t in range(slots):
+            tick()
             change = events.get(t)
             if change:
                 current = m.NewIntVar(0, total, f"decided[{t}]")

@@ -5,14 +5,14 @@ And that error's message, which says exactly what is proven and what was only fo
 from __future__ import annotations
 
 import math
-import time
 
 from ortools.sat.python import cp_model
 
 from remat.errors import BudgetError
 from remat.solvers.bound import peak_bound
 from remat.solvers.cpsat.hints import Pool
-from remat.solvers.cpsat.search import cp_solver
+from remat.solvers.cpsat.search import cp_solver, run_solver
+from remat.solvers.deadline import Deadline
 from remat.solvers.cpsat.units import Units
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Problem
@@ -37,7 +37,7 @@ class _Enough(cp_model.CpSolverSolutionCallback):
 
 
 def least_peak(problem: Problem, units: Units, options: SolverOptions, pool: Pool, model,
-               deadline: float, target: int = -1, start: Schedule | None = None
+               deadline: Deadline, target: int = -1, start: Schedule | None = None
                ) -> tuple[Schedule | None, bool]:
     """The schedule of least simulated peak found before `deadline` (whatever its cost), and
     whether that peak is proven the least, by `model` (a FreeModel or JitModel with no capacity
@@ -47,13 +47,14 @@ def least_peak(problem: Problem, units: Units, options: SolverOptions, pool: Poo
     capacity): then the peak is not the least, but the budget is met."""
     baseline = min((s for s in (pool.least_peak(deadline), start) if s is not None),
                    key=lambda s: (s.peak, s.cost), default=None)
-    if time.perf_counter() >= deadline:
+    if not deadline.check("searching for the least peak"):
         return baseline, False
     model.model.Minimize(model.peak)
     if baseline is not None:
         model.hint(baseline)
-    solver = cp_solver(options, deadline - time.perf_counter())
-    status = solver.Solve(model.model, _Enough(target))
+    solver = cp_solver(options, deadline)
+    status = run_solver(solver, model.model, deadline, "searching for the least peak",
+                        _Enough(target))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return baseline, False
     recomputed, positions = model.decision(solver.Value)
@@ -66,7 +67,7 @@ def least_peak(problem: Problem, units: Units, options: SolverOptions, pool: Poo
 
 
 def too_small(problem: Problem, budget: int, smallest: Schedule, proven: bool,
-              options: SolverOptions, deadline: float) -> BudgetError:
+              options: SolverOptions, deadline: Deadline) -> BudgetError:
     """BudgetError for `budget`, naming `smallest.peak` (a budget that fits: the schedule is
     there) and, where that peak is not proven least, the floor that is proven."""
     remedy = ("Raise the budget or shrink what the backward must hold (smaller batch, "
@@ -75,8 +76,8 @@ def too_small(problem: Problem, budget: int, smallest: Schedule, proven: bool,
         words = (f"the smallest activation peak any schedule reaches is {smallest.peak:,} bytes "
                  f"(proven); recomputation cannot go lower. {remedy}")
     else:
-        seconds = min(FLOOR_SHARE * options.time_limit, max(0.0, deadline - time.perf_counter()))
-        floor = math.floor(peak_bound(problem, time_limit=seconds, workers=options.workers).value)
+        floor = math.floor(peak_bound(problem, time_limit=FLOOR_SHARE * deadline.limit,
+                                      deadline=deadline).value)
         if floor >= smallest.peak:
             words = (f"the smallest activation peak any schedule reaches is {smallest.peak:,} "
                      f"bytes (proven); recomputation cannot go lower. {remedy}")

@@ -30,6 +30,7 @@ from ortools.sat.python import cp_model
 
 from remat.solvers.cpsat.rich_hint import hint
 from remat.solvers.cpsat.units import Profile, Units
+from remat.solvers.deadline import Deadline, ticker
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
 from remat.solvers.schedule import Schedule
 
@@ -62,8 +63,11 @@ class RichModel:
     """The richer model without capacity or objective (the stages add those): `cost`, `peak`,
     `fixed_peak`, `terms` (how many cost terms round down), `decision`, `hint`."""
 
-    def __init__(self, problem: Problem, units: Units, max_copies: int, offload: bool):
+    def __init__(self, problem: Problem, units: Units, max_copies: int, offload: bool,
+                 deadline: Deadline | None = None):
+        """OutOfTime when `deadline` passes while the model is built."""
         self.problem, self.units = problem, units
+        tick = ticker(deadline, "building the rich model")
         ops, nf, n = problem.ops, problem.num_forward, len(problem)
         self.width = nf + 2
         self.horizon = self.op_time(n - 1) + 1
@@ -85,6 +89,7 @@ class RichModel:
         self._first: dict[int, cp_model.IntVar] = {}
         self._here: dict[int, list] = {}
         for v in range(nf):
+            tick()
             if not may_run(v) or tuple_of(problem, v) is not None:
                 continue
             if ops[v].kind is Kind.TUPLE:
@@ -139,6 +144,7 @@ class RichModel:
         fixed = Profile()
         hold = fixed.hold
         for i, op in enumerate(ops):
+            tick()
             hold(temp[i], self.op_time(i), self.op_time(i))
             if root[i] != i or not size[i]:
                 continue

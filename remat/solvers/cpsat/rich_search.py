@@ -1,11 +1,13 @@
 """`optimal` over the richer execution model (`SolverOptions.model` "rich" or "auto").
 
-"auto": the one-recomputation model first (`SINGLE_SHARE` of the limit, its own stages); then a
-bound proven over the rich space (`recompute_bound(rich=True)`); when the single plan's cost
-meets it, that plan is the rich optimum too and is returned; else the rest of the limit goes to
-the rich model (`RichModel`) started from the single plan, whose answer is taken only when it
-costs less. "rich": the rich model alone, started from the caller's hint or the best baseline.
-One deadline bounds the whole call. Statuses use only bounds valid over the rich space: the
+Both start with the one-recomputation model (its own stages; `SINGLE_SHARE` of the limit under
+"auto", `RICH_SINGLE_SHARE` under "rich"), whose plan the rich model starts from and which is
+returned when the rich model cannot do better in the time left: a richer model never returns
+less than the single one. Then a bound proven over the rich space (`recompute_bound(rich=True)`);
+when the single plan's cost meets it, that plan is the rich optimum too and is returned; else
+the rest of the limit goes to the rich model (`RichModel`), whose answer is taken only when it
+costs less ("auto" searches it only where the single plan is proven in its own space; "rich"
+always). One deadline bounds the whole call. Statuses use only bounds valid over the rich space: the
 rich bound, and CP-SAT's own bound on the rich model (which spans that space) where it counts
 bytes exactly.
 """
@@ -20,22 +22,24 @@ from typing import Callable
 from ortools.sat.python import cp_model
 
 from remat.errors import BudgetError, SolverError
-from remat.solvers.bound import recompute_bound
-from remat.solvers.cpsat.hints import Pool
+from remat.solvers.bound import Bound, recompute_bound
 from remat.solvers.cpsat.rich_model import RichModel
-from remat.solvers.cpsat.search import Progress, Trace, cp_solver
+from remat.solvers.cpsat.search import Progress, Trace, cp_solver, deadline_info, run_solver
 from remat.solvers.cpsat.units import Units
+from remat.solvers.deadline import Deadline, OutOfTime, modelled
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Problem
 from remat.solvers.relaxed import binding_step
 from remat.solvers.schedule import Schedule, Status, evaluate, make_schedule, price
 
-# Shares of the time limit: the single model's whole call ("auto"), the rich bound, the rich
-# model's least-peak stage.
+# Shares of the time limit: the single model's whole call ("auto"; "rich", which wants the rich
+# model searched, leaves it more time), the rich bound, the rich model's least-peak stage.
 SINGLE_SHARE = 0.85
+RICH_SINGLE_SHARE = 0.5
 BOUND_SHARE = 0.1
 PEAK_STAGE_SHARE = 0.1
-BASELINE_SHARE = 0.1
+# Kept for finishing (evaluate, the true cost), in schedule evaluations.
+FINISH_EVALUATIONS = 4
 # Building the rich model takes about this many schedule evaluations (65 to 170 measured on
 # synthetic transformers of 200 to 1,000 ops); it is built only within this share of the
 # time left.
@@ -50,42 +54,51 @@ def full_cost(problem: Problem, schedule: Schedule) -> float:
 
 
 def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress: Progress,
-                 single: Callable[[SolverOptions], Schedule], tolerance: float) -> Schedule:
+                 deadline: Deadline, single: Callable[[SolverOptions, Deadline], Schedule],
+                 tolerance: float) -> Schedule:
     start = time.perf_counter()
-    deadline = start + options.time_limit
+    limit = deadline.limit
+    evaluation = modelled("evaluation", len(problem))  # measured below, on the wall clock
     info: dict = {}
     hint = options.hint
     below: BudgetError | None = None  # the single model's, where nothing of its space fits
     single_step_bound: float | None = None
-    if options.model == "auto":
-        try:
-            hint = single(replace(options, time_limit=SINGLE_SHARE * options.time_limit))
-        except BudgetError as error:  # the rich space may fit below the single's least peak
-            below = error
-        else:
-            info.update(single={"cost": hint.cost, "status": hint.status.value,
-                                "bound": hint.bound},
-                        **{k: v for k, v in hint.info.items() if k not in ("model",)})
-            # One backward step's knapsack bounds every schedule of the rich space as well (a
-            # value read after the step is held at it or made again after it, its inputs
-            # likewise, each run costing at least once), but not where a value may instead
-            # wait in host memory.
-            if hint.info.get("bound_steps") == 1 and problem.host_bandwidth is None:
-                single_step_bound = hint.bound
+    # The single model first, in both: its plan is where the rich search starts, and what it
+    # returns when there is no time for the rich model (never less than the single model's).
+    share = SINGLE_SHARE if options.model == "auto" else RICH_SINGLE_SHARE
+    try:  # the single model's call keeps its own time to finish
+        hint = single(options, deadline.within(share * limit))
+    except BudgetError as error:  # the rich space may fit below the single's least peak
+        below = error
+        hint = None
     else:
-        if hint is not None:
-            hint = evaluate(problem, hint)
-        if hint is None or hint.peak > budget:
-            pool = Pool(problem, options)
-            hint = pool.best(budget, time.perf_counter() + BASELINE_SHARE * options.time_limit)
+        info.update(single={"cost": hint.cost, "status": hint.status.value,
+                            "bound": hint.bound},
+                    **{k: v for k, v in hint.info.items() if k not in ("model",)})
+        # One backward step's knapsack bounds every schedule of the rich space as well (a
+        # value read after the step is held at it or made again after it, its inputs
+        # likewise, each run costing at least once), but not where a value may instead
+        # wait in host memory.
+        if problem.host_bandwidth is None:
+            single_step_bound = max(hint.bound if hint.info.get("bound_steps") == 1 else 0.0,
+                                    hint.info.get("one_step_bound", 0.0))
+    began = time.perf_counter()
+    evaluate(problem, hint if hint is not None else make_schedule(problem, ()))
+    measured = time.perf_counter() - began  # the wall clock's reserve: as measured
+    if deadline.deterministic:
+        deadline.charge(evaluation)
+    else:
+        evaluation = measured
+    work = deadline.reserving(FINISH_EVALUATIONS * max(evaluation, measured))
     fits = hint is not None and hint.peak <= budget
-    # Who made the plan when the hint stands: the single model ("auto"), else a baseline or the
-    # caller, left as the rich model's answer (it searched from there).
-    fallback = "single" if options.model == "auto" else "rich"
+    # Who made the plan when the hint stands: the single model.
+    fallback = "single"
 
     def done(schedule: Schedule, bound: float, model: str) -> Schedule:
+        progress.update(stage="done")
         cost = full_cost(problem, schedule)
         info["model"] = model
+        info.update(deadline_info(deadline))
         return evaluate(problem, schedule, strategy="optimal", budget=budget, bound=bound,
                         status=(Status.OPTIMAL if cost - bound <= tolerance * cost
                                 else Status.FEASIBLE),
@@ -99,14 +112,25 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
         # its size, would do no better in what is left. Its status over the rich space stands
         # on the rich bound alone.
         info["rich"] = "not searched: the single model's plan is unproven in its own space"
-    progress.update(stage="proving a bound over the rich space")
-    seconds = max(0.0, min(BOUND_SHARE * options.time_limit, deadline - time.perf_counter()))
-    steps = [b for b in [binding_step(problem, hint) if hint is not None else None]
-             if b is not None]
-    rich = recompute_bound(problem, budget, time_limit=seconds, steps=steps, rich=True)
+    # Its share of the limit, or more of what the single model left: all of it when the rich
+    # model will not be searched (the 7B at 1 %: the single model proves its plan in half the
+    # limit, and the pair of steps that bounds it over the rich space needs more than a tenth).
+    share = work.left() if "rich" in info else max(BOUND_SHARE * limit, work.left() / 2)
+    part = work.within(share - 2 * evaluation)
+    rich = Bound(0.0, (), False)
+    if part.check("proving a bound over the rich space"):
+        progress.update(stage="proving a bound over the rich space")
+        part.charge(evaluation)
+        steps = [b for b in [binding_step(problem, hint) if hint is not None else None]
+                 if b is not None]
+        rich = recompute_bound(problem, budget, time_limit=part.limit, steps=steps, rich=True,
+                               deadline=part)
     if single_step_bound is not None and single_step_bound > rich.value:
         rich = replace(rich, value=single_step_bound)
         info["rich_bound_from"] = "the single model's bound from one backward step"
+        info["bound_from"] = "one backward step (it holds over the rich space)"
+    elif rich.steps:
+        info["bound_from"] = f"backward steps over the rich space ({rich.where(problem)})"
     info["rich_bound"] = rich.value
     if rich.value == math.inf and below is not None:
         raise below
@@ -122,21 +146,23 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
 
     if "rich" in info:
         return done(hint, rich.value, "single")
-    began = time.perf_counter()
-    evaluate(problem, hint if hint is not None else make_schedule(problem, ()))
-    expected = BUILD_EVALUATIONS * (time.perf_counter() - began)
-    if expected > BUILD_SHARE_OF_LEFT * (deadline - time.perf_counter()):
+    expected = modelled("rich model", len(problem)) if deadline.deterministic else (
+        BUILD_EVALUATIONS * evaluation)
+    if expected > BUILD_SHARE_OF_LEFT * work.left() or not work.check("building the rich model"):
         info["rich"] = f"not built: would take about {expected:.1f} s"
+        work.stop("building the rich model", f"would take about {expected:.1f} s, "
+                  f"{work.left():.1f} s left")
         if fits:
             return done(hint, rich.value, fallback)
         if below is not None:
             raise below
         raise SolverError(f"optimal: no time left to build the rich model (about {expected:.1f}"
-                          " s) and no baseline fits; raise time_limit or the budget")
+                          " s) and the single model found no schedule that fits; raise "
+                          "time_limit or the budget")
     progress.update(stage="searching the rich model")
     units = rich_units(problem, options)
     found, searched = search_rich(problem, budget, options, units, hint if fits else None,
-                                  deadline, rich.value, progress, info)
+                                  work, rich.value, progress, info)
     bound = max(rich.value, searched)
     if found is None and below is not None:
         if searched == math.inf:  # proven: nothing fits in the rich space either
@@ -153,8 +179,8 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
     if fits:
         return done(hint, bound, fallback)
     raise SolverError(f"optimal: the rich model found no schedule within the time limit of "
-                      f"{options.time_limit} s and no baseline fits; raise time_limit or the "
-                      "budget")
+                      f"{options.time_limit:g} s and the single model none that fits; raise "
+                      "time_limit or the budget")
 
 
 def rich_units(problem: Problem, options: SolverOptions) -> Units:
@@ -169,13 +195,19 @@ def rich_units(problem: Problem, options: SolverOptions) -> Units:
 
 
 def search_rich(problem: Problem, budget: int, options: SolverOptions, units: Units,
-                hint: Schedule | None, deadline: float, floor: float, progress: Progress,
+                hint: Schedule | None, deadline: Deadline, floor: float, progress: Progress,
                 info: dict) -> tuple[Schedule | None, float]:
     """The rich model's least cost (then least peak at that cost) until `deadline`: its
     schedule (None: none found) and the bound its search proved that holds over the rich space
     (0 where the model does not span it or rounds bytes; math.inf: nothing fits)."""
     began = time.perf_counter()
-    model = RichModel(problem, units, options.max_copies, problem.host_bandwidth is not None)
+    deadline.charge(modelled("rich model", len(problem)))
+    try:
+        model = RichModel(problem, units, options.max_copies, problem.host_bandwidth is not None,
+                          deadline)
+    except OutOfTime:
+        info["rich"] = "not built: stopped at the deadline"
+        return None, 0.0
     m = model.model
     info.update(rich_variables=len(m.Proto().variables),
                 rich_build_time=time.perf_counter() - began)
@@ -189,11 +221,11 @@ def search_rich(problem: Problem, budget: int, options: SolverOptions, units: Un
     m.Minimize(model.cost)
     if hint is not None:
         info["rich_hinted"] = model.hint(hint)
-    seconds = deadline - time.perf_counter() - PEAK_STAGE_SHARE * options.time_limit
     trace = Trace(units, began, options.on_solution, progress, enough=floor / (1 - 1e-4),
                   slack=model.terms)
-    solver = cp_solver(options, seconds, progress, units)
-    status = solver.Solve(m, trace)
+    solver = cp_solver(options, deadline, deadline.left() - PEAK_STAGE_SHARE * deadline.limit,
+                       progress, units)
+    status = run_solver(solver, m, deadline, "searching the rich model", trace)
     info.update(rich_time=solver.WallTime(), rich_status=solver.StatusName(status))
     if status == cp_model.INFEASIBLE:
         return None, math.inf if valid else 0.0
@@ -202,18 +234,20 @@ def search_rich(problem: Problem, budget: int, options: SolverOptions, units: Un
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, searched
     positions, offload = model.decision(solver.Value)
+    deadline.charge(modelled("evaluation", len(problem)))
     schedule = rich_schedule(problem, positions, offload)
-    seconds = deadline - time.perf_counter()
-    if schedule.cost > 0 and seconds > 0.05:  # the least peak at that cost; tight ends
+    if schedule.cost > 0 and deadline.left() > 0.05 and deadline.check(
+            "lowering the peak at that cost (rich model)"):  # tight ends
         progress.update(stage="lowering the peak at that cost (rich model)")
         m.Add(model.cost <= round(solver.ObjectiveValue()))
         m.Minimize(model.peak)
         model.hint(schedule)
-        solver = cp_solver(options, seconds)
-        status = solver.Solve(m)
+        solver = cp_solver(options, deadline)
+        status = run_solver(solver, m, deadline, "lowering the peak (rich model)")
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             info["rich_model_peak"] = solver.Value(model.peak) * units.byte
             info["rich_peak_proven"] = status == cp_model.OPTIMAL
+            deadline.charge(modelled("evaluation", len(problem)))
             better = rich_schedule(problem, *model.decision(solver.Value))
             if (better.cost, better.peak) <= (schedule.cost, schedule.peak):
                 schedule = better

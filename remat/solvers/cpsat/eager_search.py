@@ -1,0 +1,244 @@
+"""Exact eager plans: the cheapest per-block selective-checkpoint policy whose eager peak
+(`remat.solvers.eager.eager_timeline`) fits the budget, solved with `EagerModel` and reported
+like the compiled mode's plans: OPTIMAL within OPTIMAL_TOLERANCE of a proven bound, else
+FEASIBLE with that bound and its gap.
+
+One `Deadline` bounds the whole call (the caller's, or `options.time_limit` from the start):
+the model's construction, the least-cost stage, the least-peak-at-that-cost stage, and, where
+nothing fits, the least-peak search that BudgetError's smallest budget comes from. The caller's
+hint (the heuristic `plan_eager`'s policy) starts the search, and is returned where the search
+found nothing cheaper, so the result is never worse than it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import replace
+from types import MappingProxyType
+from typing import Iterable
+
+from ortools.sat.python import cp_model
+
+from remat.errors import BudgetError, SolverError
+from remat.solvers.cpsat.driver import OPTIMAL_TOLERANCE
+from remat.solvers.cpsat.eager_model import EagerModel
+from remat.solvers.cpsat.search import cp_solver
+from remat.solvers.cpsat.units import MAX_UNITS, Units
+from remat.solvers.deadline import Deadline
+from remat.solvers.eager import EagerBlocks, eager_schedule
+from remat.solvers.objective import with_objective
+from remat.solvers.options import SolverOptions
+from remat.solvers.problem import Problem
+from remat.solvers.schedule import Schedule, Status
+
+log = logging.getLogger(__name__)
+
+STRATEGY = "eager_optimal"
+# The share of the time limit kept for lowering the peak at the least cost found.
+PEAK_STAGE_SHARE = 0.1
+# CP-SAT's full-problem workers, first first (the portfolio keeps as many as there are workers).
+SUBSOLVERS = ("max_lp", "default_lp", "quick_restart", "core")
+
+
+def eager_units(problem: Problem, blocks: EagerBlocks, options: SolverOptions) -> Units:
+    """The compiled models' units, with checkpoint's generator state among the sizes that the
+    byte unit divides (5,056 bytes on a CPU), so that the model's bytes stay exact."""
+    units = Units.of(problem, options)
+    state = blocks.state_bytes
+    if not state or not units.exact_bytes or state % units.byte == 0:
+        return units
+    unit = math.gcd(units.byte, state)
+    total = sum(op.size + op.temp for op in problem.ops) + state * len(blocks.ops)
+    if total // unit > MAX_UNITS:
+        return units  # sizes round up: conservative, and info["exact"] says so
+    return replace(units, byte=unit)
+
+
+UNPROVEN = ("the exact eager model does not yet follow every rule of the eager timeline: "
+            "its bound is not claimed")
+
+
+class _Disagreement(Exception):
+    """The model's policy peaks above the budget on the eager timeline itself: the model and
+    `eager_timeline` disagree on this problem (a bug of the model, never of the input)."""
+
+
+def optimal_eager(problem: Problem, blocks: EagerBlocks, budget: int, options: SolverOptions,
+                  *, hint: Iterable[int] | None = None, deadline: Deadline | None = None
+                  ) -> Schedule:
+    """`_optimal_eager`, guarded: where the exact model and the eager timeline disagree on a
+    policy's peak, its claims prove nothing, so the hint's policy (the heuristic's, checked
+    on the timeline) is returned FEASIBLE without a bound, and the result says why."""
+    try:
+        found = _optimal_eager(problem, blocks, budget, options, hint=hint, deadline=deadline)
+        # The eager timeline now holds what eager PyTorch holds (Python variables, a module
+        # run several times, an autograd node's temporaries), and EagerModel does not follow
+        # those rules yet (tests/test_eager_exact.py, marked xfail): its policy is checked on
+        # the timeline, but its bound proves nothing until it does, so none is claimed.
+        return replace(found, status=Status.FEASIBLE, bound=None, info=MappingProxyType(
+            {**found.info, "exact_model": UNPROVEN}))
+    except _Disagreement as e:
+        start = None if hint is None else eager_schedule(problem, blocks, hint,
+                                                         strategy=STRATEGY,
+                                                         status=Status.FEASIBLE, budget=budget)
+        if start is None or start.peak > budget:
+            raise SolverError(f"{e}; no heuristic policy to fall back on: please report it") \
+                from None
+        log.warning("%s; returning the heuristic's policy, unproven", e)
+        return replace(start, bound=None, info=MappingProxyType(
+            {**start.info, "execution": "eager", "model": "eager heuristic",
+             "exact_model": f"disagreed with the eager timeline ({e}); unproven"}))
+
+
+def _optimal_eager(problem: Problem, blocks: EagerBlocks, budget: int, options: SolverOptions,
+                   *, hint: Iterable[int] | None = None, deadline: Deadline | None = None
+                   ) -> Schedule:
+    """The least-cost policy (cached ops) whose eager peak fits `budget`, least peak among
+    equals, as `eager_schedule`'s Schedule with status, bound and gap. `hint`: a policy's
+    cached ops to start from. Raises BudgetError when no policy fits (proven, or the least
+    peak found is above the budget: the message says which) and SolverError when the time
+    allowed neither a policy nor a proof."""
+    options = options.by_size(len(problem))
+    deadline = deadline or Deadline(options.time_limit)
+    deadline.enter("eager: the model")
+    costed = with_objective(problem, options.objective)
+    units = eager_units(costed, blocks, options)
+    info: dict = {"execution": "eager", "model": "eager", "bound_from": "CP-SAT search",
+                  "objective": options.objective, "byte_unit": units.byte,
+                  "exact": units.exact_bytes}
+    start = None if hint is None else eager_schedule(costed, blocks, hint, budget=budget)
+    if start is not None and start.peak > budget:
+        start = None  # a policy that does not fit starts nothing
+    if not deadline.check("eager: the model"):
+        return _result(problem, blocks, start, 0.0, budget, deadline, info, "no time to build")
+    model = EagerModel(costed, blocks, units)
+    info.update(cache_units=len(model.cache), slots=model.slots,
+                variables=len(model.model.Proto().variables))
+    m, capacity = model.model, units.capacity(budget)
+    if model.fixed_peak > capacity:  # what no policy moves exceeds the budget already
+        return _least(problem, blocks, budget, options, deadline, info)
+
+    # --- Stage 1: least cost under the capacity.
+    deadline.enter("eager: least cost")
+    m.Add(model.peak <= capacity)
+    m.Minimize(model.cost)
+    if start is not None:
+        model.hint(start.info["cached"])
+    reserve = PEAK_STAGE_SHARE * deadline.limit
+    status, solver = _solve(model, options, deadline, deadline.left() - reserve, "least cost")
+    info["stage1_time"] = solver.WallTime()
+    bound = solver.BestObjectiveBound() * units.cost if units.exact_bytes else 0.0
+    bound = max(0.0, bound) + model.fixed_cost if math.isfinite(bound) else model.fixed_cost
+    if status == cp_model.INFEASIBLE:
+        return _least(problem, blocks, budget, options, deadline, info)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return _result(problem, blocks, start, bound, budget, deadline, info,
+                       solver.StatusName(status))
+    cached = model.decision(solver.Value)
+    best = round(solver.ObjectiveValue())
+
+    # --- Stage 2: least peak at that cost.
+    if deadline.left() > 0.05:
+        deadline.enter("eager: least peak at that cost")
+        m.Add(model.cost <= best)
+        m.Minimize(model.peak)
+        model.hint(cached)
+        status2, solver = _solve(model, options, deadline,
+                                 min(deadline.left(), PEAK_STAGE_SHARE * deadline.limit),
+                                 "least peak")
+        if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            cached = model.decision(solver.Value)
+            info["peak_stage"] = "proven" if status2 == cp_model.OPTIMAL else "stopped"
+        else:
+            info["peak_stage"] = f"CP-SAT answered {solver.StatusName(status2)}"
+    else:
+        info["peak_stage"] = "skipped: no time left"
+    found = eager_schedule(costed, blocks, cached, budget=budget)
+    if start is None or found.cost <= start.cost:
+        start = found  # else CP-SAT's answer rounded cost away: the hint stays
+    return _result(problem, blocks, start, bound, budget, deadline, info, "searched")
+
+
+def least_eager_peak(problem: Problem, blocks: EagerBlocks, options: SolverOptions, *,
+                     deadline: Deadline | None = None, start: Iterable[int] = ()
+                     ) -> tuple[Schedule, int]:
+    """The policy of least eager peak found in the time (whatever its cost), and the peak
+    proven to be the least (bytes; equal to the policy's when proven). `start`: a policy to
+    start from (by default, caching nothing)."""
+    options = options.by_size(len(problem))
+    deadline = deadline or Deadline(options.time_limit)
+    deadline.enter("eager: least peak")
+    units = eager_units(problem, blocks, options)
+    first = eager_schedule(problem, blocks, start)
+    if not deadline.check("eager: least peak"):
+        return first, 0
+    model = EagerModel(problem, blocks, units)
+    model.model.Minimize(model.peak)
+    model.hint(first.info["cached"])
+    status, solver = _solve(model, options, deadline, deadline.left(), "least peak")
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return first, model.fixed_peak * units.byte if units.exact_bytes else 0
+    found = eager_schedule(problem, blocks, model.decision(solver.Value))
+    floor = math.ceil(solver.BestObjectiveBound()) * units.byte if units.exact_bytes else 0
+    best = min((first, found), key=lambda s: s.peak)
+    return best, min(floor, best.peak)
+
+
+def _solve(model: EagerModel, options: SolverOptions, deadline: Deadline, seconds: float,
+           stage: str):
+    solver = cp_solver(options, deadline, seconds)
+    # The model is 0-1 and linear, and its bound comes from the LP, which needs the links
+    # "held if cached" that presolve turns into clauses: only linearization level 2 keeps
+    # them. With 2 to 4 workers the default portfolio runs no such worker (tiny Llama: no
+    # bound past 41 % of the cost in 10 s; with max_lp first, proven in 0.8 s).
+    solver.parameters.linearization_level = 2
+    solver.parameters.subsolvers.extend(SUBSOLVERS)
+    deadline.limit_solver(solver.parameters, max(seconds, 0.0))
+    with deadline.guard(solver, stage):
+        status = solver.Solve(model.model)
+    if status == cp_model.MODEL_INVALID:  # a bug of the model or its hint, never the input's
+        raise SolverError(f"eager: CP-SAT refused the model ({model.model.Validate()}); "
+                          "this is a bug: please report it")
+    return status, solver
+
+
+def _result(problem: Problem, blocks: EagerBlocks, schedule: Schedule | None, bound: float,
+            budget: int, deadline: Deadline, info: dict, how: str) -> Schedule:
+    """`schedule` (in the objective's costs) costed on `problem`, with its true status: OPTIMAL
+    within OPTIMAL_TOLERANCE of `bound`, else FEASIBLE; the bound keeps the objective's gap."""
+    if schedule is None:
+        raise SolverError(f"eager: no policy found within the time limit of "
+                          f"{deadline.limit:g} s ({how}, and no heuristic policy fits the "
+                          "budget to start from); raise time_limit or the budget")
+    cost = schedule.cost
+    bound = min(bound, cost)
+    optimum = cost - bound <= OPTIMAL_TOLERANCE * cost
+    info.update(how=how, stages=deadline.stages, stopped=deadline.stopped)
+    final = eager_schedule(problem, blocks, schedule.info["cached"], strategy=STRATEGY,
+                           status=Status.OPTIMAL if optimum else Status.FEASIBLE, budget=budget)
+    scaled = bound / cost * final.cost if cost > 0 else 0.0
+    if final.peak > budget:  # the model is exact or conservative: this is a bug
+        raise _Disagreement(f"eager: the exact model's policy peaks at {final.peak:,} bytes on "
+                            f"the eager timeline, above the budget of {budget:,}")
+    return replace(final, bound=scaled, solve_time=deadline.elapsed(),
+                   info=MappingProxyType({**final.info, **info,
+                                          "objective_cost": cost, "objective_bound": bound}))
+
+
+def _least(problem: Problem, blocks: EagerBlocks, budget: int, options: SolverOptions,
+           deadline: Deadline, info: dict) -> Schedule:
+    """Where the model finds that nothing fits: the policy of least peak, which fits only where
+    the model's units made it conservative; else BudgetError naming that peak, and whether it
+    is proven the least."""
+    least, floor = least_eager_peak(problem, blocks, options, deadline=deadline)
+    if least.peak <= budget:
+        return _result(problem, blocks, least, 0.0, budget, deadline, info, "least peak")
+    if floor >= least.peak:
+        words = f"the least eager peak of any per-block policy is {least.peak:,} bytes (proven)"
+    else:
+        words = (f"the least eager peak found within the time limit is {least.peak:,} bytes"
+                 + (f"; no policy peaks below {floor:,} bytes (proven)" if floor else ""))
+    raise BudgetError(
+        f"eager: no checkpoint policy fits a budget of {budget:,} bytes of activations; {words}; "
+        "checkpoint more modules (blocks=) or raise the budget", budget=budget,
+        smallest=least.peak, schedule=least)

@@ -1,0 +1,208 @@
+"""The relaxation behind `remat.solvers.bound`: the joint model over backward steps (see that
+module's docstring for why it bounds every schedule), built and solved under the call's
+`Deadline`. `remat.solvers.relaxed` reads plans off it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+from ortools.sat.python import cp_model
+
+from remat.solvers.deadline import DTIME_WEIGHT, Deadline, modelled, ticker
+from remat.solvers.problem import Kind, Problem, recompute_blocker
+
+__all__ = ["COST_RESOLUTION", "Relaxation", "WORKERS"]
+
+# CP-SAT workers for the relaxations when the caller names none: one, with the full linear
+# relaxation (`_solve`). With the default search, 1 to 4 workers did not prove a Llama stack's
+# step in 20 s, and the 8-worker portfolio proved it through its max_lp subsolver alone.
+WORKERS = 1
+# Costs become integers in this fraction of their total, rounded down, so that the integer
+# bound stays a bound of the real costs (the rounding loses at most ops x this share).
+COST_RESOLUTION = 1e-9
+
+
+class Relaxation:
+    """The joint model over backward ops `steps`: per forward storage that the backward may
+    need, save[v] or recompute[v] once; per step b, keep[b, v] (v live at b's step) and
+    after[b, v] (v recomputed after it). `rich`: valid over the richer execution model too
+    (recomputing twice, within the forward, offloading where the problem has a host link)."""
+
+    def __init__(self, problem: Problem, steps: Sequence[int], rich: bool = False,
+                 deadline: Deadline | None = None):
+        """OutOfTime when `deadline` passes while it is built; in deterministic mode the
+        build is charged to it (`modelled`)."""
+        nf = problem.num_forward
+        self.deadline = deadline or Deadline(math.inf)
+        self.deadline.charge(modelled("relaxation step", len(problem)) * len(steps))
+        tick = ticker(deadline, "building a relaxation")
+        pinned = problem.pinned
+        inputs = problem.storage_inputs
+
+        def forward(storages):  # outputs are always held: fixed bytes, never decided
+            return [s for s in storages if s < nf and s not in pinned]
+
+        def closure(start) -> list[int]:
+            reach, frontier = set(), list(start)
+            while frontier:
+                v = frontier.pop()
+                if v not in reach:
+                    reach.add(v)
+                    frontier.extend(forward(inputs[v]))
+            return sorted(reach)
+
+        m = cp_model.CpModel()
+        self.model, self.problem = m, problem
+        # One step alone needs no whole-step decision: what it recomputes after it is its cost.
+        # (Solved without that layer, real graphs' single steps prove in a second, not 20.)
+        joint = len(steps) > 1
+        self.redo: dict[int, cp_model.IntVar] = {}
+        save: dict[int, cp_model.IntVar] = {}
+        bandwidth = problem.host_bandwidth if rich else None
+
+        def offloadable(v: int) -> bool:
+            op = problem.ops[v]
+            return bool(bandwidth) and op.kind is Kind.TENSOR and op.size > 0
+
+        # The richer model (`rich`): save[v] means no backward recomputation and no load; a
+        # value loaded from host (off[v]) is not held between its last forward reader and its
+        # load, at its transfers' cost; one recomputed in the backward may be recomputed again,
+        # so at a step it may be both held and recomputed after it, for a second run's cost.
+        off: dict[int, cp_model.IntVar] = {}
+        self.off: dict[int, tuple[cp_model.IntVar, float]] = {}
+        twice: dict[int, cp_model.IntVar] = {}
+        if joint:
+            read_by_backward = {s for r in problem.backward for s in forward(inputs[r])}
+            values = closure(read_by_backward)
+            last_read = {v: max((r for r in problem.storage_readers[v] if r >= nf), default=-1)
+                         for v in values}
+            for v in values:
+                # A tuple op holds no storage of its own: what is live of it are its getitems.
+                tuple_op = problem.ops[v].kind is Kind.TUPLE
+                save[v] = m.NewConstant(0) if tuple_op else m.NewBoolVar(f"s{v}")
+                self.redo[v] = (m.NewBoolVar(f"r{v}") if recompute_blocker(problem, v) is None
+                                else m.NewConstant(0))
+                if offloadable(v):
+                    off[v] = m.NewBoolVar(f"o{v}")
+                    self.off[v] = (off[v], 2 * problem.ops[v].size / bandwidth)
+                if rich and recompute_blocker(problem, v) is None:
+                    twice[v] = m.NewBoolVar(f"t{v}")
+                m.Add(save[v] + self.redo[v] + off.get(v, 0) <= 1)
+            for v in read_by_backward:
+                m.AddBoolOr([save[v], self.redo[v], *([off[v]] if v in off else [])])
+            for u in values:
+                for s in forward(inputs[u]):
+                    m.Add(save[s] + self.redo[s] + off.get(s, 0) >= self.redo[u])
+
+        self.keep: dict[int, dict[int, cp_model.IntVar]] = {}
+        earlier: dict[int, cp_model.IntVar] | None = None
+        for b in sorted(steps):
+            ahead = {s for r in range(b, len(problem.ops)) for s in forward(inputs[r])}
+            keep, after = {}, {}
+            for v in closure(ahead):
+                tick()
+                tuple_op = problem.ops[v].kind is Kind.TUPLE
+                keep[v] = m.NewConstant(0) if tuple_op else m.NewBoolVar(f"k{b}_{v}")
+                after[v] = (m.NewBoolVar(f"a{b}_{v}") if recompute_blocker(problem, v) is None
+                            else m.NewConstant(0))
+                if not joint:
+                    continue
+                if rich:
+                    m.Add(keep[v] <= save[v] + self.redo[v] + off.get(v, 0))
+                    if v in twice:  # held from one backward run, recomputed after: two runs
+                        m.Add(twice[v] >= keep[v] + after[v] - 1)
+                else:
+                    m.Add(keep[v] + after[v] <= save[v] + self.redo[v])
+                m.AddImplication(after[v], self.redo[v])
+                if last_read[v] >= b:  # a saved value lives to its last reader
+                    m.AddImplication(save[v], keep[v])
+                if earlier is not None:  # recomputed after b: after every earlier step too
+                    m.AddImplication(after[v], earlier[v])
+            if not joint:  # a saved tensor loaded back from host after b: not held at b
+                off = {v: m.NewBoolVar(f"o{b}_{v}") for v in keep if offloadable(v)}
+                self.off = {v: (x, 2 * problem.ops[v].size / bandwidth) for v, x in off.items()}
+                for v, x in off.items():
+                    m.Add(x + after[v] <= 1)  # an offloaded value is saved, never recomputed
+            for v in ahead:
+                m.AddBoolOr([keep[v], after[v], *([off[v]] if v in off else [])])
+            for s in forward(inputs[b]):
+                m.Add(keep[s] == 1)
+            for u in after:
+                for s in forward(inputs[u]):
+                    m.Add(keep[s] + after[s] + (off[s] if s in off else 0) >= after[u])
+            self.keep[b], earlier = keep, after
+        if not joint:  # the step's own recomputations after it are all there is to pay
+            self.redo = earlier or {}
+        self.twice = twice
+
+    def _bytes(self, b: int):
+        ops = self.problem.ops
+        return sum(ops[v].size * k for v, k in self.keep[b].items() if ops[v].size)
+
+    def least_cost(self, rooms: dict[int, int], cost: Callable, seconds: float,
+                   workers: int, gap: float = 0.0) -> tuple[float, bool]:
+        """The least cost (a bound: CP-SAT's best bound of it), and whether it is proven; the
+        search may stop once its solution is within `gap` (relative) of that bound."""
+        ops = self.problem.ops
+        for b, room in rooms.items():
+            if self.keep[b]:
+                self.model.Add(self._bytes(b) <= room)
+        terms = [(self.redo[v], cost(ops[v])) for v in self.redo]
+        terms += [(x, cost(ops[v])) for v, x in self.twice.items()]
+        terms += list(self.off.values())
+        total = sum(w for _, w in terms)
+        if total <= 0:
+            return self._solve(1.0, seconds, workers, costless=True)
+        unit = total * COST_RESOLUTION
+        self.model.Minimize(sum(math.floor(w / unit) * x for x, w in terms if w >= unit))
+        return self._solve(unit, seconds, workers, gap=gap)
+
+    def least_peak(self, fixed: dict[int, int], seconds: float,
+                   workers: int) -> tuple[float, bool]:
+        """The least, over the model's choices, of the most that any of the steps holds."""
+        top = sum(op.size for op in self.problem.ops) + max(fixed.values())
+        peak = self.model.NewIntVar(0, top, "peak")
+        for b, held in fixed.items():
+            self.model.Add(held + self._bytes(b) <= peak)
+        self.model.Minimize(peak)
+        return self._solve(1, seconds, workers)
+
+    def recomputed(self) -> set[int] | None:
+        """What the last solve's solution recomputes (None: it found no solution)."""
+        if self._status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return None
+        return {v for v, x in self.redo.items()
+                if not isinstance(x, int) and self._solver.Value(x)}
+
+    def _solve(self, unit: float, seconds: float, workers: int,
+               costless: bool = False, gap: float = 0.0) -> tuple[float, bool]:
+        solver = self._solver = cp_model.CpSolver()
+        self.deadline.limit_solver(solver.parameters, max(seconds, 0.05),
+                                   DTIME_WEIGHT["relaxation"])
+        solver.parameters.num_workers = workers or WORKERS
+        # One worker with the full linear relaxation (the portfolio's max_lp, which proves
+        # these knapsacks): as fast as the 8-worker portfolio or faster on a shared 2-core
+        # machine (7B step: 0.9 s against 1.8 s; 10,000 ops: 7 s against 16 s), and
+        # deterministic, as `Deadline`'s deterministic mode needs.
+        solver.parameters.linearization_level = 2
+        solver.parameters.relative_gap_limit = gap
+        with self.deadline.guard(solver, "solving a relaxation", DTIME_WEIGHT["relaxation"]):
+            status = self._status = solver.Solve(self.model)
+        if status == cp_model.INFEASIBLE:
+            return math.inf, True
+        if costless:
+            return 0.0, status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            # No solution in the time given, but what the search proved still bounds it
+            # (a minimization's best bound; -inf or nan when it proved nothing).
+            proved = solver.BestObjectiveBound()
+            if not math.isfinite(proved) or proved <= 0:
+                return 0.0, False
+            return math.ceil(proved - 1e-6) * (1 if unit == 1 else unit * (1 - 1e-12)), False
+        # The objective is an integer: its bound rounds up, less float noise (448.00000000000006);
+        # back in seconds, the product rounds down by more than a float's error, so that it
+        # stays at most the true least cost (each weight was rounded down already).
+        units = math.ceil(solver.BestObjectiveBound() - 1e-6)
+        value = units if unit == 1 else units * unit * (1 - 1e-12)  # bytes: exact integers
+        return value, status == cp_model.OPTIMAL and not gap
