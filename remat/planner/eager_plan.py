@@ -89,12 +89,15 @@ class EagerPlan(Plan):
         spec: `apply_eager` then checks every training call before it runs
         (remat.fx_passes.eager.call_guard)."""
         from remat.fx_passes.eager.call_guard import GuardedPolicy
+        from remat.fx_passes.eager.runs import module_path
 
         plans = self.shapes.plans if self.shapes is not None else {None: self}
         tables = {bucket: plan._plain_policies() for bucket, plan in plans.items()}
         spec = dataclasses.replace(self.prepared.call_spec, scalars_free=True)
-        return {path: GuardedPolicy(path, tuple((b, t[path]) for b, t in tables.items()), spec)
-                for path in self.policies}
+        # A run of a shared module (``path#k``) is guarded as the module it runs.
+        return {name: GuardedPolicy(module_path(name),
+                                    tuple((b, t[name]) for b, t in tables.items()), spec)
+                for name in self.policies}
 
     def _offloads(self) -> dict[str, tuple[list, list]]:
         """Per block: the (shape, dtype) of the inputs it offloads, and the blocks whose
