@@ -27,7 +27,7 @@ from remat.solvers.repair import repair
 from remat.solvers.schedule import Schedule, drop_unneeded, make_schedule
 from remat.solvers.simulate import simulate
 
-__all__ = ["binding_step", "relaxed_schedule"]
+__all__ = ["binding_step", "joint_bound", "relaxed_schedule"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,26 +47,23 @@ GAP = 2e-3
 def relaxed_schedule(problem: Problem, budget: int, *, time_limit: float = 10.0,
                      workers: int = 0, lowest: list | None = None,
                      deadline: Deadline | None = None,
-                     one_step: list | None = None,
-                     rich: bool = False) -> tuple[Schedule | None, Bound]:
+                     one_step: list | None = None) -> tuple[Schedule | None, Bound]:
     """The cheapest plan that fits `budget` found this way in `time_limit` seconds of
     `deadline` (a part of a caller's call) or of now (None: none), and the best bound its
     solves with the true rooms proved (math.inf: no schedule fits). `lowest`, a list, receives
     the plan of least peak seen, fitting or not (near the floor, where none fits, a start for
     the least-peak search); `one_step`, a list, the bound proven at the first backward step
-    alone (which holds over the rich space too, where no value may wait in host memory).
-    `rich`: solve the relaxations over the richer execution model (`Relaxation`'s `rich`), so
-    that the bound returned holds over the rich space too (the plans stay single-model ones)."""
+    alone (which holds over the rich space too, where no value may wait in host memory)."""
     deadline = Deadline(time_limit) if deadline is None else deadline.within(time_limit)
     found: list = [None, Bound(0.0, (), True)]  # the best plan and bound, where OutOfTime finds
     try:
-        return _read_plans(problem, budget, workers, lowest, deadline, found, one_step, rich)
+        return _read_plans(problem, budget, workers, lowest, deadline, found, one_step)
     except OutOfTime:
         return found[0], found[1]
 
 
 def _read_plans(problem: Problem, budget: int, workers: int, lowest: list | None,
-                deadline: Deadline, found: list, one_step: list | None, rich: bool
+                deadline: Deadline, found: list, one_step: list | None
                 ) -> tuple[Schedule | None, Bound]:
     now = deadline.now
     evaluation = modelled("evaluation", len(problem))
@@ -87,7 +84,7 @@ def _read_plans(problem: Problem, budget: int, workers: int, lowest: list | None
         rooms = {b: budget - fixed[b - nf] - shrink for b in steps}
         if min(rooms.values()) < 0 and not shrink:
             break
-        relaxation = Relaxation(problem, steps, rich, deadline=deadline)
+        relaxation = Relaxation(problem, steps, deadline=deadline)
         built = now()
         value, exact = relaxation.least_cost(rooms, lambda op: op.cost,
                                              deadline.left() - overhead, workers, gap=GAP)
@@ -149,6 +146,22 @@ def _read_plans(problem: Problem, budget: int, workers: int, lowest: list | None
         else:  # bisect: a smaller shrink is cheaper
             shrink = (fits + fails) // 2
     return best, proven
+
+
+def joint_bound(problem: Problem, budget: int, steps, *, rich: bool,
+                deadline: Deadline, workers: int = 0) -> Bound:
+    """The bound the relaxation over `steps` together proves within `deadline` (`rich`: over
+    the richer execution model, `Relaxation`'s `rich`): the steps a plan was read off, proven
+    again over another space. Math.inf when no schedule fits; 0 when out of time."""
+    try:
+        relaxation = Relaxation(problem, steps, rich, deadline)
+        nf, fixed = problem.num_forward, fixed_bytes(problem)
+        rooms = {b: budget - fixed[b - nf] for b in relaxation.keep}
+        value, exact = relaxation.least_cost(rooms, lambda op: op.cost, deadline.left(), workers,
+                                             gap=GAP)
+    except OutOfTime:
+        return Bound(0.0, (), False)
+    return Bound(value, tuple(steps), exact)
 
 
 def binding_step(problem: Problem, schedule: Schedule) -> int | None:

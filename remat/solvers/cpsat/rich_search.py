@@ -63,7 +63,6 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
     hint = options.hint
     below: BudgetError | None = None  # the single model's, where nothing of its space fits
     single_step_bound: float | None = None
-    from_relaxation = False  # whether it is the rich relaxation's, over several steps
     # The single model first, in both: its plan is where the rich search starts, and what it
     # returns when there is no time for the rich model (never less than the single model's).
     share = SINGLE_SHARE if options.model == "auto" else RICH_SINGLE_SHARE
@@ -83,10 +82,6 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
         if problem.host_bandwidth is None:
             single_step_bound = max(hint.bound if hint.info.get("bound_steps") == 1 else 0.0,
                                     hint.info.get("one_step_bound", 0.0))
-        # The relaxation the single model read its plan off, solved over the rich space.
-        relaxation_bound = hint.info.get("rich_relaxation_bound", 0.0)
-        if relaxation_bound > (single_step_bound or 0.0):
-            single_step_bound, from_relaxation = relaxation_bound, True
     began = time.perf_counter()
     evaluate(problem, hint if hint is not None else make_schedule(problem, ()))
     measured = time.perf_counter() - began  # the wall clock's reserve: as measured
@@ -130,14 +125,14 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
                  if b is not None]
         rich = recompute_bound(problem, budget, time_limit=part.limit, steps=steps, rich=True,
                                deadline=part)
+    # The single call's relaxation steps, proven over the rich space too (`optimal`'s driver).
+    joint = info.get("rich_joint_bound", 0.0)
+    if joint > rich.value and joint > (single_step_bound or 0.0):
+        rich = Bound(joint, tuple(info.get("relaxation_steps", ())), False)
     if single_step_bound is not None and single_step_bound > rich.value:
         rich = replace(rich, value=single_step_bound)
-        if from_relaxation:
-            info["rich_bound_from"] = "the single model's relaxation, over the rich space"
-            info["bound_from"] = "backward steps over the rich space (the plan's relaxation)"
-        else:
-            info["rich_bound_from"] = "the single model's bound from one backward step"
-            info["bound_from"] = "one backward step (it holds over the rich space)"
+        info["rich_bound_from"] = "the single model's bound from one backward step"
+        info["bound_from"] = "one backward step (it holds over the rich space)"
     elif rich.steps:
         info["bound_from"] = f"backward steps over the rich space ({rich.where(problem)})"
     info["rich_bound"] = rich.value
