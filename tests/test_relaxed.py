@@ -5,7 +5,14 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from remat.errors import BudgetError
 from remat.solvers import SolverOptions, Strategy, make_schedule, simulate, solve
-from remat.solvers.relaxed import relaxed_schedule
+from remat.solvers.bound import fixed_bytes
+from remat.solvers.deadline import Deadline
+from remat.solvers.problem import Problem
+from remat.solvers.relaxation import Relaxation
+from remat.solvers.relaxed import joint_bound, relaxed_schedule
+from remat.solvers.repair import repair
+from remat.solvers.rich_brute import rich_brute_force, rich_smallest_peak
+from remat.solvers.schedule import drop_unneeded, recomputable
 from remat.solvers.synthetic import random_problem, transformer
 
 ORACLE = SolverOptions(cost_resolution=1e-9, workers=2, time_limit=30)
@@ -58,3 +65,72 @@ def test_optimal_stops_once_the_relaxed_plan_is_proven_within_relative_gap():
     assert "stopped" not in full.info  # at relative_gap 0 the search always runs
     assert quick.bound <= full.cost * (1 + 1e-9)
     assert quick.cost >= full.bound * (1 - 1e-9)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2 ** 32 - 1), where=st.floats(0.0, 0.8),
+       bandwidth=st.sampled_from([None, 20.0]))
+def test_joint_bound_over_the_plans_steps_holds_over_the_rich_space(seed, where, bandwidth):
+    """The steps the single plan's relaxation joined, solved again over the rich space
+    (`joint_bound(rich=True)`, what `optimal` does first for its bound under "auto" and
+    "rich"), never prove more than the cost of the best schedule of that space, found by
+    exhaustive search (two further copies a value, offload where there is a host link)."""
+    base = random_problem(seed, max_forward=6, max_backward=5)
+    problem = Problem(base.ops, name=base.name, host_bandwidth=bandwidth)
+    try:
+        low = rich_smallest_peak(problem)
+    except ValueError:  # too many schedules to enumerate
+        assume(False)
+    high = simulate(problem, make_schedule(problem, [])).peak
+    budget = low + int(where * max(0, high - low))
+    try:
+        best = rich_brute_force(problem, budget)
+    except ValueError:
+        assume(False)
+    _, single = relaxed_schedule(problem, budget, time_limit=5, workers=2)
+    steps = single.steps if len(single.steps) > 1 else list(problem.backward)[:3]
+    assume(len(steps) > 1)
+    bound = joint_bound(problem, budget, steps, rich=True, deadline=Deadline(10), workers=2)
+    assert bound.value <= best.cost * (1 + 1e-12) + 1e-15
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2 ** 32 - 1), where=st.floats(0.0, 1.0),
+       share=st.floats(0.0, 1.0))
+def test_repair_returns_a_plan_that_fits(seed, where, share):
+    """`repair` adds recomputations to a plan until it fits: what it returns keeps every
+    recomputation it was given, simulates to its stated peak within the budget, and costs at
+    least the optimum (brute force); None is allowed (it may find no way)."""
+    problem = random_problem(seed, max_forward=10, max_backward=6)
+    save_all = simulate(problem, make_schedule(problem, [])).peak
+    budget = int(where * save_all)
+    candidates = recomputable(problem)
+    start = drop_unneeded(problem, candidates[:int(share * len(candidates))])
+    try:
+        plan = make_schedule(problem, start)
+    except ValueError:
+        assume(False)
+    repaired = repair(problem, plan, budget, Deadline(10))
+    if repaired is None:
+        return
+    assert repaired.peak == simulate(problem, repaired).peak <= budget
+    assert set(plan.recomputed) <= set(repaired.recomputed)
+    best = solve(problem, budget, Strategy.BRUTE_FORCE, ORACLE)
+    assert repaired.cost >= best.cost * (1 - 1e-12)
+
+
+def test_repair_fits_the_first_step_plan_on_a_stack():
+    """On a stack of blocks, the first backward step's plan peaks above the budget (it leaves
+    out the room the top block's recomputations take); the repair makes it fit, recomputing
+    less than checkpointing every block does."""
+    problem = transformer(layers=8, batch=2, seq=256, d_model=256, heads=4)
+    budget = simulate(problem, make_schedule(problem, [])).peak // 2
+    relaxation = Relaxation(problem, [problem.num_forward])
+    relaxation.least_cost({problem.num_forward: budget - fixed_bytes(problem)[0]},
+                          lambda op: op.cost, 10, 2)
+    plan = make_schedule(problem, drop_unneeded(problem, relaxation.recomputed()))
+    assert plan.peak > budget
+    repaired = repair(problem, plan, budget, Deadline(10))
+    assert repaired is not None and repaired.peak == simulate(problem, repaired).peak <= budget
+    blocks = solve(problem, budget, Strategy.CHECKPOINT_BLOCKS, SolverOptions())
+    assert repaired.cost < blocks.cost
