@@ -30,8 +30,9 @@ class EagerModel:
     tensors of one multi-output op (`EagerBlocks.groups`), which a policy caches together.
     Everything else follows from them (`block_runs`): a block's trigger, early stop and end do
     not depend on what it caches, and the block recomputes exactly the ops it recomputes with
-    nothing cached (`P`) less the cached ones. A unit none of whose ops is in P gets no boolean:
-    caching it saves no recomputation and only holds its tensors longer.
+    nothing cached (`P`) less the cached ones, and less the tuple ops whose tensors are all
+    cached (checkpoint does not run such a call again). A unit none of whose ops is in P gets
+    no boolean: caching it saves no recomputation and only holds its tensors longer.
 
     Time is the step order with every op of P recomputed (`eager_timeline`'s order under the
     empty cache): forward ops, then per backward op the recomputations its block runs there
@@ -73,8 +74,20 @@ class EagerModel:
         cached_lit = {u: x for unit, x in self.cache.items() for u in unit}
         self.decidable = frozenset(cached_lit)
         """The ops whose caching the model decides (cached together by units)."""
-        # A recomputation runs unless its op is cached (its tuple op never is: _check).
+        # A recomputation runs unless its op is cached; a tuple op (never cached itself:
+        # _check) unless every tensor taken out of it is (block_runs).
         self.runs_lit = {v: cached_lit[v].Not() if v in cached_lit else TRUE for v in may}
+        self._some_uncached: list[tuple[object, list]] = []  # (rerun, its units' literals)
+        for t in (v for v in may if ops[v].kind is Kind.TUPLE and problem.users[v]):
+            if all(g in cached_lit for g in problem.users[t]):
+                lits = list({cached_lit[g].Index(): cached_lit[g]
+                             for g in problem.users[t]}.values())
+                rerun = m.NewBoolVar(f"runs[{ops[t].name}]") if lits[1:] else lits[0].Not()
+                if lits[1:]:  # runs exactly when some unit is not cached
+                    m.AddBoolOr([x.Not() for x in lits]).OnlyEnforceIf(rerun)
+                    m.AddBoolAnd(lits).OnlyEnforceIf(rerun.Not())
+                    self._some_uncached.append((rerun, lits))
+                self.runs_lit[t] = rerun
 
         # --- Step 3: the slots.
         slot = list(range(nf)) + [0] * (len(ops) - nf)
@@ -89,7 +102,8 @@ class EagerModel:
             slot[b] = len(self.active)
             self.active.append(TRUE)
         self.slots, self.again = len(self.active), again
-        self._bools: dict[int, object] = {x.Index(): x for x in self.cache.values()}
+        self._bools: dict[int, object] = {x.Index(): x for x in [
+            *self.cache.values(), *(runs for runs, _ in self._some_uncached)]}
         self._none: dict[tuple[int, int], object] = {}  # _first_running's chain literals
         self._none_defs: list[tuple[object, object, object]] = []
         node_end = blocks.node_end
@@ -235,7 +249,7 @@ class EagerModel:
                 either = [self._held_at(index, k), self._held_at(index + 1, k)]
                 m.Add(sum(x for x in either if x is not TRUE) + sum(x is TRUE for x in either)
                       >= lit)
-        self.fixed = profile_levels(profile, self.slots)
+        self.fixed = profile.levels(self.slots)
         self.fixed_peak = max(self.fixed, default=0)
 
         # --- Step 7: the memory chain and the peak, checked wherever something rises.
@@ -306,6 +320,8 @@ class EagerModel:
         values: dict[int, int] = {}
         for unit, x in self.cache.items():
             values[x.Index()] = int(bool(cached.intersection(unit)))
+        for runs, lits in self._some_uncached:
+            values[runs.Index()] = int(not all(values[x.Index()] for x in lits))
         lit = lambda x: 1 if x is TRUE else _value(values, x)  # noqa: E731
         for x, none, runs in self._none_defs:
             values[x.Index()] = int(lit(none) and not lit(runs))
@@ -317,12 +333,9 @@ class EagerModel:
 
     def levels(self, values: dict[int, int]) -> list[int]:
         """The bytes (units) live at each slot under `values` (assignment's)."""
-        level, out = 0, []
-        for t in range(self.slots):
-            level += sum(c * _value(values, x) for c, x in self.events.get(t, ()))
-            out.append(level + self.fixed[t]
-                       + sum(c * _value(values, x) for c, x in self.temp_at.get(t, ())))
-        return out
+        return [level + self.fixed[t] + sum(c * _value(values, x) for c, x in
+                                            self.temp_at.get(t, ()))
+                for t, level in enumerate(_running(self.events, values, self.slots))]
 
     def peak_of(self, cached) -> int:
         """The peak (units) of the policy caching `cached`, over the slots that run."""
@@ -363,14 +376,6 @@ def _value(values: dict[int, int], x) -> int:
 
 def _not(x):
     return x.Not() if x is not TRUE else False
-
-
-def profile_levels(profile: Profile, slots: int) -> list[int]:
-    level, out = 0, []
-    for t in range(slots):
-        level += profile.delta.get(t, 0)
-        out.append(level)
-    return out
 
 
 def _check(problem: Problem, blocks: EagerBlocks) -> None:
