@@ -41,7 +41,8 @@ from remat.planner.eager_plan import eager_structure, plan_eager_mode  # noqa: E
 from remat.planner.prepare import prepare  # noqa: E402
 from remat.solvers import SolverOptions, Strategy, solve  # noqa: E402
 from remat.solvers.cpsat.eager_search import least_eager_peak  # noqa: E402
-from remat.solvers.eager import eager_schedule, plan_eager  # noqa: E402
+from remat.solvers.eager import eager_schedule  # noqa: E402
+from remat.solvers.eager_heuristic import plan_eager  # noqa: E402
 
 BISECTION_STEPS = 8
 OLD_SEED_SECONDS = 3.0  # the compiled seed's limit inside the bisection (each step solves it)

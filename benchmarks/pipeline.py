@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import remat  # noqa: E402
 from examples.llama import LLAMA_TEST, llama  # noqa: E402
-from examples.llama_pipeline import llama_stages, pipeline_loss  # noqa: E402
+from examples.llama_pipeline import llama_stages, pipeline_loss, pipeline_runtime  # noqa: E402
 
 CONFIG = replace(LLAMA_TEST, layers=4, dropout=0.0, seq=32, hidden=64, mlp=176)
 WORLD = 2
@@ -67,8 +67,6 @@ def plan_for(schedule: str, microbatches: int, reuse=None):
 
 
 def run(rank: int, schedule: str, plan, variant: str, microbatches: int) -> dict:
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
     from torch.utils.checkpoint import checkpoint
 
     from remat.fx_passes.measuring.allocator import allocator_peak
@@ -84,13 +82,8 @@ def run(rank: int, schedule: str, plan, variant: str, microbatches: int) -> dict
                     layer.forward)
     elif variant == "remat":
         plan.apply(modules)
-    stages = [PipelineStage(modules[s], s, plan.order.stages, torch.device("cpu"))
-              for s in mine]
-    if variant == "remat":
-        plan.prepare_runtime(stages)
-    cls = get_schedule_class(schedule)
-    runtime = cls(stages if issubclass(cls, PipelineScheduleMulti) else stages[0],
-                  microbatches, loss_fn=pipeline_loss)
+    stages, runtime = pipeline_runtime(modules, mine, schedule, microbatches,
+                                       plan if variant == "remat" else None)
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-2)
     first, last = 0 in mine, plan.order.stages - 1 in mine

@@ -62,3 +62,20 @@ def llama_stages(model: Llama, stages: int) -> list[LlamaStage]:
 def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The schedule's loss: the model's own (examples/llama.py's `Llama.forward`)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def pipeline_runtime(modules: list[nn.Module], mine: list[int], schedule: str,
+                     microbatches: int, plan=None):
+    """This rank's `PipelineStage`s (`mine`: their indices into `modules`) and torch's
+    `schedule` over them, with `pipeline_loss`. `plan`: a remat pipeline plan already applied
+    to `modules`, whose runtime it prepares (zero-bubble's weight passes)."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
+
+    stages = [PipelineStage(modules[s], s, len(modules), torch.device("cpu")) for s in mine]
+    if plan is not None:
+        plan.prepare_runtime(stages)
+    cls = get_schedule_class(schedule)
+    runtime = cls(stages if issubclass(cls, PipelineScheduleMulti) else stages[0],
+                  microbatches, loss_fn=pipeline_loss)
+    return stages, runtime

@@ -230,6 +230,10 @@ ARCHS: dict[str, tuple[str, Callable]] = {
                                  relative_attention_num_buckets=32)),
     "albert": ("encoder", encoder("AlbertConfig", "AlbertForMaskedLM", embedding_size=16,
                                   hidden_size=36, num_hidden_groups=2, num_attention_heads=6)),
+    # ALBERT as published (albert-base...): one layer module run by both layers
+    "albert_shared": ("encoder", encoder("AlbertConfig", "AlbertForMaskedLM", embedding_size=16,
+                                         hidden_size=36, num_hidden_groups=1,
+                                         num_attention_heads=6)),
     "distilbert": ("encoder", encoder("DistilBertConfig", "DistilBertForMaskedLM",
                                       token_types=False, dim=32, n_layers=2, n_heads=4,
                                       hidden_dim=37, dropout=0.1, attention_dropout=0.1,

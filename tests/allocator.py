@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from remat.fx_passes.measuring.storage import distinct_storage_bytes as storage_bytes
+
 
 def allocator_peak(fn) -> tuple[int, int]:
     """(peak, end): the most bytes allocated at once while `fn()` runs, and the bytes still
@@ -23,16 +25,6 @@ def allocator_peak(fn) -> tuple[int, int]:
         live += e.nbytes()
         peak = max(peak, live)
     return peak, live
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages of `tensors`."""
-    seen = {}
-    for t in tensors:
-        if t is not None:
-            s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
 
 
 __all__ = ["allocator_peak", "storage_bytes", "torch"]

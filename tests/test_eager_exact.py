@@ -13,7 +13,8 @@ from remat.solvers.cpsat.driver import OPTIMAL_TOLERANCE
 from remat.solvers.cpsat.eager_model import EagerModel
 from remat.solvers.cpsat.eager_search import eager_units, least_eager_peak, optimal_eager
 from remat.solvers.deadline import Deadline
-from remat.solvers.eager import EagerBlocks, cheapest_prefix, eager_schedule, plan_eager
+from remat.solvers.eager import EagerBlocks, eager_schedule
+from remat.solvers.eager_heuristic import cheapest_prefix, plan_eager
 from remat.solvers.eager_brute import eager_brute_force, eager_smallest_peak
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Kind
@@ -24,8 +25,6 @@ OPTIONS = SolverOptions(time_limit=20, workers=2, cost_resolution=1e-9)
 SLOW = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.mark.xfail(reason="the eager timeline gained rules (Python variables, blocks run several "
-                   "times, autograd temporaries) that EagerModel does not follow yet", strict=False)
 @settings(max_examples=150, **SLOW)
 @given(seed=st.integers(0, 2 ** 32 - 1))
 def test_the_model_holds_what_the_eager_timeline_holds(seed):
@@ -52,8 +51,6 @@ def checked(problem, blocks, schedule, budget):
     return schedule
 
 
-@pytest.mark.xfail(reason="the eager timeline gained rules (Python variables, blocks run several "
-                   "times, autograd temporaries) that EagerModel does not follow yet", strict=False)
 @settings(max_examples=80, **SLOW)
 @given(seed=st.integers(0, 2 ** 32 - 1), where=st.floats(0.0, 1.0))
 def test_the_optimum_is_brute_force_and_never_worse_than_the_heuristic(seed, where):
@@ -83,8 +80,6 @@ def test_the_optimum_is_brute_force_and_never_worse_than_the_heuristic(seed, whe
     assert least.peak == floor == low
 
 
-@pytest.mark.xfail(reason="optimal_eager claims no bound until EagerModel follows the eager "
-                   "timeline's new rules (see optimal_eager)", strict=False)
 def test_caching_a_reader_of_the_recomputation_is_worth_it_only_where_it_fits():
     """A hand-made block: x -> a -> b, the backward reads a and b. Caching both recomputes
     nothing and holds both through the forward; caching neither recomputes both at the
@@ -121,8 +116,6 @@ class _Clock:
         return self.now
 
 
-@pytest.mark.xfail(reason="optimal_eager claims no bound until EagerModel follows the eager "
-                   "timeline's new rules (see optimal_eager)", strict=False)
 def test_a_spent_deadline_returns_the_hint_with_what_is_proven():
     problem, blocks = random_eager(7)
     budget = eager_schedule(problem, blocks, blocks.cacheable).peak

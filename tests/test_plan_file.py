@@ -21,6 +21,7 @@ from remat.planner.plan_load import loads_plan
 from remat.solvers import SolverOptions, Strategy, problem_file
 from remat.solvers.schedule import make_schedule
 from examples.llama import LLAMA_TEST, tiny_llama
+from tests.ranks import spawn_ranks
 
 CONFIG = LLAMA_TEST
 BATCH = 2
@@ -33,14 +34,14 @@ def fresh(config=CONFIG):
     return tiny_llama(config, batch=BATCH)  # the same weights and tokens on every call
 
 
-def plan_for(model, inputs, execution: str):
+def plan_for(model, inputs, execution: str, options: SolverOptions = FAST):
     """The tiny Llama's plan at 70 % of what saving everything holds: it recomputes."""
     everything = remat.optimize(model, activation_budget=10**9, example_inputs=inputs,
                                 execution=execution, solver=Strategy.SAVE_ALL if
                                 execution == "compiled" else Strategy.OPTIMAL,
-                                solver_options=FAST)
+                                solver_options=options)
     plan = remat.optimize(model, activation_budget=int(0.7 * everything.activation_peak),
-                          example_inputs=inputs, execution=execution, solver_options=FAST)
+                          example_inputs=inputs, execution=execution, solver_options=options)
     assert plan.recompute_flops > 0, execution
     return plan
 
@@ -199,6 +200,12 @@ def _rank(rank: int, init: str, results: str) -> None:
                 "loss": (loss, plain_loss),
                 "worst": max(((planned[n] - g).norm() / g.norm()).item()
                              for n, g in plain.items())}
+        # Each rank plans for itself, the solver's determinism left to remat: in a job of
+        # several ranks it plans on deterministic time, so both come out with one plan.
+        own = plan_for(model, inputs, "compiled", SolverOptions(time_limit=60))
+        out["own plan"] = {"recomputed": sorted(own.schedule.recomputed),
+                           "recompute_at": sorted(own.schedule.recompute_at.items()),
+                           "deterministic": own.report().solver.deterministic}
         other, _ = fresh(replace(CONFIG, hidden=48))
         try:
             remat.broadcast_plan(plan if rank == 0 else None,
@@ -217,19 +224,8 @@ def _rank(rank: int, init: str, results: str) -> None:
 
 
 def test_broadcast_plan_runs_rank_0s_plan_on_every_rank(tmp_path):
-    import time
-
-    import torch.multiprocessing as mp
-
     results = str(tmp_path / "result")
-    job = mp.spawn(_rank, args=(f"file://{tmp_path}/rendezvous", results), nprocs=WORLD,
-                   join=False)
-    deadline = time.monotonic() + DEADLINE
-    while not job.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in job.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {DEADLINE} s")
+    spawn_ranks(_rank, (f"file://{tmp_path}/rendezvous", results), WORLD, seconds=DEADLINE)
     ranks = [torch.load(f"{results}.{rank}") for rank in range(WORLD)]
     for execution in ("compiled", "eager"):
         sent, received = ranks[0][execution], ranks[1][execution]
@@ -241,6 +237,9 @@ def test_broadcast_plan_runs_rank_0s_plan_on_every_rank(tmp_path):
             loss, plain_loss = rank[execution]["loss"]
             assert abs(loss - plain_loss) <= 1e-6 * abs(plain_loss), execution
             assert rank[execution]["worst"] <= 1e-5, (execution, rank[execution]["worst"])
+    own = [rank["own plan"] for rank in ranks]
+    assert own[0]["deterministic"] is True and own[0]["recomputed"], own[0]
+    assert own[0] == own[1]
     assert ranks[0]["other model"] == "loaded"  # the sender keeps its own plan
     assert "this model's training step is not the one rank 0's plan was planned for" in \
         ranks[1]["other model"] and "the first difference: op 0" in ranks[1]["other model"]

@@ -5,13 +5,13 @@ import pytest
 from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
-from remat.errors import BudgetError
+from remat.errors import BudgetError, SolverError
 from remat.solvers import solve
 from remat.solvers.cpsat.driver import OPTIMAL_TOLERANCE
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Kind, Op, Phase, Problem
 from remat.solvers.rich_brute import rich_brute_force, rich_smallest_peak
-from remat.solvers.schedule import Status, make_schedule
+from remat.solvers.schedule import Status, make_schedule, price
 from remat.solvers.simulate import simulate
 from remat.solvers.synthetic import random_problem
 
@@ -126,6 +126,8 @@ def test_rich_optimum_matches_brute_force_and_beats_single(seed, where, bandwidt
         oracle = rich_brute_force(problem, budget, max_copies=copies)
     except ValueError:
         assume(False)
+    if bandwidth is not None:  # the transfers' model is a bound (tests/test_offload_solver.py)
+        return _with_host_link(problem, budget, copies, oracle)
     rich = checked(problem, solve(problem, budget, "optimal",
                                   options("rich", max_copies=copies)), budget)
     assert rich.bound <= oracle.cost * (1 + 1e-9) + 1e-12
@@ -141,3 +143,24 @@ def test_rich_optimum_matches_brute_force_and_beats_single(seed, where, bandwidt
     except BudgetError:
         return
     assert rich.cost <= single.cost * (1 + 1e-9) + 1e-12
+
+
+def _with_host_link(problem: Problem, budget: int, copies: int, oracle) -> None:
+    """With a host link the rich model bounds the transfers' cost from above and prices its
+    plan exactly: never below the exhaustive optimum, never above the best plan that does not
+    offload (which it models exactly), its cost the overlap timeline's."""
+    try:
+        without = rich_brute_force(problem, budget, max_copies=copies, offload=False)
+    except (BudgetError, ValueError):
+        without = None
+    for model in ("rich", "auto"):
+        try:
+            plan = checked(problem, solve(problem, budget, "optimal",
+                                          options(model, max_copies=copies)), budget)
+        except (BudgetError, SolverError):
+            assert without is None, model  # only plans that need waits to fit are missed
+            continue
+        assert plan.cost >= oracle.cost * (1 - 1e-9) - 1e-12
+        assert plan.cost == pytest.approx(price(problem, plan)[0], rel=1e-12, abs=1e-12)
+        if without is not None:
+            assert plan.cost <= without.cost * (1 + 1e-6) + 1e-9, model

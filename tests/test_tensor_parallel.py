@@ -13,12 +13,10 @@ import copy
 import gc
 import os
 import tempfile
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import remat
 from examples.llama import LLAMA_TEST, llama
@@ -26,6 +24,7 @@ from examples.llama_tensor_parallel import parallelize_llama
 from remat.fx_passes.eager.apply import apply_eager
 from remat.fx_passes.measuring.allocator import allocator_peak
 from tests.allocator import storage_bytes
+from tests.ranks import spawn_ranks
 
 CONFIG = LLAMA_TEST  # dropout on: the recomputation must replay it
 DP, TP = 2, 2
@@ -150,22 +149,11 @@ def _worker(rank: int, init: str, plans, results: str) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(fn, args, seconds: float) -> None:
-    """mp.spawn under a timeout: a rank stuck in a collective is killed, not waited for."""
-    context = mp.spawn(fn, args=args, nprocs=WORLD, join=False)
-    deadline = time.monotonic() + seconds
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {seconds:.0f} s")
-
-
 def test_tensor_parallel_plans_train_like_plain_pytorch_within_their_budgets():
     plans = _plans()
     with tempfile.TemporaryDirectory() as tmp:
         results = os.path.join(tmp, "result")
-        _spawn(_worker, (f"file://{tmp}/rendezvous", plans, results), seconds=300)
+        spawn_ranks(_worker, (f"file://{tmp}/rendezvous", plans, results), WORLD, seconds=300)
         measured = [torch.load(f"{results}.{rank}") for rank in range(WORLD)]
     for rank, outs in enumerate(measured):
         for job, out in outs.items():

@@ -43,6 +43,13 @@ def block_plans(plan: Any) -> dict[str, BlockPlan]:
         raise RematError("compile_blocks needs a plan made with execution=\"eager\" (its "
                          "decisions are per block); a compiled plan runs the whole step: use "
                          "plan.module")
+    from remat.fx_passes.eager.runs import module_path, run_index
+
+    shared = sorted({module_path(n) for n in plan.policies if run_index(n) is not None})
+    if shared:
+        raise RematError(f"compile_blocks: {shared[0]!r} runs several times in a step (a "
+                         "shared layer), each run with its own decisions; one compiled block "
+                         "cannot follow them: use plan.apply(model)")
     problem = plan.eager_problem
     cached = frozenset(plan.schedule.info["cached"])
     plans = {}

@@ -7,7 +7,10 @@ plan for the compiled mode is one seed among others (checkpoint every block whol
 everything cacheable), each repaired until its eager peak fits and improved while it does;
 with the `optimal` strategy, that policy hints the exact search over the eager timeline
 (`remat.solvers.cpsat.eager_search`), whose plan is OPTIMAL or FEASIBLE with a proven gap.
-`SolverOptions.time_limit` bounds the three together.
+With a host link (`offload=True`), the last share of the limit plans the policy again from its
+cache with the block inputs whose transfers hide kept in host memory
+(`remat.solvers.eager_offload`), taken where it costs less or only it fits (HEURISTIC).
+`SolverOptions.time_limit` bounds them all together.
 """
 from __future__ import annotations
 
@@ -15,11 +18,13 @@ import dataclasses
 
 import logging
 import time
+from types import MappingProxyType
 from typing import Any, Sequence
 
 from remat.errors import BudgetError, RematError, SolverError
 from remat.planner.budget import format_size
 from remat.planner.block_compile import compile_blocks
+from remat.planner.job import options_for_this_job
 from remat.planner.plan import Plan, budget_error_in_user_terms
 from remat.planner.prepare import (cache_configs, check_eager_device, check_same_parameters,
                                    has_meta_weights, shard_step)
@@ -27,7 +32,8 @@ from remat.solvers import SolverOptions, Strategy, solve
 from remat.solvers.baselines import block_of
 from remat.solvers.cpsat.eager_search import optimal_eager
 from remat.solvers.deadline import Deadline
-from remat.solvers.eager import cheapest_prefix, eager_schedule, plan_eager
+from remat.solvers.eager import eager_schedule
+from remat.solvers.eager_heuristic import cheapest_prefix, plan_eager, with_offloads
 from remat.solvers.objective import with_objective
 
 log = logging.getLogger(__name__)
@@ -38,6 +44,8 @@ log = logging.getLogger(__name__)
 # stayed at 54 % with the 6 s that shares of 0.25 and 0.15 left it.)
 COMPILED_SEED_SHARE = 0.1
 HEURISTIC_SHARE = 0.15
+# With a host link: the policy planned again with block inputs kept in host memory, at the end.
+OFFLOAD_SHARE = 0.15
 
 
 class EagerPlan(Plan):
@@ -65,12 +73,15 @@ class EagerPlan(Plan):
         return self._plain_policies() if self.shapes is None else self.guarded_policies
 
     def _plain_policies(self) -> dict:
-        from remat.fx_passes.eager.block_policy import with_cache
+        from remat.fx_passes.eager.block_policy import with_cache, with_offload
 
         cached = frozenset(self.to_graph[v] for v in self.schedule.info["cached"])
         mode = self.prepared.captured.training  # a block in the other mode runs plainly
-        return {p: dataclasses.replace(with_cache(pol, cached), training=mode)
-                for p, pol in self.policies.items()}
+        policies = {p: dataclasses.replace(with_cache(pol, cached), training=mode)
+                    for p, pol in self.policies.items()}
+        for path, (inputs, prefetch) in self._offloads().items():
+            policies[path] = with_offload(policies[path], inputs, prefetch)
+        return policies
 
     @property
     def guarded_policies(self) -> dict:
@@ -78,12 +89,44 @@ class EagerPlan(Plan):
         spec: `apply_eager` then checks every training call before it runs
         (remat.fx_passes.eager.call_guard)."""
         from remat.fx_passes.eager.call_guard import GuardedPolicy
+        from remat.fx_passes.eager.runs import module_path
 
         plans = self.shapes.plans if self.shapes is not None else {None: self}
         tables = {bucket: plan._plain_policies() for bucket, plan in plans.items()}
         spec = dataclasses.replace(self.prepared.call_spec, scalars_free=True)
-        return {path: GuardedPolicy(path, tuple((b, t[path]) for b, t in tables.items()), spec)
-                for path in self.policies}
+        # A run of a shared module (``path#k``) is guarded as the module it runs.
+        return {name: GuardedPolicy(module_path(name),
+                                    tuple((b, t[name]) for b, t in tables.items()), spec)
+                for name in self.policies}
+
+    def _offloads(self) -> dict[str, tuple[list, list]]:
+        """Per block: the (shape, dtype) of the inputs it offloads, and the blocks whose
+        offloaded inputs load when it unpacks its own (`remat.solvers.eager_offload`)."""
+        from remat.fx_passes.lowering.lower import op_nodes
+        from remat.solvers.eager import block_runs
+        from remat.solvers.eager_offload import offloadable
+
+        schedule, problem = self.schedule, self.eager_problem
+        if not schedule.offload_at:
+            return {}
+        runs = block_runs(problem, self.structure, schedule.info["cached"])
+        eligible = offloadable(problem, self.structure, runs)
+        at_trigger = {run.trigger: run.name for run in runs if run.trigger is not None}
+        nodes = op_nodes(self.prepared.captured, self.prepared.sharded.graph)
+        plans: dict[str, tuple[list, list]] = {}
+        for s, load in sorted(schedule.offload_at.items()):
+            block, val = eligible[s], nodes[self.to_graph[s]].meta["val"]
+            plans.setdefault(block, ([], []))[0].append((tuple(val.shape), str(val.dtype)))
+            ahead = plans.setdefault(at_trigger[load], ([], []))[1]
+            if block not in ahead:
+                ahead.append(block)
+        return plans
+
+    def offload_timeline(self):
+        from remat.solvers.eager import eager_transfers
+
+        return self.eager_problem, eager_transfers(self.eager_problem, self.structure,
+                                                   self.schedule)
 
     def apply(self, model: Any):
         from remat.fx_passes.eager.apply import apply_eager
@@ -117,8 +160,9 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
         model, prepared, blocks, example_inputs, example_kwargs)
     strategy = Strategy(solver)
     allowance = prepared.allowance(budget, activation_budget)
+    budget_left = max(allowance, 0)
     # Limits the caller left to None are chosen by the eager problem's size, as for compiled.
-    options = (solver_options or SolverOptions()).by_size(len(problem))
+    options = options_for_this_job(solver_options).by_size(len(problem))
     # One deadline for the eager solve: the compiled seed, the heuristic, the exact search.
     deadline = Deadline(options.time_limit, clock=options.clock or time.perf_counter)
     seeds: list[frozenset[int]] = [frozenset(), structure.cacheable]
@@ -127,7 +171,7 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
         # space is the one this seed is for.
         single = dataclasses.replace(options, model="single",
                                      time_limit=deadline.share(COMPILED_SEED_SHARE))
-        compiled = solve(problem, max(allowance, 0), strategy, single)
+        compiled = solve(problem, budget_left, strategy, single)
         seeds.insert(0, compiled.saved)
     except (BudgetError, SolverError) as e:
         log.info("eager: no compiled-mode plan to start from (%s); seeding from baselines", e)
@@ -135,23 +179,37 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
     # the schedule it returns is then costed in seconds like every other.
     costed = with_objective(problem, options.objective)
     # First under the heuristic's deadline: the seed that a few evaluations find.
-    seeds.insert(0, cheapest_prefix(costed, structure, max(allowance, 0)))
+    seeds.insert(0, cheapest_prefix(costed, structure, budget_left))
+    # With a host link, the last share of the limit plans the block inputs kept in host
+    # memory, on top of the policy found before it (the exact search plans no offload).
+    offload_time = deadline.share(OFFLOAD_SHARE) if problem.host_bandwidth else 0.0
+    solving = deadline.until(deadline.end - offload_time) if offload_time else deadline
     try:
-        heuristic = plan_eager(costed, structure, max(allowance, 0), seeds,
+        heuristic = plan_eager(costed, structure, budget_left, seeds,
                                deadline.within(deadline.share(HEURISTIC_SHARE)))
     except BudgetError as e:
-        if strategy is not Strategy.OPTIMAL:
+        if strategy is not Strategy.OPTIMAL and not offload_time:
             raise budget_error_in_user_terms(prepared, e, budget=budget,
                                              strategy=strategy) from None
-        heuristic = None
+        heuristic, failed = None, e
     try:
-        if strategy is Strategy.OPTIMAL:  # exact over the eager timeline, from the heuristic
-            schedule = optimal_eager(problem, structure, max(allowance, 0), options,
-                                     hint=None if heuristic is None else heuristic.info["cached"],
-                                     deadline=deadline)
-        else:
-            schedule = eager_schedule(problem, structure, heuristic.info["cached"],
-                                      budget=max(allowance, 0))
+        try:
+            if strategy is Strategy.OPTIMAL:  # exact over the eager timeline, from the heuristic
+                schedule = optimal_eager(problem, structure, budget_left, options,
+                                         hint=None if heuristic is None
+                                         else heuristic.info["cached"], deadline=solving)
+            elif heuristic is None:
+                raise failed
+            else:
+                schedule = eager_schedule(problem, structure, heuristic.info["cached"],
+                                          budget=budget_left)
+        except BudgetError as e:
+            if not offload_time:
+                raise
+            schedule, failed = None, e  # offloading may fit where caching less cannot
+        if offload_time:
+            schedule = _offloaded(problem, costed, structure, budget_left, seeds, schedule,
+                                  failed if schedule is None else None, deadline)
         if allowance < 0:
             raise BudgetError("the state alone exceeds the budget", budget=allowance,
                               smallest=schedule.peak)
@@ -190,6 +248,22 @@ def eager_structure(model: Any, prepared, blocks: Sequence[str] | None,
     return problem, structure, policies, to_graph
 
 
+def _offloaded(problem, costed, structure, budget: int, seeds, schedule, failed, deadline):
+    """`schedule` (None: nothing fitted, as `failed` says), or where it costs less or only it
+    fits, the policy planned again from its cache with the block inputs whose transfers hide
+    kept in host memory (`remat.solvers.eager_heuristic.with_offloads`, weighed under the
+    objective like the heuristic: `costed`), as eager_schedule's in seconds (HEURISTIC)."""
+    start = None if schedule is None else eager_schedule(costed, structure,
+                                                         schedule.info["cached"], budget=budget)
+    found = with_offloads(costed, structure, budget, seeds, start, deadline)
+    if found is None:
+        raise failed
+    if found is start:
+        return schedule
+    offloading = eager_schedule(problem, structure, found.info["cached"],
+                                offload=found.info["offload"], budget=budget)
+    return dataclasses.replace(offloading, info=MappingProxyType(
+        {**offloading.info, "model": "eager heuristic, with offloads"}))
 
 
 def eager_step(prepared, paths: Sequence[str], *, observed=None, policies=None):
@@ -205,6 +279,8 @@ def eager_step(prepared, paths: Sequence[str], *, observed=None, policies=None):
     # collectives of FSDP2 are inserted among them as in the compiled mode (gathered
     # parameters, full gradients until their reduce-scatter), and the blocks renumbered.
     problem = eager_problem(joint, op_nodes(captured, joint), captured.device)
+    problem = dataclasses.replace(problem, host_bandwidth=joint.host_bandwidth,
+                                  host_capacity=joint.host_capacity)
     to_graph = tuple(range(len(problem)))
     if prepared.sharded.problem is not joint:
         sharded = shard_step(problem, captured, prepared.training)

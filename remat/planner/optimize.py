@@ -46,9 +46,13 @@ def optimize(model: Any, budget: int | str | None = None, *,
     `execution="eager"` plans for per-block selective checkpointing in an eager loop
     (FSDP2, DDP): `model = plan.apply(model)` wraps the blocks (the repeated children, or the
     modules named in `blocks`) in place; see `remat.planner.eager_plan`. `offload=True` lets
-    the plan keep saved values in host memory between the forward and the backward, costed by
-    their bytes over the target's host link (`Device.host_link`) both ways (compiled execution;
-    the solver's rich model, `SolverOptions(model="rich"|"auto")`, decides).
+    the plan keep saved values in host memory between the forward and the backward (at most
+    `Training.host_memory` bytes), their transfers on copy streams beside the compute over the
+    target's host link (`Device.host_link`), costed by what the step waits for them
+    (`remat.solvers.overlap`). Compiled execution: the solver's rich model and offload search
+    decide (`SolverOptions(model="rich"|"auto")`); eager execution: the block inputs that
+    checkpoint saves, through saved-tensor hooks (`remat.solvers.eager_offload`).
+    Offload plans fixed shapes (not with `dynamic=`).
 
     `dynamic={"batch": (1, 8), "seq": (8, 128)}` plans one plan for every step whose sizes
     lie in those ranges (both modes; `remat.planner.shapes`): "batch" is dimension 0 of every
@@ -66,17 +70,19 @@ def optimize(model: Any, budget: int | str | None = None, *,
     if blocks is not None and execution != "eager":
         raise ValueError("blocks= names the modules to checkpoint in execution=\"eager\"")
     whole, activations = _one_budget(budget, activation_budget)
-    if offload and execution != "compiled":
-        raise ValueError("offload=True needs execution=\"compiled\": checkpoint's eager "
-                         "recomputation has no host copies; plan compiled, or use "
-                         "torch.autograd.graph.save_on_cpu yourself")
+    if offload and dynamic is not None:
+        # Host buffers (pinned, allocated ahead) and the eager hooks' matching are sized by
+        # the planned shapes; a range's buckets are not.
+        raise ValueError("offload=True plans fixed shapes: its host buffers and transfers are "
+                         "sized for the example's; plan without dynamic=, or without offload")
 
     def plan_one(example_inputs, example_kwargs, shape_range=None) -> Plan:
         prepared = prepare(model, example_inputs, example_kwargs=example_kwargs,
                            training=training, target=target, loss_fn=loss_fn, returns=returns,
                            shape_range=shape_range)
         if offload:
-            prepared = prepared.with_host_link(target_device(target).host_link)
+            prepared = prepared.with_host_link(target_device(target).host_link,
+                                               training.host_memory)
         if execution == "eager":
             return plan_eager_mode(model, prepared, budget=whole, activation_budget=activations,
                                    target=target, solver=solver, solver_options=solver_options,

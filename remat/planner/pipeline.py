@@ -85,7 +85,8 @@ class PipelinePlan:
     handoffs: dict = field(default_factory=dict)
     """Rank -> what its runtime keeps of the tensors handed on (`remat.solvers.pipeline.Kept`)."""
     sizes: dict = field(default_factory=dict)
-    """Stage -> (bytes of its output, bytes of its input's gradient) for one micro-batch."""
+    """Stage -> (bytes of its output, bytes of its input's gradient, bytes of its loss: the
+    last stage's) for one micro-batch."""
     smallest: dict = field(default_factory=dict)
     """Rank -> the smallest whole-step budget any combination of its candidates fits."""
 
@@ -218,14 +219,17 @@ def plan_pipeline(stages: Sequence[Any], example_inputs: Sequence[Any], *, examp
                               for c in candidates]
 
         plans.append((k, candidates, static))
-    sizes = {k: (_nbytes(outputs[k]), _nbytes(inputs[k][0]) if k else 0)
-             for k in range(len(stages))}
+    with torch.no_grad():
+        loss = _nbytes(loss_fn(outputs[last], example_target))
+    sizes = {k: (_nbytes(outputs[k]), _nbytes(inputs[k][0]) if k else 0,
+                 loss if k == last else 0) for k in range(len(stages))}
     return _finish(spec, order, plans, budgets, training, sizes)
 
 
 def _finish(spec, order, plans, budgets, training, sizes) -> PipelinePlan:
-    handoffs = {r: order.kept(r, {k: o for k, (o, _) in sizes.items()},
-                              {k: g for k, (_, g) in sizes.items()})
+    handoffs = {r: order.kept(r, {k: o for k, (o, _, _) in sizes.items()},
+                              {k: g for k, (_, g, _) in sizes.items()},
+                              sum(loss for _, _, loss in sizes.values()))
                 for r in range(order.ranks)}
     chosen, ranks, margins, smallest = _choose(plans, order, budgets, training,
                                                spec.microbatches, handoffs)

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from remat.errors import BudgetError
-from remat.solvers import Kind, Problem, SolverOptions, StepKind
-from remat.solvers.eager import block_runs, eager_schedule, eager_timeline
+from remat.solvers import Problem, SolverOptions, StepKind
+from remat.solvers.eager import block_runs, eager_holds, eager_schedule
 from remat.solvers.pipeline import MicrobatchMemory, Pass, passes_from_live
-from remat.solvers.problem import tuple_of
+from remat.solvers.simulate import timeline_of
 
 log = logging.getLogger(__name__)
 
@@ -42,17 +42,30 @@ class Candidate:
         return self.memory.recompute_flops
 
 
-def simulated_memory(problem: Problem, blocks, cached: Sequence[int]) -> MicrobatchMemory:
+def simulated_memory(problem: Problem, blocks, cached: Sequence[int], *,
+                     received_gradient: bool = False) -> MicrobatchMemory:
     """A micro-batch's passes under the eager policy caching `cached`, from remat's eager
-    timeline (`remat.solvers.eager`): the forward's steps, what lives across the boundary,
-    the backward's steps, and when each parameter gradient is made."""
+    timeline (`remat.solvers.eager`): the forward's steps, what lives across the gap between
+    the forward and the backward (the holds spanning it: the first backward step's own bytes
+    are not held in the gap, nor what it starts, such as the copy of the generator's state
+    that a recomputation there keeps), the backward's steps, and when each parameter gradient
+    is made. `received_gradient`: a stage before the last, whose backward starts from the
+    gradient the next stage sends; the captured step's `Seed` scalar (and the gradient that
+    seeds it, `Problem.source["seeds"]`) stands for it, which the runtime never makes."""
     runs = block_runs(problem, blocks, cached)
-    timeline = eager_timeline(problem, blocks, runs)
-    steps = timeline.steps
-    live = [s.live for s in steps]
+    order, holds, _ = eager_holds(problem, blocks, runs)  # no offloads here
+    steps = timeline_of(problem, order, holds).steps
     boundary = next(t for t, s in enumerate(steps) if s.kind is not StepKind.FORWARD)
-    first = steps[boundary]
-    held = first.live - _made_at(problem, first)
+    held = sum(size for _, size, start, stop in holds if start < boundary <= stop)
+    live = [s.live for s in steps]
+    if received_gradient:
+        # The seed scalar is an output: held from its own step to the end of the step.
+        seeds = problem.source.get("seeds", {})
+        for t, s in enumerate(steps):
+            op = problem.ops[s.op]
+            if s.kind is StepKind.FORWARD and op.name in seeds and s.op in problem.pinned:
+                live[t:] = [v - op.size for v in live[t:]]
+                held -= op.size if t < boundary else 0
     roots = {problem.root[problem.index(n)] for n in problem.source.get("param_gradients", ())}
     step_of = {s.op: t for t, s in enumerate(steps) if s.kind is StepKind.BACKWARD}
     made = [(problem.ops[op].size, t, step_of[blocks.node_end.get(op, op)])
@@ -61,15 +74,6 @@ def simulated_memory(problem: Problem, blocks, cached: Sequence[int]) -> Microba
     schedule = eager_schedule(problem, blocks, cached)
     return MicrobatchMemory(forward=forward, backward=backward, backward_accumulating=later,
                             gradients=gradients, recompute_flops=schedule.recompute_flops)
-
-
-def _made_at(problem: Problem, step) -> int:
-    """Bytes that step `step` brings to life: its temp and the storage its op makes (a tensor
-    taken out of a tuple op lives from the step after it, not from its own)."""
-    op = problem.ops[step.op]
-    own = op.size if (problem.root[step.op] == step.op and op.kind is Kind.TENSOR
-                      and tuple_of(problem, step.op) is None) else 0
-    return own + op.temp
 
 
 def ladder(step_module: Any, prepared, *, levels: int, target: str,
@@ -88,8 +92,9 @@ def ladder(step_module: Any, prepared, *, levels: int, target: str,
     grads = prepared.graph_gradients  # simulated peaks count them; activation budgets not
     most = plan(10 ** 15)  # caches all it may: its problem and blocks serve every candidate
     problem, blocks = most.eager_problem, most.structure
-    none = no_checkpoint(most)
-    whole = checkpoint_all(most, prefix)
+    received = step_module.loss_fn is None  # a stage before the last (StageStep's Seed)
+    none = no_checkpoint(most, received_gradient=received)
+    whole = checkpoint_all(most, prefix, received_gradient=received)
     # From what no checkpointing holds at once down to what checkpointing every block does.
     high = max(none.memory.forward.peak, none.memory.backward.peak) - grads
     low = eager_schedule(problem, blocks, ()).peak - grads
@@ -99,13 +104,15 @@ def ladder(step_module: Any, prepared, *, levels: int, target: str,
         cached = tuple(eager_plan.schedule.info["cached"])
         if cached in out:
             return
-        memory = simulated_memory(eager_plan.eager_problem, eager_plan.structure, cached)
+        memory = simulated_memory(eager_plan.eager_problem, eager_plan.structure, cached,
+                                  received_gradient=received)
         policies = {path.removeprefix(prefix): p for path, p in eager_plan.block_policies.items()}
         out[cached] = Candidate(name, memory, policies, cost=eager_plan.schedule.cost)
 
     add("remat (caches all it may)", most)
     paths = list(blocks.ops)
-    partial = [checkpoint_some(most, prefix, paths[:k]) for k in range(1, len(paths))]
+    partial = [checkpoint_some(most, prefix, paths[:k], received_gradient=received)
+               for k in range(1, len(paths))]
     for k in range(1, levels - 1):
         activations = high - (high - low) * k // max(levels - 1, 1)
         try:
@@ -130,17 +137,21 @@ def _undominated(candidates: list[Candidate]) -> list[Candidate]:
     return sorted(kept, key=key)
 
 
-def no_checkpoint(eager_plan) -> Candidate:
+def no_checkpoint(eager_plan, *, received_gradient: bool = False) -> Candidate:
     """No block checkpointed: eager autograd saves what it saves (remat's eager timeline with no
-    block, every forward value the backward reads saved)."""
+    block, every forward value the backward reads saved). `received_gradient`:
+    `simulated_memory`'s."""
     from dataclasses import replace
 
     problem, blocks = eager_plan.eager_problem, eager_plan.structure
     plain = replace(blocks, ops={}, owner={}, packer={}, cacheable=frozenset(), groups=())
-    return Candidate("no checkpoint", simulated_memory(problem, plain, ()), {}, cost=0.0)
+    return Candidate("no checkpoint", simulated_memory(problem, plain, (),
+                                                       received_gradient=received_gradient),
+                     {}, cost=0.0)
 
 
-def checkpoint_some(eager_plan, prefix: str, paths: Sequence[str]) -> Candidate:
+def checkpoint_some(eager_plan, prefix: str, paths: Sequence[str], *,
+                    received_gradient: bool = False) -> Candidate:
     """The blocks at `paths` checkpointed whole, the others not at all (Megatron's "recompute
     k layers"): remat's eager timeline with only those blocks."""
     from dataclasses import replace
@@ -154,11 +165,12 @@ def checkpoint_some(eager_plan, prefix: str, paths: Sequence[str]) -> Candidate:
     policies = {p.removeprefix(prefix): with_cache(eager_plan.policies[p], frozenset())
                 for p in paths}
     names = ", ".join(p.removeprefix(prefix) for p in paths)
-    return Candidate(f"checkpoint {names} whole", simulated_memory(problem, some, ()), policies,
+    memory = simulated_memory(problem, some, (), received_gradient=received_gradient)
+    return Candidate(f"checkpoint {names} whole", memory, policies,
                      cost=eager_schedule(problem, some, ()).cost)
 
 
-def checkpoint_all(eager_plan, prefix: str) -> Candidate:
+def checkpoint_all(eager_plan, prefix: str, *, received_gradient: bool = False) -> Candidate:
     """Every block checkpointed whole, nothing cached (torch's plain checkpoint of each
     block), from any eager plan of the stage (its blocks and policies)."""
     from remat.fx_passes.eager.block_policy import with_cache
@@ -167,8 +179,8 @@ def checkpoint_all(eager_plan, prefix: str) -> Candidate:
     schedule = eager_schedule(problem, blocks, ())
     policies = {path.removeprefix(prefix): with_cache(p, frozenset())
                 for path, p in eager_plan.policies.items()}
-    return Candidate("checkpoint every block", simulated_memory(problem, blocks, ()), policies,
-                     cost=schedule.cost)
+    memory = simulated_memory(problem, blocks, (), received_gradient=received_gradient)
+    return Candidate("checkpoint every block", memory, policies, cost=schedule.cost)
 
 
 __all__ += ["checkpoint_all", "no_checkpoint", "Pass"]

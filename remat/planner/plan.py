@@ -12,10 +12,12 @@ from remat.errors import BudgetError, RematError
 from remat.planner import accounting
 from remat.planner.accounting import StepMemory
 from remat.planner.budget import format_size
+from remat.planner.offload_report import offload_rows
 from remat.planner.report import (Measured, MemoryColumn, Report, SolverSummary, kept_tensors,
                                   module_rows, price)
 from remat.planner.prepare import (Prepared, check_same_parameters, device_of,
                                    has_meta_weights, prepare)
+from remat.planner.job import options_for_this_job
 from remat.planner.training import Training
 from remat.solvers import Problem, Schedule, SolverOptions, Strategy, solve
 
@@ -192,7 +194,16 @@ class Plan:
             price=price(self.problem, self.schedule, device=chip.name,
                         peak_flops=chip.peak_flops(self.training.compute_dtype),
                         time_source="measured" if prepared.profile.measured else "predicted"),
-            solver=SolverSummary.of(self.schedule), measured=measured, notes=tuple(notes))
+            solver=SolverSummary.of(self.schedule), measured=measured, notes=tuple(notes),
+            offloaded=offload_rows(*self.offload_timeline()) if self.schedule.offload_at else ())
+
+    def offload_timeline(self):
+        """(problem, `remat.solvers.overlap.Transfers`) of the plan's offloads."""
+        from remat.solvers.overlap import transfers
+        from remat.solvers.simulate import step_order
+
+        return self.problem, transfers(self.problem, self.schedule,
+                                       step_order(self.problem, self.schedule))
 
     def to_dict(self) -> dict:
         return {"training": self.training.to_dict(), "target": self.target, "peak": self.peak,
@@ -233,6 +244,7 @@ def plan_prepared(model: Any, prepared: Prepared, *, budget: int | None,
                   solver_options: SolverOptions | None = None) -> Plan:
     """Solve one budget for a prepared step and simulate the result."""
     strategy = Strategy(solver)
+    solver_options = options_for_this_job(solver_options)
     allowance = prepared.allowance(budget, activation_budget)
     log.info("solving with %s for an activation allowance of %s", strategy.value,
              format_size(allowance))

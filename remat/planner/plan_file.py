@@ -115,7 +115,7 @@ def schedule_json(schedule: Schedule) -> dict:
         "strategy": schedule.strategy, "status": schedule.status.value, "cost": schedule.cost,
         "recompute_flops": schedule.recompute_flops, "peak": schedule.peak,
         "budget": schedule.budget, "bound": schedule.bound, "solve_time": schedule.solve_time,
-        "transfer_time": schedule.transfer_time,
+        "transfer_time": schedule.transfer_time, "exposed_time": schedule.exposed_time,
         "saved": sorted(schedule.saved), "recomputed": sorted(schedule.recomputed),
         "recompute_at": sorted([v, b] for v, b in schedule.recompute_at.items()),
         "again": sorted([v, list(ps)] for v, ps in schedule.again.items()),

@@ -72,7 +72,7 @@ def loads_plan(text: str, model: Any, *, loss_fn: Callable | None = None,
                        target=body["target"], loss_fn=loss_fn, returns=body["returns"],
                        replicate=body["replicated"])
     if body["host_bandwidth"] is not None:
-        prepared = prepared.with_host_link(body["host_bandwidth"])
+        prepared = prepared.with_host_link(body["host_bandwidth"], training.host_memory)
     _check_graph(body, prepared, source)
 
     entry = body["schedule"]
@@ -86,6 +86,7 @@ def loads_plan(text: str, model: Any, *, loss_fn: Callable | None = None,
                                                             policies=policies)
         _check_problem(body, problem, source)
         schedule = eager_schedule(problem, structure, entry["info"]["cached"],
+                                  offload=entry["info"].get("offload", ()),
                                   strategy=entry["strategy"], status=Status(entry["status"]),
                                   budget=entry["budget"])
         # The solver's notes (who answered, where the bound came from) as saved; the

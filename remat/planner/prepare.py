@@ -61,14 +61,16 @@ class Prepared:
     """remat.fx_passes.lowering.shape_bound.RangeProof, for a step traced for a range of
     shapes: how its problem bounds every shape of the range."""
 
-    def with_host_link(self, bandwidth: float) -> "Prepared":
+    def with_host_link(self, bandwidth: float, host_memory: int | None = None) -> "Prepared":
         """The same step, with saved values allowed to live in host memory between the forward
-        and the backward, their bytes crossing a link of `bandwidth` bytes/s each way."""
-        problem = dataclasses.replace(self.problem, host_bandwidth=bandwidth)
+        and the backward, their bytes crossing a link of `bandwidth` bytes/s each way, at most
+        `host_memory` bytes of them (None: no bound)."""
+        link = dict(host_bandwidth=bandwidth, host_capacity=host_memory)
+        problem = dataclasses.replace(self.problem, **link)
         sharded = self.sharded
         if sharded is not None:
             graph = (problem if sharded.graph is sharded.problem
-                     else dataclasses.replace(sharded.graph, host_bandwidth=bandwidth))
+                     else dataclasses.replace(sharded.graph, **link))
             sharded = dataclasses.replace(sharded, problem=problem, graph=graph)
         return dataclasses.replace(self, problem=problem, sharded=sharded)
 

@@ -14,6 +14,7 @@ from tabulate import tabulate
 
 from remat.planner.accounting import StepMemory
 from remat.planner.budget import format_size
+from remat.planner.offload_report import OffloadRow, offload_price_row, offload_table
 from remat.solvers import Problem, Schedule
 from remat.solvers.baselines import block_of
 
@@ -78,9 +79,17 @@ class Price:
     offloaded_bytes: int = 0
     """Bytes the plan keeps in host memory between the forward and the backward."""
     transfer_time: float = 0.0
-    """Predicted seconds of those bytes over the host link, both ways (in `step_time`)."""
+    """Predicted seconds of those bytes over the host link, both ways, on copy streams beside
+    the compute."""
     recomputations: int = 0
     """Forward ops run again, every copy counted (in the forward too, or twice)."""
+    exposed_time: float = 0.0
+    """Of `transfer_time`, the predicted seconds the compute waits for (in `step_time`); the
+    rest is hidden under the compute (`remat.solvers.overlap`)."""
+
+    @property
+    def hidden_time(self) -> float:
+        return max(0.0, self.transfer_time - self.exposed_time)
 
     @property
     def recompute_pct(self) -> float:
@@ -102,7 +111,7 @@ class Price:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "recompute_pct": self.recompute_pct, "mfu": self.mfu,
-                "hfu": self.hfu}
+                "hfu": self.hfu, "hidden_time": self.hidden_time}
 
 
 @dataclass(frozen=True)
@@ -179,6 +188,7 @@ class Report:
     solver: SolverSummary
     measured: Measured | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    offloaded: tuple[OffloadRow, ...] = ()
 
     @property
     def plan_memory(self) -> StepMemory:
@@ -190,12 +200,14 @@ class Report:
                 "kept": [k.to_dict() for k in self.kept], "price": self.price.to_dict(),
                 "solver": self.solver.to_dict(),
                 "measured": self.measured.to_dict() if self.measured else None,
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "offloaded": [o.to_dict() for o in self.offloaded]}
 
     def render(self) -> str:
         parts = [self.title, "", "Memory of one step (per rank)", _memory_table(self.memory), "",
                  "The plan per module (numbers per block)", _module_table(self.modules), "",
                  "Largest tensors kept for the backward", _kept_table(self.kept), "",
+                 *(["Offloaded to host", offload_table(self.offloaded), ""]
+                   if self.offloaded else []),
                  "The price", _price_table(self.price), "", "The solver",
                  _solver_table(self.solver)]
         if self.measured is not None:
@@ -271,13 +283,13 @@ def kept_tensors(problem: Problem, schedule: Schedule, top: int = 5) -> tuple[Ke
 
 def price(problem: Problem, schedule: Schedule, *, device: str, peak_flops: float | None,
           time_source: str) -> Price:
-    transfer = schedule.transfer_time
+    exposed = schedule.exposed_time
     return Price(model_flops=problem.total_flops, recompute_flops=schedule.recompute_flops,
                  step_time=problem.total_cost + schedule.cost,
-                 recompute_time=schedule.cost - transfer, device=device, peak_flops=peak_flops,
+                 recompute_time=schedule.cost - exposed, device=device, peak_flops=peak_flops,
                  time_source=time_source,
                  offloaded_bytes=sum(problem.ops[v].size for v in schedule.offload_at),
-                 transfer_time=transfer,
+                 transfer_time=schedule.transfer_time, exposed_time=exposed,
                  recomputations=schedule.recomputations if schedule.again else 0)
 
 
@@ -339,9 +351,7 @@ def _price_table(p: Price) -> str:
         rows.append(["recomputations", f"{p.recomputations} op runs",
                      "forward ops run again (within the forward, and second ones, counted)"])
     if p.offloaded_bytes:
-        rows.append(["offloaded to host", format_size(p.offloaded_bytes),
-                     f"transfer {p.transfer_time * 1e3:.3g} ms both ways, predicted, not "
-                     "overlapped with compute"])
+        rows.append(offload_price_row(p))
     rows += [
         [f"MFU, {p.time_source}", pct(p.mfu),
          f"counted model FLOPs over the {p.time_source} step time on {p.device}"],

@@ -106,12 +106,18 @@ class Training:
     """Bytes the step cannot use: CUDA context, library workspaces (default 1 GiB)."""
     fragmentation: float = 0.10
     """Fraction of the budget left free for the allocator's fragmentation."""
+    host_memory: int | str | None = None
+    """Bytes of host memory per rank that offloaded activations may hold ("64GB"; pinned
+    buffers, one per offloaded tensor, allocated ahead): a bound on what
+    ``optimize(..., offload=True)`` moves to the host. None: no bound."""
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         set_("precision", _enum(Precision, self.precision, "precision"))
         set_("optimizer", _enum(Optimizer, self.optimizer, "optimizer"))
         set_("reserve", parse_size(self.reserve, allow_zero=True))
+        if self.host_memory is not None:
+            set_("host_memory", parse_size(self.host_memory, allow_zero=True))
         if not callable(self.frozen):
             names = [self.frozen] if isinstance(self.frozen, str) else self.frozen
             set_("frozen", frozenset(names))
@@ -165,7 +171,8 @@ class Training:
                 "prefetch": self.prefetch, "backward_prefetch": self.backward_prefetch,
                 "reshard_after_forward": self.reshard_after_forward,
                 "frozen": "<predicate>" if callable(self.frozen) else sorted(self.frozen),
-                "reserve": self.reserve, "fragmentation": self.fragmentation}
+                "reserve": self.reserve, "fragmentation": self.fragmentation,
+                "host_memory": self.host_memory}
 
 
 def _enum(cls: type[enum.Enum], value: Any, what: str):

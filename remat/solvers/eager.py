@@ -20,13 +20,16 @@ the op belongs to the value's own block (its autograd node was packed inside the
 the original otherwise. What lives longer than its readers: a block's inputs, which checkpoint
 holds until the block's backward ends; cached values that the recomputation stops before
 (held by the checkpoint's frame until then too); cached values the recomputation takes out,
-held by the block's Python variables as long as in the forward (`forward_life`); generator
+held by the block's Python variables as long as in the forward (`forward_life`); a backward
+value, until the autograd node that reads it last has finished (`node_end`); generator
 snapshots, and on the CPU the copy of the generator's state that the recomputation's
 fork_rng keeps while it runs.
 
-`plan_eager` is a heuristic (status HEURISTIC): from seed cache sets it repairs (caches less)
-until the eager peak fits and improves (caches more) while it still fits. The exact planner is
-`remat.solvers.cpsat.eager_search.optimal_eager` (CP-SAT over this timeline), which it hints.
+The planners: the heuristic `remat.solvers.eager_heuristic.plan_eager` (status HEURISTIC; from
+seed cache sets it repairs, caching less, until the eager peak fits and improves, caching
+more, while it still fits; with offloads of block inputs, `remat.solvers.eager_offload`), and
+the exact `remat.solvers.cpsat.eager_search.optimal_eager` (CP-SAT over this timeline, every
+rule above followed: `EagerModel`; it plans no offload), which the heuristic hints.
 """
 from __future__ import annotations
 
@@ -35,11 +38,11 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Iterable, Mapping
 
-from remat.errors import BudgetError
-from remat.solvers.deadline import Deadline
+from remat.solvers.eager_offload import offload_points, offloadable
+from remat.solvers.overlap import Transfers, transfers
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
 from remat.solvers.schedule import Schedule, Status
-from remat.solvers.simulate import Timeline, step_order, steps_of, timeline_of
+from remat.solvers.simulate import StepKind, Timeline, step_order, steps_of, timeline_of
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,9 @@ class EagerBlocks:
     groups: tuple[tuple[int, ...], ...] = ()
     """ops cached together: the tensors of one eager op with several outputs (layer norm's
     output, mean and rstd), which the policy caches all or none of."""
+    python_backward: frozenset[int] = frozenset()
+    """backward ops of a backward written in Python (a custom autograd.Function's, BLOOM's
+    GeLU): their temporaries die at their last reader, not when the node returns."""
     unread_inputs: tuple[tuple[int, tuple[str, ...]], ...] = ()
     """(bytes, blocks) of a tensor the blocks are called with but never read (position ids):
     checkpoint keeps it from the first block's forward to the end of their backward."""
@@ -101,6 +107,7 @@ class EagerBlocks:
             forward_life={at(v): at(e) for v, e in self.forward_life.items()},
             state_bytes=self.state_bytes,
             groups=tuple(tuple(map(at, g)) for g in self.groups),
+            python_backward=frozenset(map(at, self.python_backward)),
             unread_inputs=self.unread_inputs)
 
 
@@ -177,39 +184,95 @@ def _pack_position(problem: Problem, blocks: EagerBlocks, b: int, members: set[i
 
 
 def eager_schedule(problem: Problem, blocks: EagerBlocks, cached: Iterable[int], *,
-                   strategy: str = "eager", status: Status = Status.HEURISTIC,
-                   budget: int | None = None) -> Schedule:
+                   offload: Iterable[int] = (), strict: bool = True, strategy: str = "eager",
+                   status: Status = Status.HEURISTIC, budget: int | None = None) -> Schedule:
     """The `Schedule` that the eager mode runs for a policy caching `cached`: `saved` is what
     the forward keeps for the backward (cached values, and everything outside the blocks that
     the backward reads), `recomputed` what the checkpoints run again and `recompute_at` their
-    triggers. Its `peak` is `eager_timeline`'s, not `simulate`'s."""
+    triggers. Its `peak` is `eager_timeline`'s, not `simulate`'s. `offload`: block inputs
+    kept in host memory (`remat.solvers.eager_offload`; `offload_at` their loads), their
+    transfers timed by `remat.solvers.overlap` (the cost includes what the step waits); one
+    that this cache makes impossible raises ValueError, or with `strict=False` (a planner's
+    trial) stays on the device, as `offload_at` then says."""
     runs = block_runs(problem, blocks, cached)
-    timeline = eager_timeline(problem, blocks, runs)
+    offload = frozenset(offload)
+    loads, issues = {}, {}
+    if offload:
+        eligible = offloadable(problem, blocks, runs)
+        refused = sorted(offload - eligible.keys())
+        if not strict:
+            offload, refused = offload & eligible.keys(), []
+        if refused:
+            raise ValueError(f"the eager mode cannot offload {problem.ops[refused[0]].name!r}: "
+                             "only the input of one checkpointed block that nothing else holds")
+        loads, issues = offload_points(blocks, runs, offload, eligible)
+    timeline, moved = eager_timeline(problem, blocks, runs, loads=loads, issues=issues)
     in_blocks = set(blocks.block_of())
     recomputed = {v: run.trigger for run in runs for v in run.recomputed}
     needed_outside = {problem.root[s] for b in problem.backward for s in problem.storage_inputs[b]
                       if s < problem.num_forward and problem.root[s] not in in_blocks}
     saved = frozenset(needed_outside | {v for run in runs for v in run.cached})
+    exposed = moved.exposed if moved is not None else 0.0
     return Schedule(
         saved=saved, recomputed=frozenset(recomputed), recompute_at=MappingProxyType(recomputed),
         strategy=strategy, status=status, budget=budget,
-        cost=sum(problem.ops[v].cost for v in recomputed),
+        cost=sum(problem.ops[v].cost for v in recomputed) + exposed,
         recompute_flops=sum(problem.ops[v].flops for v in recomputed), peak=timeline.peak,
+        offload_at=MappingProxyType(loads), exposed_time=exposed,
+        transfer_time=moved.link_time if moved is not None else 0.0,
         info={"execution": "eager", "cached": tuple(sorted(v for r in runs for v in r.cached)),
+              "offload": tuple(sorted(offload)),
               "blocks": {r.name: {"trigger": r.trigger, "stop": r.stop,
                                   "recomputed": len(r.recomputed), "cached": len(r.cached)}
                          for r in runs}})
 
 
-def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) -> Timeline:
-    """The memory of the step in eager mode, step by step (see the module's docstring)."""
+def eager_transfers(problem: Problem, blocks: EagerBlocks, schedule: Schedule
+                    ) -> Transfers | None:
+    """The transfer timeline of an eager schedule's offloads (None: it offloads nothing)."""
+    offload = schedule.info.get("offload", ())
+    if not offload:
+        return None
+    runs = block_runs(problem, blocks, schedule.info["cached"])
+    loads, issues = offload_points(blocks, runs, offload, offloadable(problem, blocks, runs))
+    return eager_timeline(problem, blocks, runs, loads=loads, issues=issues)[1]
+
+
+def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun], *,
+                   loads: Mapping[int, int] | None = None,
+                   issues: Mapping[int, int] | None = None) -> tuple[Timeline, Transfers | None]:
+    """The memory of the step in eager mode, step by step (see the module's docstring), and
+    the timeline of its offloads' transfers (`loads`, `issues`: see `eager_holds`)."""
+    order, held, moved = eager_holds(problem, blocks, runs, loads=loads, issues=issues)
+    return timeline_of(problem, order, held), moved
+
+
+def eager_holds(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun], *,
+                loads: Mapping[int, int] | None = None, issues: Mapping[int, int] | None = None
+                ) -> tuple[list[tuple[int, StepKind]], list[tuple[int, int, int, int]],
+                           Transfers | None]:
+    """`eager_timeline`'s step order, its holds, (-1, bytes, first step, last step) each (op
+    temps aside), and its offloads' transfers: what lives across a gap between two steps (a
+    pipeline stage's, between its forward and its backward) is read off the holds, not off a
+    step's live bytes. `loads`: value -> the backward op its load is placed before; `issues`:
+    value -> the forward op after which its copy to host is issued
+    (`remat.solvers.eager_offload.offload_points`): an offloaded value's device copy lives from
+    its op to its last forward read or the end of its copy to host, its loaded copy from its
+    load to what would have held it in the backward."""
     ops = problem.ops
     nf = problem.num_forward
     at = {v: run.trigger for run in runs if run.trigger is not None for v in run.recomputed}
-    order = step_order(problem, Schedule(saved=frozenset(), recomputed=frozenset(at),
-                                         recompute_at=at))
+    pseudo = Schedule(saved=frozenset(), recomputed=frozenset(at), recompute_at=at,
+                      offload_at=dict(loads or {}))
+    order = step_order(problem, pseudo)
     step_of, again = steps_of(order, len(ops))
     end = len(order) - 1
+    moved = None
+    if loads:
+        moved = transfers(problem, pseudo, order, join_forward=False,
+                          issue_after={v: step_of[b] for v, b in (issues or {}).items()})
+    load_step = {i: t for t, (i, kind) in enumerate(order) if kind is StepKind.RELOAD}
+    forward_end = step_of[nf - 1] if nf else -1
 
     block_of = blocks.block_of()
     owner = blocks.owner
@@ -261,7 +324,13 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
             hold(op.size, made, end)
             continue
         if i >= nf:
-            hold(op.size, made, max((step_of[r] for r in readers[i]), default=made))
+            # An autograd node's formula holds its temporaries and its input gradient until
+            # it returns (RMSNorm's PowBackward0: x.pow(1), 2 * it and their product at once);
+            # a backward written in Python frees its own temporaries as it goes.
+            python = i in blocks.python_backward
+            hold(op.size, made, max(
+                step_of[r] if python and node_end.get(r, r) == node_end.get(i, i)
+                else read_at(r) for r in (i, *readers[i])))
             continue
         block = block_of.get(i)
         run = run_of.get(block) if block is not None else None
@@ -282,7 +351,13 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
                 copy.append(read_at(r))
             else:
                 original.append(read_at(r))
-        hold(op.size, made, max(original))
+        if moved is not None and i in moved.by_value:  # in host memory in between
+            late = [t for t in original if t > forward_end]
+            hold(op.size, made, max([t for t in original if t <= forward_end]
+                                    + [moved.by_value[i].released]))
+            hold(op.size, load_step[i], max(late, default=load_step[i]))
+        else:
+            hold(op.size, made, max(original))
         if recomputed:
             start = again[i] if t is None else again[t] + 1
             hold(op.size, start, max(copy, default=start))
@@ -298,79 +373,5 @@ def eager_timeline(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun]) 
         ends = [finished[n] for n in names if n in finished]
         if ends:
             hold(size, min(step_of[blocks.ops[n][0]] for n in names), max(ends))
-    return timeline_of(problem, order, held)
+    return order, held, moved
 
-
-def cheapest_prefix(problem: Problem, blocks: EagerBlocks, budget: int) -> frozenset[int]:
-    """A seed for `plan_eager` in a few evaluations (a bisection): the longest prefix of the
-    ops the blocks recompute, the most recompute seconds per byte first, whose caching fits
-    `budget` (the peak need not grow with the prefix: this is where the bisection lands).
-    T5 (234 such ops): 0.1 s, where plan_eager's passes take 5 s from the empty seed."""
-    recomputed = eager_schedule(problem, blocks, ()).recomputed
-    order = sorted((v for v in blocks.cacheable if v in recomputed and problem.ops[v].size > 0
-                    and problem.ops[v].kind is Kind.TENSOR),
-                   key=lambda v: (-(problem.ops[v].cost + 1e-15) / problem.ops[v].size, v))
-    low, high = 0, len(order)
-    while low < high:
-        middle = (low + high + 1) // 2
-        if eager_schedule(problem, blocks, order[:middle]).peak <= budget:
-            low = middle
-        else:
-            high = middle - 1
-    return frozenset(order[:low])
-
-
-def plan_eager(problem: Problem, blocks: EagerBlocks, budget: int,
-               seeds: Iterable[Iterable[int]], deadline: Deadline | None = None) -> Schedule:
-    """The cheapest eager policy found from `seeds` (cache sets, e.g. what the exact plan
-    saves, nothing, everything cacheable) whose eager peak fits `budget`: each seed is
-    repaired by caching less (the most bytes per second of recompute first) until it fits,
-    then improved by caching more (the most recompute seconds per byte first) while it fits.
-    A heuristic: status HEURISTIC (`remat.solvers.cpsat.eager_search` is the exact planner,
-    which this starts). Raises BudgetError with the least peak seen when no seed fits however
-    little it caches. Past `deadline`, it stops improving and tries no further seed (one
-    schedule is evaluated at a time, each O(ops))."""
-    candidates = [v for v in sorted(blocks.cacheable) if problem.ops[v].size > 0
-                  and problem.ops[v].kind is Kind.TENSOR]
-    eps = 1e-15
-
-    def run(cached) -> Schedule:
-        return eager_schedule(problem, blocks, cached, budget=budget)
-
-    best: Schedule | None = None
-    least = None
-
-    def out_of_time() -> bool:
-        return deadline is not None and not deadline.check("eager heuristic")
-
-    for seed in seeds:
-        if least is not None and out_of_time():
-            break
-        cached = set(seed) & set(candidates)
-        schedule = run(cached)
-        for v in sorted(cached, key=lambda v: -problem.ops[v].size / (problem.ops[v].cost + eps)):
-            if schedule.peak <= budget or out_of_time():
-                break
-            cached.discard(v)
-            schedule = run(cached)
-        least = schedule.peak if least is None else min(least, schedule.peak)
-        if schedule.peak > budget:
-            continue
-        for v in sorted(set(candidates) - cached,
-                        key=lambda v: -(problem.ops[v].cost + eps) / problem.ops[v].size):
-            if v not in schedule.recomputed:
-                continue  # caching it would save no recomputation
-            if out_of_time():
-                break
-            trial = run(cached | {v})
-            if trial.peak <= budget and trial.cost <= schedule.cost:
-                cached.add(v)
-                schedule = trial
-        if best is None or (schedule.cost, schedule.peak) < (best.cost, best.peak):
-            best = schedule
-    if best is None:
-        raise BudgetError(
-            f"eager: no checkpoint policy found fits; the least eager peak seen is "
-            f"{least:,} bytes of activations, above the budget of {budget:,}; checkpoint more "
-            "modules (blocks=) or raise the budget", budget=budget, smallest=least)
-    return best

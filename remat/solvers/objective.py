@@ -53,4 +53,4 @@ def with_objective(problem: Problem, objective: Objective | str) -> Problem:
     bandwidth = (None if problem.host_bandwidth is None
                  else problem.host_bandwidth / (TIME_TIE_BREAK * per_second))
     return Problem(ops, name=problem.name, source={**problem.source, "objective": objective.value},
-                   host_bandwidth=bandwidth)
+                   host_bandwidth=bandwidth, host_capacity=problem.host_capacity)

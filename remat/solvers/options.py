@@ -31,13 +31,16 @@ class SolverOptions:
     relative_gap: float | None = None
     """Stop once the cost is proven within this fraction of the optimum (0: prove optimality).
     None: chosen by the problem's size (`by_size`: 0 below 2,000 ops, else 0.01)."""
-    deterministic: bool = False
-    """Plan on deterministic time (CP-SAT's `max_deterministic_time` on one worker, and
+    deterministic: bool | None = None
+    """None: True in a distributed job of several ranks (every rank that plans for itself gets
+    the same plan), else False; `remat.planner.job` decides, and the solvers read None as
+    False. True: plan on deterministic time (CP-SAT's `max_deterministic_time` on one worker, and
     modelled costs for the Python stages) so that the same problem, budget and options give the
     same schedule in any process. `time_limit` still bounds the wall clock: where the machine
     runs slower than planned (or the wall clock cuts a stage), the stages follow the wall clock
     and `info["deterministic"]` says so (the plan may then differ from run to run). Not the
-    default: on 2 loaded cores it searched far less than the wall-clock mode in the same limit
+    default outside distributed jobs: on 2 loaded cores it searched far less than the
+    wall-clock mode in the same limit
     (5,000 ops at 70 %: 68 % gap against 0.5 %). False: plan on the wall clock (each stage gets
     its share of the time actually left, the portfolio of workers; not repeatable)."""
     deterministic_time: float | None = None

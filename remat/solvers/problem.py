@@ -83,10 +83,14 @@ class Problem:
     name: str = ""
     # Free-form facts about where the problem came from (model, batch, target device).
     source: dict = field(default_factory=dict, compare=False)
-    # Bytes per second over the link to host memory, in the units of `Op.cost` per byte
-    # (seconds, or the objective's): what offloading a saved value costs, both ways. None: the
-    # step may not offload.
+    # Bytes per second over the link to host memory, each way (the link is full duplex), in
+    # bytes per unit of `Op.cost` (seconds, or the objective's): how long an offloaded value's
+    # transfers take (`remat.solvers.overlap` times them against the compute). None: the step
+    # may not offload.
     host_bandwidth: float | None = None
+    # Bytes of host memory the offloaded values may hold together (`Training.host_memory`);
+    # None: as much as they need.
+    host_capacity: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
@@ -96,6 +100,11 @@ class Problem:
                                           and math.isfinite(bandwidth) and bandwidth > 0):
             raise ValueError(f"host_bandwidth must be a positive number of bytes per second "
                              f"(per cost unit) or None, not {bandwidth!r}")
+        capacity = self.host_capacity
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                                     or capacity < 0):
+            raise ValueError(f"host_capacity must be a non-negative int of bytes or None, not "
+                             f"{capacity!r}")
 
     def __len__(self) -> int:
         return len(self.ops)

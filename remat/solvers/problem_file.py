@@ -37,13 +37,16 @@ def dumps(problem: Problem, **extra) -> str:
                 value = list(value)
             entry[f.name] = value
         ops.append(entry)
-    reserved = {"format", "version", "name", "source", "ops", "host_bandwidth"} & extra.keys()
+    reserved = {"format", "version", "name", "source", "ops", "host_bandwidth",
+                "host_capacity"} & extra.keys()
     if reserved:
         raise ValueError(f"extra fields may not be named {sorted(reserved)}")
     body = {"format": FORMAT, "version": VERSION, "name": problem.name,
             "source": problem.source, **extra, "ops": ops}
     if problem.host_bandwidth is not None:
         body["host_bandwidth"] = problem.host_bandwidth
+    if problem.host_capacity is not None:
+        body["host_capacity"] = problem.host_capacity
     return json.dumps(body, separators=(",", ":"))
 
 
@@ -67,7 +70,8 @@ def loads(text: str) -> tuple[Problem, dict]:
             ops.append(Op(**fields))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"op {i} of the problem file is malformed: {exc}") from None
-    own = {"format", "version", "name", "source", "ops", "host_bandwidth"}
+    own = {"format", "version", "name", "source", "ops", "host_bandwidth", "host_capacity"}
     extra = {k: v for k, v in body.items() if k not in own}
     return Problem(tuple(ops), name=body.get("name", ""), source=body.get("source", {}),
-                   host_bandwidth=body.get("host_bandwidth")), extra
+                   host_bandwidth=body.get("host_bandwidth"),
+                   host_capacity=body.get("host_capacity")), extra

@@ -11,7 +11,7 @@ from remat.errors import BudgetError, SolverError
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Problem
 from remat.solvers.objective import Objective, with_objective
-from remat.solvers.schedule import Schedule, evaluate
+from remat.solvers.schedule import Schedule, check_host_memory, evaluate
 from remat.solvers.strategies import STRATEGIES, Strategy, StrategyFn, register
 # Importing the strategies registers them in the table.
 from remat.solvers import baselines, brute_force, cpsat, tiled  # noqa: E402,F401
@@ -55,6 +55,7 @@ def solve(problem: Problem, budget: int, strategy: Strategy | str = Strategy.OPT
             f"{schedule.strategy}: returned a schedule whose simulated peak {schedule.peak:,} "
             f"exceeds the budget {budget:,}; this is a bug in the strategy: please report it "
             "with the problem (remat.solvers.problem_file.dumps) and the budget")
+    check_host_memory(problem, schedule)  # offloads within the host's memory, likewise
     if not schedule.solve_time:
         schedule = replace(schedule, solve_time=time.perf_counter() - start)
     if fn in LIMITED:  # the report states the limits the call ran under, and who chose them

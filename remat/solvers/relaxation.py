@@ -67,8 +67,9 @@ class Relaxation:
 
         # The richer model (`rich`): save[v] means no backward recomputation and no load; a
         # value loaded from host (off[v]) is not held between its last forward reader and its
-        # load, at its transfers' cost; one recomputed in the backward may be recomputed again,
-        # so at a step it may be both held and recomputed after it, for a second run's cost.
+        # load, at no cost (its transfers may be hidden); one recomputed in the backward may be
+        # recomputed again, so at a step it may be both held and recomputed after it, for a
+        # second run's cost.
         off: dict[int, cp_model.IntVar] = {}
         self.off: dict[int, tuple[cp_model.IntVar, float]] = {}
         twice: dict[int, cp_model.IntVar] = {}
@@ -85,7 +86,9 @@ class Relaxation:
                                 else m.NewConstant(0))
                 if offloadable(v):
                     off[v] = m.NewBoolVar(f"o{v}")
-                    self.off[v] = (off[v], 2 * problem.ops[v].size / bandwidth)
+                    # Its transfers may run wholly under compute (remat.solvers.overlap):
+                    # what the step waits for them is bounded by nothing above 0.
+                    self.off[v] = (off[v], 0.0)
                 if rich and recompute_blocker(problem, v) is None:
                     twice[v] = m.NewBoolVar(f"t{v}")
                 m.Add(save[v] + self.redo[v] + off.get(v, 0) <= 1)
@@ -121,7 +124,7 @@ class Relaxation:
                     m.AddImplication(after[v], earlier[v])
             if not joint:  # a saved tensor loaded back from host after b: not held at b
                 off = {v: m.NewBoolVar(f"o{b}_{v}") for v in keep if offloadable(v)}
-                self.off = {v: (x, 2 * problem.ops[v].size / bandwidth) for v, x in off.items()}
+                self.off = {v: (x, 0.0) for v, x in off.items()}  # free, at the least
                 for v, x in off.items():
                     m.Add(x + after[v] <= 1)  # an offloaded value is saved, never recomputed
             for v in ahead:

@@ -5,16 +5,17 @@ recomputations at every valid backward position (`brute_force.placements`), plus
 value, up to `max_copies` further copies, each at any forward position after the value or any
 backward position after its first backward recomputation, plus, where the problem has a host
 link, the offload of any saved tensor with its load back at any backward op up to its first
-backward read. Every schedule is judged by `simulate`; nothing here shares the CP-SAT model's
-logic.
+backward read, as long as the host holds what is offloaded (`Problem.host_capacity`). Every
+schedule is judged by `simulate` (memory) and `remat.solvers.overlap` (what the step waits for
+its transfers, part of the cost); nothing here shares the CP-SAT model's logic.
 
 Which positions are enumerated, and why all of them. No placement dominates another:
 - a forward copy of v placed before a reader serves the same reads at any position between the
   previous read and that reader, but an earlier position holds v longer while a later one holds
   v's inputs longer (the copy reads them): which is better depends on their sizes, exactly as
   for backward recomputations (brute_force's docstring); and the copy's `temp` lands on its step;
-- a load from host placed earlier only holds the value longer, but `simulate` charges the
-  value's `temp` on the load's step, so a load placed where less is live can lower the peak.
+- a load from host placed earlier holds the value longer but hides more of its transfer under
+  the compute before its first reader.
 So every position is enumerated. What is left out, with the proof that nothing is lost:
 - copies that serve no read: `make_schedule` rejects them (a copy nobody reads is no schedule);
 - further copies of values that own no bytes: such a copy changes no storage's bytes, only reads
@@ -48,7 +49,8 @@ from remat.solvers.brute_force import placements
 from remat.solvers.problem import Kind, Problem, needed_storages, recompute_blocker, tuple_of
 from remat.solvers.rich_brute_bounds import ShapeBounds
 from remat.solvers.schedule import Schedule, Status, make_schedule, recomputable
-from remat.solvers.simulate import simulate
+from remat.solvers.overlap import transfers
+from remat.solvers.simulate import simulate, step_order
 
 MAX_SCHEDULES = 1_000_000  # placed schedules simulated
 MAX_SHAPES = 3_000_000  # shapes visited
@@ -124,16 +126,15 @@ class _Search:
         share = problem.ops[v].cost
         if t is not None:  # a lower bound: the getitems copied together run the tuple op once
             share += problem.ops[t].cost / len(problem.users[t])
+        # An offload may cost nothing: its transfers can run entirely under the compute.
         options = [_Choice(0.0)]
         if offloadable:
-            options.append(_Choice(2 * problem.ops[v].size / problem.host_bandwidth,
-                                   offload=True))
+            options.append(_Choice(0.0, offload=True))
         for f in range(k + 1 if copyable else 1):
             if f:
                 options.append(_Choice(f * share, forward=f))
                 if offloadable:
-                    options.append(_Choice(f * share + options[1].cost, forward=f,
-                                           offload=True))
+                    options.append(_Choice(f * share, forward=f, offload=True))
             if backward_ok:
                 for a in range(k - f + 1):
                     options.append(_Choice((1 + f + a) * share, forward=f, recompute=True,
@@ -224,6 +225,10 @@ class _Search:
             return None
         if any(c.offload and v not in saved for v, c in chosen.items()):
             return None
+        if problem.host_capacity is not None and sum(
+                problem.ops[v].size for v, c in chosen.items() if c.offload) \
+                > problem.host_capacity:
+            return None  # the host cannot hold what the shape offloads
         return frozenset(recomputed), frozenset(saved), chosen
 
     # -- the searches --------------------------------------------------------------------------
@@ -242,7 +247,13 @@ class _Search:
             return min(budget, best_key[1] - 1)
 
         for cost_bound, vec, decoded in self._nodes(threshold):
-            for sched, cost in self._placed(decoded, lambda: threshold(cost_bound)):
+            for sched, runs in self._placed(decoded, lambda: threshold(cost_bound)):
+                if best_key is not None and runs > best_key[0] * (1 + 1e-9) + 1e-15:
+                    continue  # the transfers only add to it
+                cost = runs
+                if sched.offload_at:  # what the step waits for them (remat.solvers.overlap)
+                    cost = runs + transfers(self.problem, sched,
+                                            step_order(self.problem, sched)).exposed
                 peak = simulate(self.problem, sched).peak
                 if peak > budget or (best_key is not None and (cost, peak) >= best_key):
                     continue
@@ -264,7 +275,8 @@ class _Search:
     # -- placements of one shape ---------------------------------------------------------------
 
     def _placed(self, decoded, limit):
-        """Every valid placement of the shape: (unevaluated Schedule, its cost), but those
+        """Every valid placement of the shape: (unevaluated Schedule, its recomputations' cost:
+        the transfers' part is the caller's to add), but those
         whose recomputations alone, placed, hold more than `limit()` (read anew for each, as
         the best schedule improves; None: stop) at an op's step."""
         recomputed, saved, chosen = decoded
@@ -291,7 +303,6 @@ class _Search:
                         again[t] = tuple(sorted(set(again.get(t, ())) | set(again[v])))
                 runs = [ops[v].cost for v in recomputed]
                 runs += [ops[v].cost for v, ps in again.items() for _ in ps]
-                runs += [2 * ops[v].size / problem.host_bandwidth for v in reload]
                 self.simulated += 1
                 if self.simulated > MAX_SCHEDULES:
                     raise ValueError(f"rich_brute_force stops at {MAX_SCHEDULES:,} schedules; "

@@ -10,8 +10,9 @@ Beyond one recomputation (the richer execution model), a schedule may also
   earlier copy then dies after its last reader before that point: long skip connections), or a
   second time in the backward, after its first backward recomputation (`again`);
 - *offload* a saved value to host memory after its last forward reader and load it back before
-  a backward op (`offload_at`), at the cost of its bytes over the host link both ways
-  (`Problem.host_bandwidth`).
+  a backward op (`offload_at`); the transfers run on copy streams beside the compute, and cost
+  the step only the time it waits for them (`remat.solvers.overlap`; `Problem.host_bandwidth`),
+  and the host holds the offloaded bytes (at most `Problem.host_capacity`).
 Every read of a value is served by its latest copy made before the read; each copy lives from
 the step that makes it to the last read it serves (`remat.solvers.simulate`).
 """
@@ -59,7 +60,8 @@ class Schedule:
     # before the backward op given. Empty in the one-recomputation model.
     again: Mapping[int, tuple[int, ...]] = field(default_factory=lambda: MappingProxyType({}))
     offload_at: Mapping[int, int] = field(default_factory=lambda: MappingProxyType({}))
-    transfer_time: float = 0.0  # host-link seconds of the offloads (included in `cost`)
+    transfer_time: float = 0.0  # host-link seconds of the offloads, both ways
+    exposed_time: float = 0.0  # of those, the seconds the step waits for (included in `cost`)
 
     @property
     def gap(self) -> float | None:
@@ -82,7 +84,7 @@ class Schedule:
             "recompute_at": {name(v): name(b) for v, b in sorted(self.recompute_at.items())},
             "again": {name(v): [name(p) for p in ps] for v, ps in sorted(self.again.items())},
             "offload_at": {name(v): name(b) for v, b in sorted(self.offload_at.items())},
-            "transfer_time": self.transfer_time,
+            "transfer_time": self.transfer_time, "exposed_time": self.exposed_time,
         }
 
     # Read-only views (MappingProxyType) keep a schedule's decisions from changing under the
@@ -206,6 +208,9 @@ def _check_offloads(problem: Problem, offloads: dict[int, int], saved: set[int],
             name = ops[v].name if isinstance(v, int) and 0 <= v < nf else v
             raise ValueError(f"cannot offload {name!r}: only a saved tensor that owns bytes can "
                              "be offloaded")
+        if problem.root[v] in problem.pinned:
+            raise ValueError(f"cannot offload {ops[v].name!r}: it is an output, kept on the "
+                             "device to the step's end")
         if not (isinstance(b, int) and nf <= b < len(ops)):
             raise ValueError(f"{ops[v].name!r} is loaded back at {b!r}, which is not a "
                              "backward op")
@@ -227,6 +232,19 @@ def _check_every_copy_read(problem: Problem, schedule: Schedule) -> None:
         if v in schedule.again and any(not c.reads for c in copies[1:]):
             raise ValueError(f"{problem.ops[v].name!r} is recomputed again where no later "
                              "reader uses that copy")
+
+
+def check_host_memory(problem: Problem, schedule: Schedule) -> None:
+    """Raise SolverError when a strategy returns a schedule whose offloads need more host
+    memory than the problem has (`Problem.host_capacity`): a bug in the strategy."""
+    capacity = problem.host_capacity
+    held = sum(problem.ops[v].size for v in schedule.offload_at)
+    if capacity is not None and held > capacity:
+        from remat.errors import SolverError
+
+        raise SolverError(f"{schedule.strategy}: returned a schedule that keeps {held:,} bytes "
+                          f"in host memory, above the host's {capacity:,}; this is a bug in "
+                          "the strategy: please report it with the problem and the budget")
 
 
 def recomputable(problem: Problem) -> list[int]:
@@ -256,20 +274,31 @@ def evaluate(problem: Problem, schedule: Schedule, **fields) -> Schedule:
     fields given (strategy, status, bound, budget, solve_time, info)."""
     from remat.solvers.simulate import simulate
 
-    cost, flops, transfer = price(problem, schedule)
+    cost, flops, transfer, exposed = _priced(problem, schedule)
     return replace(schedule, cost=cost, recompute_flops=flops, transfer_time=transfer,
-                   peak=simulate(problem, schedule).peak, **fields)
+                   exposed_time=exposed, peak=simulate(problem, schedule).peak, **fields)
 
 
 def price(problem: Problem, schedule: Schedule) -> tuple[float, int, float]:
     """(cost, recompute FLOPs, transfer seconds) of `schedule`'s decisions on `problem`, without
-    simulating: every run of a forward op again (the richer model's too) and every offload's
-    bytes over the host link both ways. The cost includes the transfers."""
+    simulating memory: every run of a forward op again (the richer model's too), and what the
+    step waits for its offloads' transfers (`remat.solvers.overlap`), which the cost includes;
+    the transfer seconds are the transfers' own, both ways, hidden or not."""
+    return _priced(problem, schedule)[:3]
+
+
+def _priced(problem: Problem, schedule: Schedule) -> tuple[float, int, float, float]:
     ops = problem.ops
     runs = [*schedule.recomputed, *(v for v, ps in schedule.again.items() for _ in ps)]
-    transfer = sum(2 * ops[v].size / problem.host_bandwidth for v in schedule.offload_at)
-    return (sum(ops[v].cost for v in runs) + transfer, sum(ops[v].flops for v in runs),
-            transfer)
+    transfer = exposed = 0.0
+    if schedule.offload_at:
+        from remat.solvers.overlap import transfers
+        from remat.solvers.simulate import step_order
+
+        timeline = transfers(problem, schedule, step_order(problem, schedule))
+        transfer, exposed = timeline.link_time, timeline.exposed
+    return (sum(ops[v].cost for v in runs) + exposed, sum(ops[v].flops for v in runs),
+            transfer, exposed)
 
 
 def _latest_positions(problem: Problem, recomputed: set[int],

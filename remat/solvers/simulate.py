@@ -18,7 +18,9 @@ nothing else:
 
 The richer model (`Schedule.again`, `Schedule.offload_at`) adds copies: a recomputation within
 the forward (placed before a forward op, in forward order), a further one in the backward, a
-load from host memory (before the recomputations placed at the same backward op). In general a
+load from host memory (before the recomputations placed at the same backward op; it holds the
+value's bytes from its issue). The device copy that an offloaded value is copied to host from
+lives until that copy ends, in the timeline of `remat.solvers.overlap`. In general a
 forward storage has a list of copies, each made at a step, and every read is served by the
 latest copy made before it; a copy lives from the step that makes it to the last read it
 serves. Without further copies this is exactly the rule above: the saved copy serves the
@@ -27,21 +29,17 @@ backward, the original serves the forward, a recomputed copy the backward after 
 from __future__ import annotations
 
 import bisect
-import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from remat.solvers.problem import Kind, Problem, tuple_of
+from remat.solvers.steps import StepKind
+
+__all__ = ["Copy", "Step", "StepKind", "Timeline", "copies_of", "holds", "simulate",
+           "step_order", "steps_of", "timeline_of"]
 
 if TYPE_CHECKING:  # a schedule is read here, never made: schedule.py simulates through us
     from remat.solvers.schedule import Schedule
-
-
-class StepKind(str, enum.Enum):
-    FORWARD = "forward"
-    RECOMPUTE = "recompute"
-    BACKWARD = "backward"
-    RELOAD = "reload"  # an offloaded value copied back from host memory
 
 
 @dataclass(frozen=True)
@@ -52,10 +50,13 @@ class Copy:
     made: int
     kind: StepKind
     reads: tuple[int, ...]
+    # The copy an offloaded value is copied to host from lives on while that copy runs, past
+    # its last read (`remat.solvers.overlap`): to this step. -1: to its last read.
+    until: int = -1
 
     @property
     def last(self) -> int:
-        return self.reads[-1] if self.reads else self.made
+        return max(self.reads[-1] if self.reads else self.made, self.until)
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ def steps_of(order, num_ops: int) -> tuple[list[int], dict[int, int]]:
     for t, (i, kind) in enumerate(order):
         if kind is StepKind.RECOMPUTE:
             recompute_step[i] = t
-        else:
+        elif kind is not StepKind.RELOAD:  # a load makes no op's value
             first_step[i] = t
     return first_step, recompute_step
 
@@ -211,4 +212,18 @@ def copies_of(problem: Problem, schedule: Schedule,
                 raise ValueError(f"{ops[v].name!r} is read at step {r} before any copy of it")
             served[k].append(r)
         result[v] = [Copy(s, kind, tuple(rs)) for (s, kind), rs in zip(steps, served)]
+    if schedule.offload_at:
+        _until_copied(problem, schedule, order, result)
     return result
+
+
+def _until_copied(problem: Problem, schedule: Schedule, order, copies: dict[int, list[Copy]]
+                  ) -> None:
+    """Each offloaded value's device copy, the one copied to host, lives until that copy ends
+    (`remat.solvers.overlap`'s timeline)."""
+    from remat.solvers.overlap import transfers
+
+    for v, transfer in transfers(problem, schedule, order).by_value.items():
+        found = copies[v]
+        k = max(k for k, c in enumerate(found) if c.made <= transfer.issued_after)
+        found[k] = Copy(found[k].made, found[k].kind, found[k].reads, until=transfer.released)

@@ -1,8 +1,11 @@
 """Random eager structures over random steps (`synthetic.random_problem`), for the tests of the
 exact eager model against brute force: blocks of consecutive forward ops, backward ops owned by
 the block they read, and each of `EagerBlocks`' finer facts (packers, node ends, positions made
-after another op, forward lifetimes, multi-output groups, the generator's state) drawn at
-random, as the torch side may report them."""
+after another op, forward lifetimes, multi-output groups, the generator's state, backward ops
+written in Python, tensors the blocks are called with but never read) drawn at random, as the
+torch side may report them. Half the structures are one module run several times (ALBERT's
+shared layer): the torch side makes a block per call, named for the module and the call, and
+an unread input is then held across the calls."""
 from __future__ import annotations
 
 import random
@@ -28,6 +31,9 @@ def random_eager(seed: int, *, max_forward: int = 9, max_backward: int = 7,
             blocks[f"b{k}"] = members
     if not blocks:
         blocks["b0"] = tuple(range(max(nf - 1, 1)))
+    several_runs = len(blocks) > 1 and rng.random() < 0.5
+    if several_runs:  # one module's calls, in order
+        blocks = {f"layer#{k}": members for k, members in enumerate(blocks.values())}
     block_of = {v: name for name, members in blocks.items() for v in members}
     owner: dict[int, str] = {}
     packer: dict[int, int] = {}
@@ -40,8 +46,20 @@ def random_eager(seed: int, *, max_forward: int = 9, max_backward: int = 7,
             owner[b] = rng.choice(sorted(blocks))
         if b in owner and rng.random() < 0.3:
             packer[b] = rng.choice(blocks[owner[b]])
-        if rng.random() < 0.2:
-            node_end[b] = min(len(ops) - 1, b + rng.randint(1, 2))
+    # Autograd nodes: runs of consecutive backward ops (a formula of several kernels); a
+    # node written in Python frees its temporaries as it goes.
+    nodes: list[list[int]] = []
+    for b in problem.backward:
+        if nodes and rng.random() < 0.35:
+            nodes[-1].append(b)
+        else:
+            nodes.append([b])
+    python = rng.random() < 0.5
+    python_backward = set()
+    for node in nodes:
+        node_end.update((b, node[-1]) for b in node[:-1])
+        if python and rng.random() < 0.5:
+            python_backward.update(node)
     cacheable = [v for v in block_of if ops[v].kind is Kind.TENSOR
                  and recompute_blocker(problem, v) is None and rng.random() < 0.7]
     rng.shuffle(cacheable)
@@ -54,9 +72,16 @@ def random_eager(seed: int, *, max_forward: int = 9, max_backward: int = 7,
     position = {v: v + rng.choice((-1.5, -0.5, 0.5, 1.5)) for v in block_of
                 if rng.random() < 0.15}
     forward_life = {v: min(nf - 1, v + rng.randint(0, 3)) for v in range(nf)
-                    if rng.random() < 0.2}
+                    if rng.random() < 0.3}
     state = rng.choice((0, 0, rng.randint(1, 20)))
+    names = sorted(blocks)
+    unread = []
+    for _ in range(rng.choice((0, 1, 1, 2))):
+        callers = names if several_runs and rng.random() < 0.7 else rng.sample(
+            names, rng.randint(1, len(names)))
+        unread.append((rng.randint(1, 30), tuple(callers)))
     return problem, EagerBlocks(ops=blocks, owner=owner, packer=packer, cacheable=cacheable,
                                 node_end=node_end, position=position,
                                 forward_life=forward_life, state_bytes=state,
-                                groups=tuple(groups))
+                                groups=tuple(groups), python_backward=frozenset(python_backward),
+                                unread_inputs=tuple(unread))

@@ -14,7 +14,9 @@ forward op is a copy of its node in the forward graph, and every later reader re
 (the earlier one dies after its last reader); a second backward recomputation likewise. Views of
 a recomputed base are rebuilt from the newest copy. An offloaded value leaves the forward as a
 host copy made right after its last forward reader, and the backward copies it back to the
-device where `offload_at` says (on the CPU both are plain copies: enough to test correctness).
+device where `offload_at` says: on copy streams beside the compute, with the waits where
+`remat.solvers.overlap`'s timeline puts them (`offload_ops`; on the CPU the copies are plain
+copies, the waits nothing, and the memory the timeline's).
 
 Views are never saved or recomputed on their own: the schedule saves or recomputes their base,
 and the backward copies the view node again, lazily, just before its first reader. A view
@@ -32,11 +34,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-import torch
 import torch.fx as fx
 
 from remat.errors import RematError
 from remat.fx_passes.tracing.capture import prepare_joint
+from remat.fx_passes.compiled.offload_ops import GraphOffloads
 from remat.fx_passes.tracing.dynamic import ShapeRange
 from remat.fx_passes.compiled.joint_graph import (check_schedule, flat_outputs, is_sym,
                                                   match_problem, mutated_inputs, output_descs,
@@ -53,7 +55,6 @@ __all__ = ["Partition", "partition", "partition_fn"]
 # node.meta["remat"]["role"] in the rewritten backward, so tools can tell recomputations apart.
 RECOMPUTE = "recompute"
 REBUILT_VIEW = "rebuilt view"
-OFFLOAD = "host copy"
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class Partition:
     num_fwd_outputs: int
     recomputed_in_forward: tuple[str, ...] = ()  # the forward's recomputations, in order
     offloaded: tuple[str, ...] = ()  # saved ops handed over as host copies
+    host_pool: Any = None  # offload_ops.HostPool: the host buffers of the offloads
 
 
 def partition(joint: fx.GraphModule, problem: Problem, schedule: Schedule, *,
@@ -87,7 +89,8 @@ def partition(joint: fx.GraphModule, problem: Problem, schedule: Schedule, *,
     placeholders = [n for n in joint.graph.nodes if n.op == "placeholder"]
     kind = {n: placeholder_kind(n) for n in placeholders}
 
-    backward_builder = _Backward(joint, problem, schedule, nodes)
+    offloads = GraphOffloads(problem, schedule, nodes) if schedule.offload_at else None
+    backward_builder = _Backward(joint, problem, schedule, nodes, offloads)
     sources = backward_builder.sources(bwd_outputs)
     position = {n: i for i, n in enumerate(joint.graph.nodes)}
     sources.sort(key=position.__getitem__)
@@ -97,7 +100,8 @@ def partition(joint: fx.GraphModule, problem: Problem, schedule: Schedule, *,
     tensors.sort(key=lambda n: bool(n.meta.get("saved_tensor_with_no_vc_check", False)))
 
     forward = _build_forward(joint, problem, schedule, nodes, fwd_outputs, tensors, symints,
-                             [n for n in placeholders if kind[n] in ("primal", "fwd_seed")])
+                             [n for n in placeholders if kind[n] in ("primal", "fwd_seed")],
+                             offloads)
     tail = [n for n in placeholders if kind[n] == "tangent"]
     tail += [n for n in placeholders if kind[n] == "bwd_seed"]
     tail += [n for n in placeholders if kind[n] == "backward_state"]
@@ -111,7 +115,8 @@ def partition(joint: fx.GraphModule, problem: Problem, schedule: Schedule, *,
         saved_symints=tuple(n.name for n in symints),
         recomputed=tuple(recomputed), num_fwd_outputs=num_fwd_outputs,
         recomputed_in_forward=tuple(_recomputed_in_forward(forward)),
-        offloaded=tuple(problem.ops[v].name for v in sorted(schedule.offload_at)))
+        offloaded=tuple(problem.ops[v].name for v in sorted(schedule.offload_at)),
+        host_pool=offloads.pool if offloads is not None else None)
 
 
 def partition_fn(problem: Problem, schedule: Schedule,
@@ -148,7 +153,8 @@ def _graph_of(inputs: list[fx.Node]) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
 
 def _build_forward(joint: fx.GraphModule, problem: Problem, schedule: Schedule,
                    nodes: list[fx.Node], fwd_outputs: list[Any], tensors: list[fx.Node],
-                   symints: list[fx.Node], inputs: list[fx.Node]) -> fx.GraphModule:
+                   symints: list[fx.Node], inputs: list[fx.Node],
+                   offloads: GraphOffloads | None) -> fx.GraphModule:
     graph, env = _graph_of(inputs)
     views = _views_of(problem, nodes)
 
@@ -161,14 +167,17 @@ def _build_forward(joint: fx.GraphModule, problem: Problem, schedule: Schedule,
         return _lookup(env, n, "forward")
 
     order = _forward_steps(problem, schedule)
-    offload_after = _offload_points(problem, schedule, order)
     for t, (i, kind) in enumerate(order):
+        if offloads is not None:
+            offloads.release(graph, t)
         env[nodes[i]] = graph.node_copy(nodes[i], value)
         if kind is StepKind.RECOMPUTE:
             _recomputation(env[nodes[i]], nodes[i])
             views.forget(env, i)
-        for v in offload_after.get(t, ()):
-            env[nodes[v]] = _copy_to(graph, env[nodes[v]], torch.device("cpu"))
+        if offloads is not None:
+            offloads.copy_out(graph, env, t)
+    if offloads is not None:
+        offloads.release(graph, len(order))  # the forward's end joins the copies
     values = [value(x) if isinstance(x, fx.Node) else x
               for x in [*fwd_outputs, *tensors, *symints]]
     out = graph.output(tuple(values))
@@ -192,38 +201,6 @@ def _forward_end(problem: Problem, order: list[tuple[int, StepKind]]) -> int:
     if not problem.num_forward:
         return 0
     return order.index((problem.num_forward - 1, StepKind.FORWARD)) + 1
-
-
-def _offload_points(problem: Problem, schedule: Schedule,
-                    order: list[tuple[int, StepKind]]) -> dict[int, list[int]]:
-    """For each forward step, the offloaded values to copy to host right after it: after the
-    last read of their latest forward copy (or after they are made, if nothing reads it)."""
-    points: dict[int, list[int]] = {}
-    last: dict[int, int] = {}
-    for t, (i, _) in enumerate(order):
-        if i in schedule.offload_at:
-            last[i] = t  # made (or made again) here
-        for s in problem.storage_inputs[i]:
-            if s in schedule.offload_at:
-                last[s] = t
-    for v, t in last.items():
-        points.setdefault(t, []).append(v)
-    return points
-
-
-def _copy_to(graph: fx.Graph, node: fx.Node, device: torch.device) -> fx.Node:
-    """A copy of `node`'s tensor on `device` (a host copy, or one back on the device). A host
-    copy of an accelerator's tensor goes to pinned memory, which the link copies fastest. The
-    copies are synchronous, as the cost model assumes (no overlap with compute)."""
-    val = node.meta.get("val")
-    kwargs: dict[str, Any] = {"device": device}
-    if device.type == "cpu" and isinstance(val, torch.Tensor) and val.device.type != "cpu":
-        kwargs["pin_memory"] = True
-    copy = graph.call_function(torch.ops.aten._to_copy.default, (node,), kwargs)
-    if isinstance(val, torch.Tensor):
-        copy.meta["val"] = torch.ops.aten._to_copy.default(val, **kwargs)
-    _mark(copy, OFFLOAD)
-    return copy
 
 
 class _Views:
@@ -276,11 +253,12 @@ class _Backward:
     a saved tensor, a graph input, a recomputation, or a view rebuilt from one of these."""
 
     def __init__(self, joint: fx.GraphModule, problem: Problem, schedule: Schedule,
-                 nodes: list[fx.Node]):
+                 nodes: list[fx.Node], offloads: GraphOffloads | None = None):
         self.joint = joint
         self.problem = problem
         self.schedule = schedule
         self.nodes = nodes
+        self.offloads = offloads
         self.index = {n: i for i, n in enumerate(nodes)}
 
     def _origin(self, node: fx.Node) -> str:
@@ -349,11 +327,14 @@ class _Backward:
         # says; until then nothing may read it (make_schedule checked).
         host = {self.nodes[v]: env.pop(self.nodes[v]) for v in self.schedule.offload_at}
         order = step_order(self.problem, self.schedule)
-        for i, kind in order[_forward_end(self.problem, order):]:
+        begin = _forward_end(self.problem, order)
+        for t, (i, kind) in enumerate(order[begin:], start=begin):
             node = self.nodes[i]
             if kind is StepKind.RELOAD:
-                env[node] = _copy_to(graph, host[node], _device_of(node))
+                env[node] = self.offloads.load(graph, i, host[node])
                 continue
+            if self.offloads is not None:
+                self.offloads.wait(graph, t)
             copy = graph.node_copy(node, value)
             if kind is StepKind.RECOMPUTE:
                 _recomputation(copy, node)
@@ -367,11 +348,6 @@ class _Backward:
             if outs else []
         graph.lint()
         return fx.GraphModule(self.joint, graph), recomputed
-
-
-def _device_of(node: fx.Node) -> torch.device:
-    val = node.meta.get("val")
-    return val.device if isinstance(val, torch.Tensor) else torch.device("cpu")
 
 
 def _mark(node: fx.Node, role: str) -> None:

@@ -20,6 +20,8 @@ import torch
 from remat.errors import RematError
 from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
 from remat.fx_passes.eager.call_guard import current, guard_calls, mismatch_cause
+from remat.fx_passes.eager.offload import EagerOffloads
+from remat.fx_passes.eager.runs import module_path, run_index
 from remat.fx_passes.tracing.call_checks import autocast_state, uncached_autocast
 from remat.fx_passes.tracing.plain import records_graph, refuse_backward, wrong_mode_message
 
@@ -30,26 +32,72 @@ def apply_eager(model: torch.nn.Module, policies: dict[str, BlockPolicy]) -> tor
     """Wrap each block's forward in place (parameter names unchanged, so `fully_shard`, DDP
     and state dicts see the same model). Returns `model`. Guarded policies (an EagerPlan's
     `block_policies`) also check every training call before it runs, and pick each block's
-    policy for the call's shapes (`remat.fx_passes.eager.call_guard`)."""
-    for path in policies:
+    policy for the call's shapes (`remat.fx_passes.eager.call_guard`). A module called
+    several times in a step (ALBERT's shared layer) has a policy per run (``path#k``,
+    `remat.fx_passes.eager.runs`): its calls that run the plan take them in turn, from the
+    first at each call of `model`; a run the policies leave out runs without checkpoint."""
+    by_module: dict[str, dict[int | None, str]] = {}
+    for name in policies:
+        by_module.setdefault(module_path(name), {})[run_index(name)] = name
+    for path in by_module:
         if getattr(model.get_submodule(path), "_remat_policy", None) is not None:
             raise RematError(f"block {path!r} is already wrapped by a remat plan; apply a plan "
                              "once, to a fresh model")
-    policies = guard_calls(model, policies)
-    for path, policy in policies.items():
+    # Offload (issue 26): None unless some block's policy, for some bucket, offloads inputs.
+    offloads = EagerOffloads.of(policies)
+    planned = guard_calls(model, policies)
+    turns: list[_Turn] = []
+    for path, names in by_module.items():
         module = model.get_submodule(path)
-        module._remat_policy = policy
-        module.forward = partial(_checkpointed, module, module.forward, policy)
+        if None in names:
+            module._remat_policy = planned[names[None]]
+            module.forward = partial(_checkpointed, module, module.forward, planned[names[None]],
+                                     offloads)
+            continue
+        runs = tuple(planned.get(names.get(k)) for k in range(max(names) + 1))
+        turns.append(_Turn())
+        module._remat_policy = runs
+        module.forward = partial(_in_turn, module, module.forward, runs, turns[-1], offloads)
+    if turns:
+        def first_turn(module, args):  # each step starts at the first run, whatever came before
+            for turn in turns:
+                turn.next = 0
+
+        model.register_forward_pre_hook(first_turn)
     return model
 
 
-def _checkpointed(module: torch.nn.Module, forward, planned: Any, *args, **kwargs):
+class _Turn:
+    """Which run of a module called several times in a step its next planned call is."""
+
+    next = 0
+
+
+def _in_turn(module: torch.nn.Module, forward, runs: tuple, turn: _Turn,
+             offloads: EagerOffloads | None, *args, **kwargs):
+    planned = next(p for p in runs if p is not None)
+    if not records_graph(module.parameters(), args, kwargs) or \
+            not _in_mode(current(planned), module):
+        # Not the planned step (no_grad, the other mode): runs plainly, and takes no turn.
+        return _checkpointed(module, forward, planned, offloads, *args, **kwargs)
+    k, turn.next = turn.next % len(runs), turn.next + 1
+    if runs[k] is None:
+        return forward(*args, **kwargs)
+    return _checkpointed(module, forward, runs[k], offloads, *args, **kwargs)
+
+
+def _in_mode(policy: BlockPolicy, module: torch.nn.Module) -> bool:
+    return policy.training is None or module.training == policy.training
+
+
+def _checkpointed(module: torch.nn.Module, forward, planned: Any,
+                  offloads: EagerOffloads | None, *args, **kwargs):
     from torch.utils.checkpoint import checkpoint
 
     policy = current(planned)  # the block's policy for the call's shapes
     if not records_graph(module.parameters(), args, kwargs):
         return forward(*args, **kwargs)
-    if policy.training is not None and module.training != policy.training:
+    if not _in_mode(policy, module):
         return refuse_backward(forward(*args, **kwargs), wrong_mode_message(
             policy.training, module.training, f"block {policy.path!r}: "))
     autocast = autocast_state()  # read here: inside dispatch, autocast reads as off
@@ -61,8 +109,12 @@ def _checkpointed(module: torch.nn.Module, forward, planned: Any, *args, **kwarg
         counters.append(counter)
         return _contexts(policy, counter, lambda: mismatch_cause(planned, module, autocast))
 
+    # Offload (issue 26): saved-tensor hooks around checkpoint's call, so that they see the
+    # block's inputs it saves (only in a planned training call: the plain paths above save
+    # nothing of the plan's).
+    run = checkpoint if offloads is None else offloads.wrap(policy, checkpoint)
     with uncached_autocast():  # the same casts at each call and in the recomputation
-        out = checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+        out = run(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
     if counters:
         seen = next(counters[0])
         if seen != len(policy.ops):

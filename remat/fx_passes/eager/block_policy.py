@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["BlockPolicy", "canonical", "with_cache"]
+__all__ = ["BlockPolicy", "canonical", "with_cache", "with_offload"]
 
 
 # Ops that functionalization turns into others: compared as one.
@@ -42,6 +42,18 @@ class BlockPolicy:
     keep: frozenset[int] = frozenset()
     """Positions cached whatever the plan says: routing decisions (top-k, argmax, nonzero),
     which a recomputation must not make again (`remat.solvers.Reason.DATA`)."""
+    offload: tuple[tuple[tuple[int, ...], str], ...] = ()
+    """(shape, dtype) of the block's inputs that checkpoint's frame keeps in host memory
+    (`remat.fx_passes.eager.offload`)."""
+    prefetch: tuple[str, ...] = ()
+    """Blocks whose offloaded inputs are loaded back when this block's checkpoint unpacks its
+    own inputs (its recomputation's start): one block ahead of their need."""
+
+
+def with_offload(policy: BlockPolicy, offload: tuple, prefetch: tuple[str, ...]) -> BlockPolicy:
+    """The block's policy offloading inputs of shapes and dtypes `offload` and loading those
+    of the blocks `prefetch` when it unpacks."""
+    return replace(policy, offload=tuple(offload), prefetch=tuple(prefetch))
 
 
 def with_cache(policy: BlockPolicy, cached: frozenset[int]) -> BlockPolicy:

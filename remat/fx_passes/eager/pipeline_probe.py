@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from remat.fx_passes.measuring.allocator import cpu_memory_events
+from remat.fx_passes.measuring.storage import distinct_storage_bytes
 
 __all__ = ["SplitPasses", "split_passes"]
 
@@ -58,7 +59,7 @@ def split_passes(step: Any, inputs: Sequence[Any], whole: Sequence[str]) -> Spli
                     run[name]()
                 windows.append((f"{name}{mb}", events))
         runs.update(_passes_of(windows))
-        gradients = storage_bytes(p.grad for p in stage.parameters())
+        gradients = distinct_storage_bytes(p.grad for p in stage.parameters())
     return SplitPasses(forward=runs["F1"], input=runs["I1"], weight=runs["W0"],
                        weight_accumulating=runs["W1"], backward=runs["B0"],
                        backward_accumulating=runs["B1"], gradients=gradients,
@@ -98,15 +99,6 @@ def _passes_of(windows: list[tuple[str, list]]) -> dict[str, tuple[int, int]]:
             top = max(top, live)
         out[name] = (top - base[mb], live - base[mb])
     return out
-
-
-def storage_bytes(tensors) -> int:
-    seen = {}
-    for t in tensors:
-        if t is not None:
-            s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
 
 
 class _Passes:

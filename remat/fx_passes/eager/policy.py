@@ -36,6 +36,7 @@ from remat.fx_passes.tracing.capture import Captured
 from remat.fx_passes.tracing.dynamic import is_size_arithmetic
 from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
 from remat.fx_passes.eager.probe import Observed, aligned
+from remat.fx_passes.eager.runs import joined_runs, module_path, run_name, split_runs
 from remat.fx_passes.lowering.lower import op_nodes
 from remat.fx_passes.tracing.rng import rng_state, state_bytes
 from remat.solvers.eager import EagerBlocks
@@ -87,8 +88,10 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
     """The solver's view of the blocks (ops, owners, packers, what may be cached) and each
     block's op sequence: the `observed` one (`probe`) aligned with the joint graph where
     given, else the one derived from the joint graph; or the `policies` given (a saved
-    plan's, `remat.planner.plan_file`), as they are."""
+    plan's, `remat.planner.plan_file`), as they are. A module the probe saw run several
+    times in the step is a block per run (`remat.fx_passes.eager.runs`)."""
     nodes = op_nodes(captured, problem)
+    paths = list(dict.fromkeys(map(module_path, paths)))  # a saved plan names each run
     ops: dict[str, list[int]] = {p: [] for p in paths}
     owner: dict[int, str] = {}
     for i, op in enumerate(problem.ops):
@@ -103,6 +106,30 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
     if missing:
         raise RematError(f"execution=\"eager\": blocks {missing[:3]} run no op of the captured "
                          "step; name modules that the forward calls")
+    calls: dict[str, tuple[int, ...]] = {}  # where each run of a block began in its ops
+    if policies is None:
+        policies = {p: expected_ops(problem, nodes, p, members, captured.device)
+                    for p, members in ops.items()}
+        if observed is not None:
+            policies = {p: aligned(pol, observed[p].ops, observed[p].freed, observed[p].mutated)
+                        for p, pol in policies.items()}
+            calls = {p: observed[p].calls for p in paths}
+    elif observed is not None:
+        raise ValueError("eager_blocks: give observed ops or policies, not both")
+    else:
+        policies, calls = joined_runs(policies)
+    # A module called several times (ALBERT's shared layer) is one block per call.
+    for p, starts in calls.items():
+        if len(starts) > 1:
+            split_runs(problem, nodes, p, starts, ops, owner, policies)
+    unread: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    if observed is not None:
+        given: dict[int, tuple[int, list[str]]] = {}
+        for p in paths:
+            for number, size, call in observed[p].unread:
+                name = p if len(observed[p].calls) == 1 else run_name(p, call)
+                given.setdefault(number, (size, []))[1].append(name)
+        unread = tuple((size, tuple(names)) for size, names in given.values())
     # Autograd's sequence number ties a backward op to the forward op whose node it runs;
     # that node packed what the op reads: its outputs after it ran, its inputs before.
     packer: dict[int, int] = {}
@@ -126,20 +153,6 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
             run = []
         if seq is not None:
             run.append(b)
-    if policies is None:
-        policies = {p: expected_ops(problem, nodes, p, members, captured.device)
-                    for p, members in ops.items()}
-    elif observed is not None:
-        raise ValueError("eager_blocks: give observed ops or policies, not both")
-    unread: tuple[tuple[int, tuple[str, ...]], ...] = ()
-    if observed is not None:
-        policies = {p: aligned(pol, observed[p].ops, observed[p].freed, observed[p].mutated)
-                    for p, pol in policies.items()}
-        given: dict[int, tuple[int, list[str]]] = {}
-        for p in paths:
-            for number, size in observed[p].unread:
-                given.setdefault(number, (size, []))[1].append(p)
-        unread = tuple((size, tuple(names)) for size, names in given.values())
     policies = {p: replace(pol, keep=frozenset(
         k for k, (joint, ok) in enumerate(zip(pol.joint, pol.cacheable))
         if ok and any(_decision(problem, j) for j in joint))) for p, pol in policies.items()}
@@ -153,8 +166,20 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
                          state_bytes=state_bytes(torch.device("cpu")) if cpu else 0,
                          packer=packer, cacheable=cacheable, groups=groups,
                          node_end=node_end, position=position, forward_life=forward_life,
+                         python_backward=_python_backward(problem, nodes),
                          unread_inputs=unread)
     return blocks, policies
+
+
+def _python_backward(problem: Problem, nodes: list[fx.Node]) -> frozenset[int]:
+    """Backward ops traced from a backward written in Python (a custom autograd.Function's):
+    AOTAutograd tags the ops of the C++ derivative formulas ``autograd_backward``; an op of
+    an autograd node without the tag ran the node's Python code. Empty where no op carries
+    the tag (a torch that does not set it)."""
+    backward = [b for b in problem.backward if nodes[b].meta.get("seq_nr") is not None]
+    if not any(nodes[b].meta.get("autograd_backward") for b in backward):
+        return frozenset()
+    return frozenset(b for b in backward if not nodes[b].meta.get("autograd_backward"))
 
 
 def _last_needed(problem: Problem, b: int, p: int, members: set[int]) -> int:
@@ -232,7 +257,8 @@ def eager_problem(problem: Problem, nodes: list[fx.Node], device: str) -> Proble
     graph's: no generator snapshots (checkpoint keeps the state, `EagerBlocks.state_bytes`),
     a dropout that draws nothing returns its input (a view of it, here); on the CPU
     a dropout's mask is its noise tensor, in the input's dtype, and its backward a plain
-    product with it (no scratch)."""
+    product with it (no scratch); a Python number an op takes as a tensor is one (8 bytes)
+    while the op runs."""
     index = {n: i for i, n in enumerate(nodes)}
     ops = list(problem.ops)
     for v, node in enumerate(nodes):
@@ -246,6 +272,11 @@ def eager_problem(problem: Problem, nodes: list[fx.Node], device: str) -> Proble
     for v, node in enumerate(nodes):
         if device.startswith("cuda"):
             break
+        if getattr(node.target, "_overloadname", "") == "Tensor":
+            # A Python number where the op takes a tensor (``x * 0.5``) is wrapped by eager
+            # PyTorch in an 8-byte tensor for the op's duration (the graph keeps the number).
+            numbers = sum(isinstance(a, (int, float)) for a in node.args)
+            ops[v] = replace(ops[v], temp=ops[v].temp + 8 * numbers)
         if str(node.target) == "aten.native_dropout_backward.default":
             # Eager's is MulBackward0, the gradient times the saved noise; the joint graph's
             # kernel first makes a float copy of its boolean mask (its measured scratch).

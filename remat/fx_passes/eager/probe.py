@@ -48,11 +48,14 @@ class Observed:
     block's op count when it outlived the block's forward)."""
     mutated: set[int]
     """Positions whose output an in-place op overwrites later, or that write in place."""
-    unread: tuple[tuple[int, int], ...] = ()
-    """(storage, bytes) of tensors the block was called with but never read (position ids
-    that the rotary embedding outside the block used): checkpoint keeps them all the same.
-    Storages are numbered across blocks (one passed to every block has one number); the
+    unread: tuple[tuple[int, int, int], ...] = ()
+    """(storage, bytes, call) of tensors the block was called with but never read (position
+    ids that the rotary embedding outside the block used): checkpoint keeps them all the
+    same. Storages are numbered across blocks (one passed to every block has one number); the
     model's inputs, parameters and buffers are left out (the static term)."""
+    calls: tuple[int, ...] = (0,)
+    """Where each call of the block began in `ops`: a module called several times in one step
+    (ALBERT's shared layer) is a block with several runs."""
 
 
 def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
@@ -65,7 +68,8 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
     freed: dict[str, list[int]] = {p: [] for p in paths}
     alive: dict[str, list[int]] = {p: [] for p in paths}  # outputs of each op not yet freed
     mutated: dict[str, set[int]] = {p: set() for p in paths}
-    unread: dict[str, list[tuple[int, int]]] = {p: [] for p in paths}
+    unread: dict[str, list[tuple[int, int, int]]] = {p: [] for p in paths}
+    calls: dict[str, list[int]] = {p: [] for p in paths}
     static = weakref.WeakSet(_storage(t) for t in [*tree_flatten((inputs, kwargs))[0],
                                                    *model.parameters(), *model.buffers()]
                              if _storage(t) is not None)
@@ -105,13 +109,14 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
             given = {s for s in map(_storage, tree_flatten((a, k))[0])
                      if s is not None and s not in static}
             read.clear()
+            calls[path].append(len(seen[path]))
             out = checkpoint(forward, *a, use_reentrant=False, context_fn=contexts, **k)
             # What is still alive when the block returns lives to its end at least.
             freed[path][:] = [len(seen[path]) if n > 0 else f
                               for f, n in zip(freed[path], alive[path])]
             for storage in given - set(read):
                 number = numbers.setdefault(storage, len(numbers))
-                unread[path].append((number, storage.nbytes()))
+                unread[path].append((number, storage.nbytes(), len(calls[path]) - 1))
             return out
 
         return run
@@ -136,7 +141,8 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
         with torch.no_grad():
             for name, buffer in model.named_buffers():
                 buffer.copy_(saved[name])
-    return {p: Observed(seen[p], freed[p], mutated[p], tuple(unread[p])) for p in paths}
+    return {p: Observed(seen[p], freed[p], mutated[p], tuple(unread[p]),
+                        tuple(calls[p]) or (0,)) for p in paths}
 
 
 class _Outputs(TorchDispatchMode):

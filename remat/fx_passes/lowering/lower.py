@@ -9,9 +9,11 @@ API
 
 Rules (DESIGN.md, "The execution model"):
 - Order: the forward ops in the joint graph's order, then the backward ops in the order
-  autograd traced (and runs) them. Phase is the partitioner's: a node is forward when a forward
-  output needs it (plus the getitems of forward multi-output ops, which AOTAutograd's
-  partitioner also keeps in the forward); everything else that runs is backward.
+  autograd traced (and runs) them, views and ops no output gradient reaches moved to just
+  before their first reader (`_views_sunk`). Phase is the partitioner's: a node is forward
+  when a forward output needs it (plus the getitems of forward multi-output ops, which
+  AOTAutograd's partitioner also keeps in the forward); everything else that runs is
+  backward.
 - Placeholders (parameters, buffers, inputs, tangents) are not ops: they are static. Nodes no
   output needs are dropped (fx never runs them after partitioning).
 - Kind: VIEW for an op whose value aliases another op's storage (views, in-place results,
@@ -152,15 +154,26 @@ def _decides(target) -> bool:
     return packet in _DECISIONS_WITH_DIM and "dim" in getattr(target, "_overloadname", "")
 
 
-def _views_sunk(backward: list[fx.Node]) -> list[fx.Node]:
-    """The backward with every view moved to just before its first reader.
+def _views_sunk(backward: list[fx.Node], tangents: set[str] = frozenset()) -> list[fx.Node]:
+    """The backward with every view, and every op no output gradient reaches, moved to just
+    before its first reader.
 
     AOTAutograd's joint graph opens the backward with the `detach` of every saved activation.
     A view costs nothing, but read there it makes its base a value the backward needs from its
     very first op: every recomputation would then have to run before the backward starts, and
     none could lower the peak. Moved next to its reader (what PyTorch's own partitioner does
-    when it reorders the backward), a view asks for its base only when the base is used."""
-    views = {n for n in backward if remat_meta(n).get("alias_of") is not None}
+    when it reorders the backward), a view asks for its base only when the base is used.
+    The same holds for an op computed from forward values alone (Mixtral's router clones its
+    top-k weights for their backward): eager autograd runs it inside the node that needs it,
+    and the joint graph's place for it, the backward's first op, made the eager planner
+    recompute both of Mixtral's blocks before the loss's gradient."""
+    reached: set[fx.Node] = set()
+    for n in backward:
+        if any(a in reached or (a.op == "placeholder" and a.name in tangents)
+               for a in n.all_input_nodes):
+            reached.add(n)
+    views = {n for n in backward if remat_meta(n).get("alias_of") is not None
+             or (tangents and n not in reached)}
     placed: set[fx.Node] = set()
     order: list[fx.Node] = []
 
@@ -178,6 +191,16 @@ def _views_sunk(backward: list[fx.Node]) -> list[fx.Node]:
     return order
 
 
+def _gradient_sources(captured: Captured, phase: dict[fx.Node, Phase]) -> set[str]:
+    """The placeholders the backward's gradients start from: the output gradients (tangents),
+    and an input that only backward ops read (a pipeline stage's received gradient, which its
+    `Seed` hands to the stage's output: there the loss's tangent reaches no op)."""
+    only_backward = {p.name for p in captured.placeholders
+                     if any(phase.get(u) is Phase.BACKWARD for u in p.users)
+                     and not any(phase.get(u) is Phase.FORWARD for u in p.users)}
+    return set(captured.tangents) | only_backward
+
+
 def lower(captured: Captured, *, target="h100", measure: bool = False,
           device=None) -> Problem:
     gm = captured.graph_module
@@ -187,7 +210,8 @@ def lower(captured: Captured, *, target="h100", measure: bool = False,
     phase = phases(captured)
     forward = _ancestors(captured.forward_outputs)
     order = (_forward_order(gm.graph, phase, forward)
-             + _views_sunk([n for n in gm.graph.nodes if phase.get(n) is Phase.BACKWARD]))
+             + _views_sunk([n for n in gm.graph.nodes if phase.get(n) is Phase.BACKWARD],
+                           _gradient_sources(captured, phase)))
     index = {n: i for i, n in enumerate(order)}
     values = captured.output_values
     # The new values of mutated buffers lead the forward outputs; AOTAutograd copies them into

@@ -32,6 +32,8 @@ while the work object lives):
   forward, and the warmup's last fired send (`send_work`, the forward before the last warmup
   one) until the backward that follows the last forward; an input gradient (its send ops) to
   the end of the next backward.
+- Every schedule keeps the last stage's loss of each micro-batch (`_internal_losses`) to the
+  end of the step, after its backward is done with it (4 bytes each, measured).
 - The multi-stage runtime keeps every send's works to the end of the step. A V-shaped
   schedule hands tensors between the two stages of its turn on one rank without a send
   (`set_local_fwd_input`, `set_local_bwd_input`): the output becomes the next stage's input
@@ -70,9 +72,11 @@ class ScheduleOrder:
     def stages_of(self, rank: int) -> list[int]:
         return sorted(s for s, r in self.stage_rank.items() if r == rank)
 
-    def kept(self, rank: int, output: dict[int, int], input_grad: dict[int, int]) -> list[Kept]:
+    def kept(self, rank: int, output: dict[int, int], input_grad: dict[int, int],
+             loss: int = 0) -> list[Kept]:
         """What rank `rank`'s runtime keeps of the outputs (`output[s]` bytes a micro-batch)
-        and input gradients (`input_grad[s]`) its stages hand on (module doc)."""
+        and input gradients (`input_grad[s]`) its stages hand on, and of the last stage's
+        losses (`loss` bytes a micro-batch) (module doc)."""
         acts = self.actions[rank]
         at = {(a.stage, a.kind, a.microbatch): t for t, a in enumerate(acts)}
         F, B, I, W = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.INPUT,
@@ -89,6 +93,10 @@ class ScheduleOrder:
             made = {m: at.get((s, I, m), at.get((s, B, m))) for m in mbs}
             forwards = [at[(s, F, m)] for m in mbs]
             backwards = [made[m] for m in mbs]
+
+            if last and loss:
+                for m in mbs:
+                    out.append(Kept(loss, freed[m], None, f"{s}F{m} loss"))
 
             def next_after(times, t):
                 return min((u for u in times if u > t), default=None)

@@ -190,7 +190,8 @@ def shard(problem: Problem, captured: Captured, *, data_parallel: int, zero_stag
               "prefetch": prefetch, "backward_prefetch": backward_prefetch,
               "param_gradients": [f"grad_shard.{u}" for u in [*reverse, ROOT] if u in grads]}
     sharded = Problem(tuple(new_ops), name=problem.name, source=source,
-                      host_bandwidth=problem.host_bandwidth)
+                      host_bandwidth=problem.host_bandwidth,
+                      host_capacity=problem.host_capacity)
     return Sharded(sharded, tuple(graph_index), problem,
                    frozenset(k for k in moved if isinstance(k, int)))
 

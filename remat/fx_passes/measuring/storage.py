@@ -27,7 +27,8 @@ from torch import fx
 
 from remat.fx_passes.tracing.dynamic import in_names
 
-__all__ = ["aliased_input", "remat_meta", "storage_bytes", "storage_pass", "storage_root"]
+__all__ = ["aliased_input", "distinct_storage_bytes", "remat_meta", "storage_bytes", "storage_pass",
+           "storage_root"]
 
 # Ops whose schema promises a fresh tensor but whose kernels return a view of their input.
 _ALIASING_WITHOUT_SCHEMA = {"_unsafe_view", "_reshape_alias", "lift_fresh"}
@@ -64,6 +65,17 @@ def storage_bytes(value: Any) -> Any:
             nbytes = value.numel() * value.element_size()
         return nbytes if isinstance(nbytes, torch.SymInt) else int(nbytes)
     return 0
+
+
+def distinct_storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages of `tensors` (None skipped): views and tensors that share
+    a storage count once, as the allocator holds them."""
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
 
 
 def aliased_input(node: fx.Node) -> tuple[fx.Node | None, bool]:

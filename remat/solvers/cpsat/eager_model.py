@@ -7,11 +7,10 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
+from remat.solvers.cpsat.eager_decisions import TRUE, EagerDecisions, check_structure, negated
 from remat.solvers.cpsat.units import Profile, Units
 from remat.solvers.eager import EagerBlocks, block_runs
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
-
-TRUE = True  # a literal that always holds (an op that always runs, a term with no condition)
 
 
 @dataclass
@@ -25,7 +24,7 @@ class _Hold:
     terms: list
 
 
-class EagerModel:
+class EagerModel(EagerDecisions):
     """The eager mode's decisions are one boolean per *cache unit*: a cacheable op, or the
     tensors of one multi-output op (`EagerBlocks.groups`), which a policy caches together.
     Everything else follows from them (`block_runs`): a block's trigger, early stop and end do
@@ -47,14 +46,23 @@ class EagerModel:
     slot e or later" is a literal bounded below by the terms at e (and above by the next one),
     so the model's bytes never understate the timeline's and are exactly its own for the least
     values of those literals: the least cost is exact, and `peak_of` gives the timeline's
-    peak of a decision from the model's own holds (tests check it against `eager_schedule`)."""
+    peak of a decision from the model's own holds (tests check it against `eager_schedule`).
+
+    It follows every rule of `eager_timeline`: checkpoint's frame (a block's inputs, its ops
+    that cannot be recomputed, cached values the recomputation stops before, the generator's
+    snapshot) holds to the end of the autograd node of the block's last read; a cached value
+    the recomputation takes out is held by the block's Python variables to the last running
+    recomputation up to its `forward_life`; a backward value to the end of its readers' nodes
+    (within a node written in Python, `python_backward`, to the reader itself); fork_rng's copy
+    of the generator's state at each running recomputation step; an unread input from its
+    first caller's forward to its last caller's end."""
 
     def __init__(self, problem: Problem, blocks: EagerBlocks, units: Units):
         self.problem, self.blocks, self.units = problem, blocks, units
         ops, nf = problem.ops, problem.num_forward
         m = self.model = cp_model.CpModel()
         size, temp = units.sizes(problem)
-        _check(problem, blocks)
+        check_structure(problem, blocks)
 
         # --- Step 1: the runs with nothing cached; P, what each block may recompute.
         self.runs = runs = block_runs(problem, blocks, ())
@@ -75,7 +83,7 @@ class EagerModel:
         self.decidable = frozenset(cached_lit)
         """The ops whose caching the model decides (cached together by units)."""
         # A recomputation runs unless its op is cached; a tuple op (never cached itself:
-        # _check) unless every tensor taken out of it is (block_runs).
+        # check_structure) unless every tensor taken out of it is (block_runs).
         self.runs_lit = {v: cached_lit[v].Not() if v in cached_lit else TRUE for v in may}
         self._some_uncached: list[tuple[object, list]] = []  # (rerun, its units' literals)
         for t in (v for v in may if ops[v].kind is Kind.TUPLE and problem.users[v]):
@@ -116,26 +124,33 @@ class EagerModel:
             return [(k, lits + ([none] if none is not TRUE else []))
                     for k, none in self._first_running(start)]
 
-        # --- Step 4: what checkpoint itself holds (eager_timeline's held_to), by storage.
+        # --- Step 4: what checkpoint itself holds (eager_timeline's held_to), by storage:
+        # to the end of the autograd node of the block's last read (checkpoint's frame).
+        finished = {run.name: read_at(run.end) for run in runs if run.end is not None}
         held: dict[int, list] = {}
         for run in runs:
             if run.end is None:
                 continue
-            end = slot[run.end]
             kept = list(run.inputs) + [v for v in blocks.ops[run.name] if ops[v].kind is not
                                        Kind.VIEW and recompute_blocker(problem, v) is not None]
             for s in kept:
-                held.setdefault(s, []).append((end, []))
+                held.setdefault(s, []).append((finished[run.name], []))
         for unit, x in self.cache.items():
             for v in unit:
                 run = run_of.get(v)
                 if run is None or run.end is None:
                     continue
                 if v > run.stop:  # the recomputation stops before it: held to the block's end
-                    held.setdefault(v, []).append((slot[run.end], [x]))
-                else:  # the cache gives it to the recomputation, at its first step
-                    first = again[min(run.recomputed)] if run.recomputed else slot[run.trigger]
-                    held.setdefault(v, []).extend(first_running(first, [x]))
+                    held.setdefault(v, []).append((finished[run.name], [x]))
+                    continue
+                # The cache gives it to the recomputation, at its first step; then the block's
+                # Python variables hold it as in the forward (`forward_life`), to the last
+                # recomputation that runs before the op they held it to.
+                first = again[min(run.recomputed)] if run.recomputed else slot[run.trigger]
+                lives_to = blocks.forward_life.get(v, -1)
+                held.setdefault(v, []).extend(first_running(first, [x]) + [
+                    (again[u], [x, self.runs_lit[u]]) for u in run.recomputed
+                    if u <= lives_to and u not in unit])
 
         # --- Step 5: the holds (eager_timeline's, slot for step).
         holds: list[_Hold] = []
@@ -149,10 +164,10 @@ class EagerModel:
             if i in pinned:
                 holds.append(_Hold(size[i], made, TRUE, [(self.slots - 1, [])]))
                 continue
-            if i >= nf:
-                last = [(slot[r], []) for r in readers[i]]
-                if not last and t is not None:  # a getitem's tensor lives at the next step
-                    last = first_running(made, [])
+            if i >= nf:  # eager_timeline's node_end and python_backward rules: fixed slots
+                python = i in blocks.python_backward
+                last = [(slot[r] if python and node_end.get(r, r) == node_end.get(i, i)
+                         else read_at(r), []) for r in (i, *readers[i])]
                 holds.append(_Hold(size[i], made, TRUE, last))
                 continue
             run = run_of.get(i)
@@ -172,12 +187,12 @@ class EagerModel:
                     if r in again:  # read again by a recomputation
                         lit = self.runs_lit[r]
                         if rec is not None and run_of.get(r) is run:
-                            original.append((again[r], [lit, _not(rec)]))
+                            original.append((again[r], [lit, negated(rec)]))
                             copy.append((again[r], [lit]))
                         else:
                             original.append((again[r], [lit]))
                 elif rec is not None and blocks.owner.get(r) == block:
-                    original.append((read_at(r), [_not(rec)]))
+                    original.append((read_at(r), [negated(rec)]))
                     copy.append((read_at(r), []))
                 else:
                     original.append((read_at(r), []))
@@ -192,11 +207,16 @@ class EagerModel:
                 holds.append(_Hold(size[i], start, rec,
                                    [(k, lits + ([rec] if rec is not TRUE else []))
                                     for k, lits in copy]))
+        state = units.bytes_up(blocks.state_bytes)
         for run in runs:
-            if run.end is not None and blocks.state_bytes:
+            if run.end is not None and state:  # checkpoint's generator snapshot
                 first = slot[blocks.ops[run.name][0]]
-                holds.append(_Hold(units.bytes_up(blocks.state_bytes), first, TRUE,
-                                   [(slot[run.end], [])]))
+                holds.append(_Hold(state, first, TRUE, [(finished[run.name], [])]))
+        for amount, names in blocks.unread_inputs:  # fixed: first forward to the last end
+            ends = [finished[n] for n in names if n in finished]
+            if ends:
+                first = min(slot[blocks.ops[n][0]] for n in names)
+                holds.append(_Hold(units.bytes_up(amount), first, TRUE, [(max(ends), [])]))
         for h in holds:  # a literal that always holds says nothing; one that never does, drops
             h.terms = [(k, [x for x in lits if x is not TRUE]) for k, lits in h.terms
                        if not any(x is False for x in lits)]
@@ -207,12 +227,16 @@ class EagerModel:
         temp_at: dict[int, list] = {}
         for i in range(len(ops)):
             profile.hold(temp[i], slot[i], slot[i])
+        # A recomputation step holds its temp, and on the CPU fork_rng's copy of the
+        # generator's state (kept while the block's recomputation runs, its steps only).
+        forked = {v for run in runs if run.trigger is not None for v in run.recomputed}
         for v, k in again.items():
-            if temp[v]:
+            amount = temp[v] + (state if v in forked else 0)
+            if amount:
                 if self.runs_lit[v] is TRUE:
-                    profile.hold(temp[v], k, k)
+                    profile.hold(amount, k, k)
                 else:
-                    temp_at[k] = [(temp[v], self.runs_lit[v])]
+                    temp_at[k] = [(amount, self.runs_lit[v])]
         events: dict[int, list] = {}
 
         def event(t: int, coef: int, x) -> None:
@@ -306,95 +330,6 @@ class EagerModel:
                 self._none[key] = x
             none = self._none[key]
         return out
-
-    # --- Reading, hinting and checking decisions.
-
-    def decision(self, value) -> frozenset[int]:
-        """The cached ops of a solution (`value`: the solver's Value)."""
-        return frozenset(v for unit, x in self.cache.items() if value(x) for v in unit)
-
-    def assignment(self, cached) -> dict[int, int]:
-        """Every boolean of the model for the policy caching `cached`, at its least value: the
-        timeline's own holds (a complete hint)."""
-        cached = set(cached) & self.blocks.cacheable  # as block_runs reads a policy
-        values: dict[int, int] = {}
-        for unit, x in self.cache.items():
-            values[x.Index()] = int(bool(cached.intersection(unit)))
-        for runs, lits in self._some_uncached:
-            values[runs.Index()] = int(not all(values[x.Index()] for x in lits))
-        lit = lambda x: 1 if x is TRUE else _value(values, x)  # noqa: E731
-        for x, none, runs in self._none_defs:
-            values[x.Index()] = int(lit(none) and not lit(runs))
-        for h, ends in zip(self.holds, self.ends):
-            reached = max([k for k, lits in h.terms if all(lit(x) for x in lits)], default=-1)
-            for k, x in ends:
-                values[x.Index()] = int(lit(h.presence) and reached >= k)
-        return values
-
-    def levels(self, values: dict[int, int]) -> list[int]:
-        """The bytes (units) live at each slot under `values` (assignment's)."""
-        return [level + self.fixed[t] + sum(c * _value(values, x) for c, x in
-                                            self.temp_at.get(t, ()))
-                for t, level in enumerate(_running(self.events, values, self.slots))]
-
-    def peak_of(self, cached) -> int:
-        """The peak (units) of the policy caching `cached`, over the slots that run."""
-        values = self.assignment(cached)
-        live = self.levels(values)
-        return max((b for b, x in zip(live, self.active) if x is TRUE or _value(values, x)),
-                   default=0)
-
-    def hint(self, cached) -> None:
-        m = self.model
-        m.ClearHints()
-        values = self.assignment(cached)
-        for index, value in values.items():
-            m.AddHint(self._bools[index], value)
-        live = self.levels(values)
-        hinted = set()
-        for x, level in zip(self.decided, _running(self.events, values, self.slots)):
-            if not isinstance(x, int) and x.Index() not in hinted:  # one variable per change
-                hinted.add(x.Index())
-                m.AddHint(x, level)
-        m.AddHint(self.peak, max(live, default=0))
-
-
-def _running(events, values, slots) -> list[int]:
-    level, out = 0, []
-    for t in range(slots):
-        level += sum(c * _value(values, x) for c, x in events.get(t, ()))
-        out.append(level)
-    return out
-
-
-def _value(values: dict[int, int], x) -> int:
-    if x is TRUE:
-        return 1
-    index = x.Index()
-    return values[index] if index >= 0 else 1 - values[-index - 1]
-
-
-def _not(x):
-    return x.Not() if x is not TRUE else False
-
-
-def _check(problem: Problem, blocks: EagerBlocks) -> None:
-    """What the model assumes of the structure, which `remat.fx_passes.eager.policy` builds:
-    a policy caches a multi-output op's tensors, never the tuple op or a view; groups are the
-    tensors of distinct ops; eager holds a forward tensor at least to its own op."""
-    seen: set[int] = set()
-    for group in blocks.groups:
-        if seen.intersection(group):
-            raise ValueError(f"EagerBlocks.groups overlap at {sorted(seen & set(group))}")
-        seen.update(group)
-    for v in blocks.cacheable | seen:
-        if problem.ops[v].kind is Kind.TUPLE:
-            raise ValueError(f"{problem.ops[v].name!r} is a tuple op: a policy caches the "
-                             "tensors taken out of it, never the tuple op")
-    for v, last in blocks.forward_life.items():
-        if last < v:
-            raise ValueError(f"EagerBlocks.forward_life holds {problem.ops[v].name!r} to an "
-                             "op before it")
 
 
 __all__ = ["EagerModel"]

@@ -41,21 +41,19 @@ SUBSOLVERS = ("max_lp", "default_lp", "quick_restart", "core")
 
 
 def eager_units(problem: Problem, blocks: EagerBlocks, options: SolverOptions) -> Units:
-    """The compiled models' units, with checkpoint's generator state among the sizes that the
-    byte unit divides (5,056 bytes on a CPU), so that the model's bytes stay exact."""
+    """The compiled models' units, with checkpoint's generator state (5,056 bytes on a CPU) and
+    the unread inputs it holds among the sizes that the byte unit divides, so that the model's
+    bytes stay exact."""
     units = Units.of(problem, options)
-    state = blocks.state_bytes
-    if not state or not units.exact_bytes or state % units.byte == 0:
+    extra = [a for a in (blocks.state_bytes, *(n for n, _ in blocks.unread_inputs)) if a]
+    if not units.exact_bytes or all(a % units.byte == 0 for a in extra):
         return units
-    unit = math.gcd(units.byte, state)
-    total = sum(op.size + op.temp for op in problem.ops) + state * len(blocks.ops)
+    unit = math.gcd(units.byte, *extra)
+    total = (sum(op.size + op.temp for op in problem.ops)
+             + sum(extra) + 2 * blocks.state_bytes * len(blocks.ops))
     if total // unit > MAX_UNITS:
         return units  # sizes round up: conservative, and info["exact"] says so
     return replace(units, byte=unit)
-
-
-UNPROVEN = ("the exact eager model does not yet follow every rule of the eager timeline: "
-            "its bound is not claimed")
 
 
 class _Disagreement(Exception):
@@ -70,13 +68,7 @@ def optimal_eager(problem: Problem, blocks: EagerBlocks, budget: int, options: S
     policy's peak, its claims prove nothing, so the hint's policy (the heuristic's, checked
     on the timeline) is returned FEASIBLE without a bound, and the result says why."""
     try:
-        found = _optimal_eager(problem, blocks, budget, options, hint=hint, deadline=deadline)
-        # The eager timeline now holds what eager PyTorch holds (Python variables, a module
-        # run several times, an autograd node's temporaries), and EagerModel does not follow
-        # those rules yet (tests/test_eager_exact.py, marked xfail): its policy is checked on
-        # the timeline, but its bound proves nothing until it does, so none is claimed.
-        return replace(found, status=Status.FEASIBLE, bound=None, info=MappingProxyType(
-            {**found.info, "exact_model": UNPROVEN}))
+        return _optimal_eager(problem, blocks, budget, options, hint=hint, deadline=deadline)
     except _Disagreement as e:
         start = None if hint is None else eager_schedule(problem, blocks, hint,
                                                          strategy=STRATEGY,

@@ -74,6 +74,13 @@ def hint(model, schedule: Schedule) -> bool:
             for t in c.reads:
                 assigned[index[key[t]]] = k
             end = max([slot[t] for t in c.reads] + [made])
+            if c.until >= 0 and u in model.load:  # held while its copy to host runs
+                rel = next((i for i, kind in order[c.until + 1:]
+                            if kind in (StepKind.FORWARD, StepKind.BACKWARD)),
+                           problem.num_forward)
+                if model.transfers is not None:
+                    m.AddHint(model.transfers.release[u], rel)
+                end = max(end, rel * model.width - 1)
             m.AddHint(copies[k].end, end)
             m.AddHint(copies[k].length, end + 1 - made)
         for k, c in enumerate(copies):

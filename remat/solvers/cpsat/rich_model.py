@@ -5,7 +5,9 @@ beside a first backward recomputation, each an optional run with its own positio
 runs before: a forward op after v, or a backward op where the backward may need v), used as a
 prefix in order of position (symmetry breaking). A tuple op runs as often as its tensors need,
 each tensor taken out at some of its runs. Per saved tensor, where the problem has a host
-link, an optional load from host at a chosen backward position. Every read of a forward
+link, an optional load from host at a chosen backward position, its transfers timed against
+the compute by `rich_offload` (an upper bound of what the step waits for, and device copies
+held at least as long as they live). Every read of a forward
 storage (its forward and backward readers, and every run of a reader) is assigned to the copy
 `simulate` serves it from: the latest made before it; a value recomputed in the backward or
 loaded serves no backward read from a forward copy (make_schedule's rules). Each copy is an
@@ -15,8 +17,10 @@ constraint bounds the memory. O(n * copies) variables, plus the reads' assignmen
 Exactness, the free model's argument: with tight ends, the model's profile is simulate's for
 the same copies; ends are only bounded below, and looser ends only overstate memory, so the
 least cost is exact, and the least peak at that cost (the driver's second stage) is
-simulate's. The model spans the whole rich space of `max_copies` (what
-`remat.solvers.rich_brute` enumerates), so CP-SAT's bound holds over it.
+simulate's. Without offload the model spans the whole rich space of `max_copies` (what
+`remat.solvers.rich_brute` enumerates), so CP-SAT's bound holds over it; with offload its
+transfers are bounded, not exact (`rich_offload`), and its bound holds over nothing but
+itself.
 
 Time: op i owns a block of nf + 2 slots starting at i * (nf + 2): slot 0 for loads from host,
 slot 1 + v for a recomputation of forward op v placed before i, slot nf + 1 for op i itself
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from remat.solvers.cpsat.rich_hint import hint
+from remat.solvers.cpsat.rich_offload import MAX_LOADS, Transfers
 from remat.solvers.cpsat.units import Profile, Units
 from remat.solvers.deadline import Deadline, ticker
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
@@ -57,6 +62,7 @@ class _Read:
     time: object  # the slot of the read
     active: object = None  # the literal that makes the read happen (None: always)
     backward: object = False  # True, or a literal: the read is in the backward
+    pos: object = None  # the op it runs at or before (an index, or a position variable)
 
 
 class RichModel:
@@ -119,16 +125,20 @@ class RichModel:
 
         # --- Loads from host: a saved tensor's backward reads, served by one load.
         self.load: dict[int, _Copy] = {}
+        loadable = [u for u in sorted(candidates) if ops[u].kind is Kind.TENSOR and ops[u].size
+                    and u not in pinned]
+        if offload and len(loadable) > MAX_LOADS:
+            offload = False  # the pairwise orders of the copy streams would not scale
+        self.offloads = offload
         if offload:
-            for u in sorted(candidates):
-                if ops[u].kind is Kind.TENSOR and ops[u].size and u not in pinned:
-                    off = m.NewBoolVar(f"off{u}")
-                    at = m.NewIntVar(nf, n - 1, f"load{u}")
-                    m.Add(at == nf).OnlyEnforceIf(off.Not())
-                    self.load[u] = _Copy(made=at * self.width, active=off,
-                                         backward=m.NewConstant(1), pos=at)
-                    for c in self.further.get(u, ()):
-                        m.AddImplication(off, c.backward.Not())  # a saved value only
+            for u in loadable:
+                off = m.NewBoolVar(f"off{u}")
+                at = m.NewIntVar(nf, n - 1, f"load{u}")
+                m.Add(at == nf).OnlyEnforceIf(off.Not())
+                self.load[u] = _Copy(made=at * self.width, active=off,
+                                     backward=m.NewConstant(1), pos=at)
+                for c in self.further.get(u, ()):
+                    m.AddImplication(off, c.backward.Not())  # a saved value only
 
         # --- The reads of every storage that a decision touches.
         reads: dict[int, list[_Read]] = {}
@@ -136,10 +146,11 @@ class RichModel:
             for s in problem.storage_inputs[r]:
                 if s < nf:
                     reads.setdefault(s, []).extend(_Read(self.rec_time(c.pos, r), c.active,
-                                                         c.backward) for c in copies)
+                                                         c.backward, c.pos) for c in copies)
         self.x: dict[tuple[int, int, int], cp_model.IntVar] = {}  # (storage, read, copy)
         self.storages: dict[int, list[_Copy]] = {}
         self.reads: dict[int, list[tuple]] = {}  # the key of each read, for hints
+        served: dict[int, list[_Read]] = {}  # every read of a decided storage, as `_serve`s
         intervals, demands = [], []
         fixed = Profile()
         hold = fixed.hold
@@ -165,12 +176,13 @@ class RichModel:
             if i in self.load:
                 copies.append(self.load[i])
             keys = [(r, None) for r in readers[i]]
-            all_reads = [_Read(self.op_time(r), None, r >= nf) for r in readers[i]]
+            all_reads = [_Read(self.op_time(r), None, r >= nf, r) for r in readers[i]]
             for r, copies_r in self.further.items():
                 if i in problem.storage_inputs[r]:
                     keys.extend((r, j) for j in range(len(copies_r)))
             all_reads += reads.get(i, [])
             self.storages[i], self.reads[i] = copies, keys
+            served[i] = all_reads
             for k, c in enumerate(copies):
                 c.end = m.NewIntVar(0, self.horizon - 1, f"e{i}_{k}")
             self._serve(i, copies, all_reads)
@@ -192,16 +204,18 @@ class RichModel:
                         self.rec_time(c.pos, v), 1, c.active, f"t{v}_{c.pos.Name()}"))
                     demands.append(temp[v])
 
+        # Offloads: their transfers timed against the compute, soundly (rich_offload).
+        self.transfers = Transfers(self, served) if self.load else None
+
         self.fixed_peak = fixed.add_to(m, intervals, demands)
         self.peak = m.NewIntVar(self.fixed_peak, max(sum(demands), self.fixed_peak), "peak")
         m.AddCumulative(intervals, demands, self.peak)
 
         terms = [(c.active, units.cost_of(ops[v].cost))
                  for v, copies in self.further.items() for c in copies]
-        if problem.host_bandwidth:
-            terms += [(c.active, units.cost_of(2 * ops[u].size / problem.host_bandwidth))
-                      for u, c in self.load.items()]
-        self.terms = len(terms)
+        self.terms = len(terms)  # each rounds down by less than a unit
+        # What the step may wait for the transfers: bounded above (rich_offload).
+        terms += [(late, 1) for late in (self.transfers.terms() if self.transfers else ())]
         self.cost = cp_model.LinearExpr.WeightedSum([x for x, _ in terms], [w for _, w in terms])
 
     def _runs(self, v: int, count: int, needed: bool, max_copies: int) -> list[_Copy]:

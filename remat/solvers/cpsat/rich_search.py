@@ -7,9 +7,12 @@ less than the single one. Then a bound proven over the rich space (`recompute_bo
 when the single plan's cost meets it, that plan is the rich optimum too and is returned; else
 the rest of the limit goes to the rich model (`RichModel`), whose answer is taken only when it
 costs less ("auto" searches it only where the single plan is proven in its own space; "rich"
-always). One deadline bounds the whole call. Statuses use only bounds valid over the rich space: the
-rich bound, and CP-SAT's own bound on the rich model (which spans that space) where it counts
-bytes exactly.
+always). With a host link, the answer then goes through the offload search (`offload_search`:
+keep in host memory what the plan recomputes, where the transfers hide), which scales where the
+rich model is not built, in `OFFLOAD_SHARE` of the limit kept for it; its result is taken only
+when it costs less. One deadline bounds the whole call. Statuses use only bounds valid over the
+rich space: the rich bound, and CP-SAT's own bound on the rich model (which spans that space)
+where it counts bytes exactly.
 """
 from __future__ import annotations
 
@@ -27,17 +30,20 @@ from remat.solvers.cpsat.rich_model import RichModel
 from remat.solvers.cpsat.search import Progress, Trace, cp_solver, deadline_info, run_solver
 from remat.solvers.cpsat.units import Units
 from remat.solvers.deadline import Deadline, OutOfTime, modelled
+from remat.solvers.offload_search import improve_by_offload
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Problem
 from remat.solvers.relaxed import binding_step
 from remat.solvers.schedule import Schedule, Status, evaluate, make_schedule, price
 
 # Shares of the time limit: the single model's whole call ("auto"; "rich", which wants the rich
-# model searched, leaves it more time), the rich bound, the rich model's least-peak stage.
+# model searched, leaves it more time), the rich bound, the rich model's least-peak stage, and
+# with a host link, the offload search's (taken from the single model's).
 SINGLE_SHARE = 0.85
 RICH_SINGLE_SHARE = 0.5
 BOUND_SHARE = 0.1
 PEAK_STAGE_SHARE = 0.1
+OFFLOAD_SHARE = 0.3
 # Kept for finishing (evaluate, the true cost), in schedule evaluations.
 FINISH_EVALUATIONS = 4
 # Building the rich model takes about this many schedule evaluations (65 to 170 measured on
@@ -66,6 +72,8 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
     # The single model first, in both: its plan is where the rich search starts, and what it
     # returns when there is no time for the rich model (never less than the single model's).
     share = SINGLE_SHARE if options.model == "auto" else RICH_SINGLE_SHARE
+    offload_time = OFFLOAD_SHARE * limit if problem.host_bandwidth else 0.0
+    share -= offload_time / limit if limit > 0 else 0.0
     try:  # the single model's call keeps its own time to finish
         hint = single(options, deadline.within(share * limit))
     except BudgetError as error:  # the rich space may fit below the single's least peak
@@ -89,12 +97,17 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
         deadline.charge(evaluation)
     else:
         evaluation = measured
-    work = deadline.reserving(FINISH_EVALUATIONS * max(evaluation, measured))
+    finish = FINISH_EVALUATIONS * max(evaluation, measured)
+    # The stages before the offload search (`done`) end where its share begins.
+    work = (deadline.until(deadline.end - offload_time) if offload_time
+            else deadline).reserving(finish)
     fits = hint is not None and hint.peak <= budget
     # Who made the plan when the hint stands: the single model.
     fallback = "single"
 
     def done(schedule: Schedule, bound: float, model: str) -> Schedule:
+        if problem.host_bandwidth:  # offload where it pays, at any size (offload_search)
+            schedule = offloaded(schedule)
         progress.update(stage="done")
         cost = full_cost(problem, schedule)
         info["model"] = model
@@ -103,6 +116,25 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
                         status=(Status.OPTIMAL if cost - bound <= tolerance * cost
                                 else Status.FEASIBLE),
                         solve_time=time.perf_counter() - start, info=MappingProxyType(info))
+
+    def offloaded(schedule: Schedule) -> Schedule:
+        """The best of `schedule` and the fitting hint, each improved by the offload search
+        in half the time left (less the finishing reserve)."""
+        progress.update(stage="offloading where the transfers hide")
+        part = deadline.reserving(finish)
+        starts = [schedule] + ([hint] if fits and hint is not schedule else [])
+        best = schedule
+        for k, start_from in enumerate(starts):
+            if not part.check("offload search"):
+                break
+            part.charge(evaluation)
+            improved = improve_by_offload(problem, budget, evaluate(problem, start_from),
+                                          deadline=part.within(part.left() / (len(starts) - k)))
+            if improved.cost < full_cost(problem, best):
+                best = improved
+        if best is not schedule:
+            info["offload_search"] = best.info["offload_search"]
+        return best
 
     if fits and hint.cost == 0:  # nothing to gain: no schedule costs less than nothing
         info["rich_bound"] = 0.0
@@ -191,7 +223,9 @@ def rich_units(problem: Problem, options: SolverOptions) -> Units:
     runs = (options.max_copies + 1) * sum(problem.ops[v].cost for v in problem.forward)
     bandwidth = problem.host_bandwidth
     moved = sum(2 * problem.ops[v].size / bandwidth for v in problem.candidates) if bandwidth else 0
-    return replace(units, cost=max(units.cost, (runs + moved) / MAX_RICH_COST_UNITS))
+    # With a host link, the transfers are timed on the step's own clock (rich_offload).
+    clock = problem.total_cost if bandwidth else 0
+    return replace(units, cost=max(units.cost, (runs + moved + clock) / MAX_RICH_COST_UNITS))
 
 
 def search_rich(problem: Problem, budget: int, options: SolverOptions, units: Units,
@@ -211,7 +245,9 @@ def search_rich(problem: Problem, budget: int, options: SolverOptions, units: Un
     m = model.model
     info.update(rich_variables=len(m.Proto().variables),
                 rich_build_time=time.perf_counter() - began)
-    valid = units.exact_bytes  # the model spans the rich space: its bound holds there
+    # The model spans the rich space, so its bound holds there, unless it offloads: then its
+    # transfers' cost is an upper bound (rich_offload) and its bound holds for itself only.
+    valid = units.exact_bytes and not model.load
     capacity = units.capacity(budget)
     if model.fixed_peak > capacity:
         return None, math.inf if valid else 0.0

@@ -1,0 +1,103 @@
+"""Reading, hinting and checking the decisions of the eager CP-SAT model (`EagerModel`, which
+builds on `EagerDecisions`): a policy's values for every boolean of the model, at their least
+(the eager timeline's own holds), the bytes those values hold slot by slot, and the structure
+the model assumes of `EagerBlocks`."""
+from __future__ import annotations
+
+from remat.solvers.eager import EagerBlocks
+from remat.solvers.problem import Kind, Problem
+
+TRUE = True  # a literal that always holds (an op that always runs, a term with no condition)
+
+
+class EagerDecisions:
+    """What `EagerModel` offers once built: the attributes it reads are the model's (`cache`,
+    `blocks`, `holds`, `ends`, `_none_defs`, `_some_uncached`, `events`, `fixed`, `temp_at`,
+    `active`, `decided`, `slots`, `peak`, `_bools`, `model`)."""
+
+    def decision(self, value) -> frozenset[int]:
+        """The cached ops of a solution (`value`: the solver's Value)."""
+        return frozenset(v for unit, x in self.cache.items() if value(x) for v in unit)
+
+    def assignment(self, cached) -> dict[int, int]:
+        """Every boolean of the model for the policy caching `cached`, at its least value: the
+        timeline's own holds (a complete hint)."""
+        cached = set(cached) & self.blocks.cacheable  # as block_runs reads a policy
+        values: dict[int, int] = {}
+        for unit, x in self.cache.items():
+            values[x.Index()] = int(bool(cached.intersection(unit)))
+        for runs, lits in self._some_uncached:  # a multi-output call runs unless all cached
+            values[runs.Index()] = int(not all(values[x.Index()] for x in lits))
+        lit = lambda x: 1 if x is TRUE else literal_value(values, x)  # noqa: E731
+        for x, none, runs in self._none_defs:
+            values[x.Index()] = int(lit(none) and not lit(runs))
+        for h, ends in zip(self.holds, self.ends):
+            reached = max([k for k, lits in h.terms if all(lit(x) for x in lits)], default=-1)
+            for k, x in ends:
+                values[x.Index()] = int(lit(h.presence) and reached >= k)
+        return values
+
+    def levels(self, values: dict[int, int]) -> list[int]:
+        """The bytes (units) live at each slot under `values` (assignment's)."""
+        return [level + self.fixed[t] + sum(c * literal_value(values, x)
+                                            for c, x in self.temp_at.get(t, ()))
+                for t, level in enumerate(running_levels(self.events, values, self.slots))]
+
+    def peak_of(self, cached) -> int:
+        """The peak (units) of the policy caching `cached`, over the slots that run."""
+        values = self.assignment(cached)
+        live = self.levels(values)
+        return max((b for b, x in zip(live, self.active)
+                    if x is TRUE or literal_value(values, x)), default=0)
+
+    def hint(self, cached) -> None:
+        m = self.model
+        m.ClearHints()
+        values = self.assignment(cached)
+        for index, value in values.items():
+            m.AddHint(self._bools[index], value)
+        live = self.levels(values)
+        hinted = set()
+        for x, level in zip(self.decided, running_levels(self.events, values, self.slots)):
+            if not isinstance(x, int) and x.Index() not in hinted:  # one variable per change
+                hinted.add(x.Index())
+                m.AddHint(x, level)
+        m.AddHint(self.peak, max(live, default=0))
+
+
+def running_levels(events, values, slots) -> list[int]:
+    level, out = 0, []
+    for t in range(slots):
+        level += sum(c * literal_value(values, x) for c, x in events.get(t, ()))
+        out.append(level)
+    return out
+
+
+def literal_value(values: dict[int, int], x) -> int:
+    if x is TRUE:
+        return 1
+    index = x.Index()
+    return values[index] if index >= 0 else 1 - values[-index - 1]
+
+
+def negated(x):
+    return x.Not() if x is not TRUE else False
+
+
+def check_structure(problem: Problem, blocks: EagerBlocks) -> None:
+    """What the model assumes of the structure, which `remat.fx_passes.eager.policy` builds:
+    a policy caches a multi-output op's tensors, never the tuple op or a view; groups are the
+    tensors of distinct ops; eager holds a forward tensor at least to its own op."""
+    seen: set[int] = set()
+    for group in blocks.groups:
+        if seen.intersection(group):
+            raise ValueError(f"EagerBlocks.groups overlap at {sorted(seen & set(group))}")
+        seen.update(group)
+    for v in blocks.cacheable | seen:
+        if problem.ops[v].kind is Kind.TUPLE:
+            raise ValueError(f"{problem.ops[v].name!r} is a tuple op: a policy caches the "
+                             "tensors taken out of it, never the tuple op")
+    for v, last in blocks.forward_life.items():
+        if last < v:
+            raise ValueError(f"EagerBlocks.forward_life holds {problem.ops[v].name!r} to an "
+                             "op before it")
