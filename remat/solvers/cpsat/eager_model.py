@@ -30,8 +30,9 @@ class EagerModel(EagerDecisions):
     Everything else follows from them (`block_runs`): a block's trigger, early stop and end do
     not depend on what it caches, and the block recomputes exactly the ops it recomputes with
     nothing cached (`P`) less the cached ones, and less the tuple ops whose tensors are all
-    cached (checkpoint does not run such a call again). A unit none of whose ops is in P gets
-    no boolean: caching it saves no recomputation and only holds its tensors longer.
+    cached (checkpoint does not run such a call again). A unit none of whose ops is in P, nor
+    a tensor of a tuple op of P whose tensors may all be cached, gets no boolean: caching it
+    saves no recomputation and only holds its tensors longer.
 
     Time is the step order with every op of P recomputed (`eager_timeline`'s order under the
     empty cache): forward ops, then per backward op the recomputations its block runs there
@@ -74,10 +75,16 @@ class EagerModel(EagerDecisions):
         for group in blocks.groups:
             for v in group:
                 unit_of[v] = tuple(group)
+        units_of = {unit_of.get(v, (v,)) for v in blocks.cacheable}
+        can_cache = {u for unit in units_of for u in unit}
+        # A tensor taken out of a tuple op of P counts as in P when the policy may cache every
+        # tensor of that op: caching them all skips the call (block_runs), even one past the
+        # early stop that is itself never recomputed.
+        skippable = {g for t in may if ops[t].kind is Kind.TUPLE and problem.users[t]
+                     and can_cache.issuperset(problem.users[t]) for g in problem.users[t]}
         self.cache: dict[tuple[int, ...], object] = {}
-        for v in sorted(blocks.cacheable):
-            unit = unit_of.get(v, (v,))
-            if unit not in self.cache and any(u in may for u in unit):
+        for unit in sorted(units_of):
+            if any(u in may or u in skippable for u in unit):
                 self.cache[unit] = m.NewBoolVar(f"cache[{ops[unit[0]].name}]")
         cached_lit = {u: x for unit, x in self.cache.items() for u in unit}
         self.decidable = frozenset(cached_lit)
@@ -202,8 +209,10 @@ class EagerModel(EagerDecisions):
                                                if r in again and run_of.get(r) is run]))
             if rec is not None:
                 start = again[i] if t is None else again[t] + 1
-                if not copy:
-                    copy = first_running(start, [])
+                if not copy or t is not None:
+                    # Made at the step after its tuple op's: the first slot from `start` that
+                    # runs, which need not be its own when a sibling's is empty (cached).
+                    copy += first_running(start, [])
                 holds.append(_Hold(size[i], start, rec,
                                    [(k, lits + ([rec] if rec is not TRUE else []))
                                     for k, lits in copy]))
