@@ -1,7 +1,9 @@
 """Eager plans under FSDP2 and DDP: CPU, gloo, 2 ranks, a tiny Llama with dropout.
 
 Each plan is made once on the unsharded model, with `Training(data_parallel=2, zero_stage=3)`
-for FSDP2 (also with `reshard_after_forward=False`, FSDP2's ZeRO-2-like mode) and
+for FSDP2 (also with `reshard_after_forward=False`, FSDP2's ZeRO-2-like mode, and with no
+explicit prefetch, FSDP2's default that torchtitan runs: `prefetch=0, backward_prefetch=1`; planned
+with `prefetch=0` alone, that job measured 8 % above its prediction and over its budget) and
 `zero_stage=0` for DDP, at a whole-step budget per rank that makes it recompute.
 Its block policies are sent to the ranks and applied before `fully_shard` (or DDP). Judged by
 the same job without remat (parameters after two AdamW steps) and by the allocator: what each
@@ -35,6 +37,9 @@ BATCH = 2  # per rank
 # How each job shards, as fully_shard/DDP do it and as Training describes it.
 JOBS = {"fsdp2": {"zero_stage": 3},
         "fsdp2 reshard_after_forward=False": {"zero_stage": 3, "reshard_after_forward": False},
+        # No explicit prefetch (torchtitan's FSDP2): on a CPU none ahead in the forward, and
+        # FSDP2's implicit one in the backward.
+        "fsdp2 implicit prefetch": {"zero_stage": 3, "prefetch": 0, "backward_prefetch": 1},
         "ddp": {"zero_stage": 0}}
 
 
@@ -85,7 +90,7 @@ def _train(model, rank: int, wrap, measure: bool = False):
     return params, {"held": held, "peak": min(peaks)}
 
 
-def _fsdp(model, reshard_after_forward: bool = True):
+def _fsdp(model, reshard_after_forward: bool = True, explicit_prefetch: bool = True):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -96,7 +101,7 @@ def _fsdp(model, reshard_after_forward: bool = True):
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     # One block ahead both ways, as Training(prefetch=1) plans (what FSDP2 overlaps on a GPU;
     # on a CPU nothing runs asynchronously, so the prefetch is made explicit).
-    for a, b in zip(layers, layers[1:]):
+    for a, b in zip(layers, layers[1:]) if explicit_prefetch else ():
         a.set_modules_to_forward_prefetch([b])
         b.set_modules_to_backward_prefetch([a])
     return model
@@ -115,7 +120,8 @@ def _worker(rank: int, init: str, policies, results: str) -> None:
         out = {}
         for kind, sharding in JOBS.items():
             wrap = _ddp if sharding["zero_stage"] == 0 else partial(
-                _fsdp, reshard_after_forward=sharding.get("reshard_after_forward", True))
+                _fsdp, reshard_after_forward=sharding.get("reshard_after_forward", True),
+                explicit_prefetch="prefetch" not in sharding)
             base, _ = tiny_llama(CONFIG, batch=BATCH)
             plain, _ = _train(copy.deepcopy(base), rank, wrap)
             planned, memory = _train(apply_eager(copy.deepcopy(base), policies[kind]), rank,

@@ -188,3 +188,38 @@ def test_kernel_scratch_measured_on_real_tensors_modelled_on_meta():
     backward = [i for i, op in enumerate(real.ops) if "convolution_backward" in op.target]
     assert backward and all(real.ops[i].temp > 0 for i in backward)
     assert all(m.temp >= r.temp for m, r in zip(meta.ops, real.ops))
+
+
+class GroupedExperts(nn.Module):
+    """MoE experts as torchtitan runs them: tokens sorted by expert, one `torch._grouped_mm`
+    per weight over the per-expert offsets."""
+
+    def __init__(self, experts=3, dim=16, hidden=8):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(experts, dim, hidden) / dim ** 0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, hidden, dim) / hidden ** 0.5)
+
+    def forward(self, x, offsets):  # in bfloat16, as torchtitan's (PyTorch's meta wants it)
+        h = torch.relu(torch._grouped_mm(x.bfloat16(), self.w1.bfloat16(), offs=offsets))
+        return torch._grouped_mm(h, self.w2.bfloat16(), offs=offsets).float().square().mean()
+
+
+def test_grouped_mm_flops_are_its_experts_matmuls():
+    """PyTorch 2.13 has no FLOP formula for `_grouped_mm` (MoE experts counted zero FLOPs, so
+    a plan minimizing FLOPs recomputed them for free). The reference: the same experts as one
+    plain matmul per expert, forward and backward, counted by FlopCounterMode."""
+    register_cpu_attention()
+    model = GroupedExperts()
+    counts = torch.tensor([5, 0, 7])
+    x = torch.randn(int(counts.sum()), 16)
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    with FlopCounterMode(display=False) as grouped:
+        model(x, offsets).backward()
+    rows = torch.split(x, counts.tolist())
+    with FlopCounterMode(display=False) as looped:
+        h = [torch.relu(r.bfloat16() @ w.bfloat16()) for r, w in zip(rows, model.w1)]
+        torch.cat([a @ w.bfloat16() for a, w in zip(h, model.w2)]).float().square().mean() \
+            .backward()
+    assert grouped.get_total_flops() == looped.get_total_flops() > 0
+    problem = lower(capture(model, (x, offsets)))
+    assert problem.total_flops == grouped.get_total_flops()

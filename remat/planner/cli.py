@@ -80,7 +80,7 @@ def parse_training(text: str | None) -> Training:
         key = key.strip().replace("-", "_")
         if not sep:
             raise ValueError(f"--training: {item!r} is not KEY=VALUE")
-        if key in ("data_parallel", "zero_stage"):
+        if key in ("data_parallel", "zero_stage", "prefetch", "backward_prefetch"):
             fields[key] = int(value)
         elif key == "fragmentation":
             fields[key] = float(value)

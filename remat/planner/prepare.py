@@ -171,6 +171,7 @@ def shard_step(problem: Any, captured: Any, training: Training):
 
     return shard(problem, captured, data_parallel=training.data_parallel,
                  zero_stage=training.zero_stage, prefetch=training.prefetch,
+                 backward_prefetch=training.backward_prefetch,
                  grad_bytes=training.grad_bytes,
                  reshard_after_forward=training.reshard_after_forward)
 

@@ -87,7 +87,12 @@ class Training:
     these count as activations, the shards as state."""
     prefetch: int = 1
     """ZeRO-3/FSDP: how many blocks ahead a block's parameters are all-gathered, in the forward
-    and in the backward (1, as FSDP2 overlaps communication by default)."""
+    and in the backward (1, as FSDP2 overlaps communication by default on a GPU)."""
+    backward_prefetch: int | None = None
+    """ZeRO-3/FSDP: the same in the backward, where it differs (None: `prefetch`). FSDP2 with
+    no explicit prefetch and synchronous collectives (gloo on a CPU) gathers no block ahead in
+    the forward and one in the backward (its implicit backward prefetch):
+    ``prefetch=0, backward_prefetch=1``."""
     reshard_after_forward: bool = True
     """ZeRO-3/FSDP: whether a block's gathered parameters are freed after its forward and
     gathered again for its backward (FSDP2's `fully_shard(reshard_after_forward=...)`); False
@@ -121,9 +126,12 @@ class Training:
             raise ValueError(f"data_parallel must be an int >= 1, not {self.data_parallel!r}")
         if self.zero_stage not in (0, 1, 2, 3) or isinstance(self.zero_stage, bool):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, not {self.zero_stage!r}")
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) \
-                or self.prefetch < 0:
-            raise ValueError(f"prefetch must be an int >= 0, not {self.prefetch!r}")
+        for name in ("prefetch", "backward_prefetch"):
+            value = getattr(self, name)
+            if name == "backward_prefetch" and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, not {value!r}")
         if not isinstance(self.reshard_after_forward, bool):
             raise ValueError("reshard_after_forward must be True or False, not "
                              f"{self.reshard_after_forward!r}")
@@ -160,7 +168,8 @@ class Training:
     def to_dict(self) -> dict:
         return {"precision": self.precision.value, "optimizer": self.optimizer.value,
                 "data_parallel": self.data_parallel, "zero_stage": self.zero_stage,
-                "prefetch": self.prefetch, "reshard_after_forward": self.reshard_after_forward,
+                "prefetch": self.prefetch, "backward_prefetch": self.backward_prefetch,
+                "reshard_after_forward": self.reshard_after_forward,
                 "frozen": "<predicate>" if callable(self.frozen) else sorted(self.frozen),
                 "reserve": self.reserve, "fragmentation": self.fragmentation,
                 "host_memory": self.host_memory}

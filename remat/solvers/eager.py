@@ -9,7 +9,8 @@ every op that is not cached, and stops early once the last tensor the block's au
 saved has been packed again (its *stop*, the last forward op whose autograd node saves
 something). So, unlike the compiled mode, a recomputation cannot be placed: it runs at the
 trigger, all of the block's at once, and it runs every uncached op up to the stop, whether the
-backward needs its output or not.
+backward needs its output or not (an op with several outputs is one call: cached when all its
+tensors are, as an attention kernel's output and logsumexp).
 
 `eager_schedule(problem, blocks, cached)` derives what this mode recomputes and when, and
 `eager_timeline` its memory, with `remat.solvers.simulate`'s conventions (steps in order, a
@@ -155,6 +156,11 @@ def block_runs(problem: Problem, blocks: EagerBlocks, cached: Iterable[int]) -> 
                 continue
             op = problem.ops[v]
             if op.kind is Kind.VIEW or v in cached or recompute_blocker(problem, v) is not None:
+                continue
+            if op.kind is Kind.TUPLE and problem.users[v] and cached.issuperset(problem.users[v]):
+                # The policy caches every tensor taken out of it (one eager call, such as an
+                # attention kernel's output and logsumexp): checkpoint hands them to the
+                # recomputation and does not run the op again.
                 continue
             t = tuple_of(problem, v)
             if t is not None and t not in recomputed:

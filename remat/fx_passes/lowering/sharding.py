@@ -3,7 +3,8 @@ simulator and the solver see the memory the collectives hold.
 
 API
 ---
-``shard(problem, captured, *, data_parallel, zero_stage, prefetch=1, grad_bytes=None) -> Sharded``
+``shard(problem, captured, *, data_parallel, zero_stage, prefetch=1, backward_prefetch=None,
+grad_bytes=None) -> Sharded``
     `problem` is `lower(captured)`. Returns a new Problem with collective ops inserted (all
     `Reason.COLLECTIVE`, never recomputed, never candidates) and, for each of its ops, the index
     of the graph op it is (None for a collective). `project(sharded, schedule)` maps a schedule
@@ -28,8 +29,10 @@ What is modelled (torch.distributed.fsdp.fully_shard, 2.13, read in _fsdp_param_
   (``free_gather.<unit>``): FSDP2 defers that free in the forward. The root unit is not
   resharded after the forward (FSDP2's root keeps its parameters for the backward): they live
   to the end of the step. Backward (blocks in reverse): the root's pre-backward, at the
-  backward's start, gathers the first `prefetch` blocks, each later block is gathered at the
-  pre-backward of the block `prefetch` earlier; a block's flat buffer dies at its copy-out
+  backward's start, gathers the first `backward_prefetch` blocks (default: `prefetch`), each
+  later block is gathered at the pre-backward of the block `backward_prefetch` earlier (FSDP2
+  with no explicit prefetch: 0 in the forward, 1 in the backward, its implicit backward
+  prefetch, `FSDPParamGroup._backward_prefetch`); a block's flat buffer dies at its copy-out
   (``copy_out_bwd.<unit>``, its pre-backward) and its parameters at its post-backward
   (``reshard_bwd.<unit>``), before the reduce-scatter.
   Checked against the allocator's events of FSDP2 (torch 2.13, gloo, synchronous), in
@@ -72,7 +75,8 @@ def _nbytes(node: fx.Node) -> tuple[int, int]:
 
 
 def shard(problem: Problem, captured: Captured, *, data_parallel: int, zero_stage: int,
-          prefetch: int = 1, grad_bytes: int | None = None,
+          prefetch: int = 1, backward_prefetch: int | None = None,
+          grad_bytes: int | None = None,
           gather_scratch: bool | None = None, reshard_after_forward: bool = True) -> Sharded:
     """`problem` with the collectives of `zero_stage` over `data_parallel` ranks (module doc).
     `grad_bytes` is the bytes per element of the sharded gradient (the optimizer's dtype;
@@ -132,6 +136,7 @@ def shard(problem: Problem, captured: Captured, *, data_parallel: int, zero_stag
     if zero_stage >= 3:
         _gathers(before, after, collective, param_bytes, blocks, reverse, forward, backward,
                  prefetch=prefetch, scratch=gather_scratch, keep=not reshard_after_forward,
+                 backward_prefetch=prefetch if backward_prefetch is None else backward_prefetch,
                  first_forward=0,
                  last_forward=problem.num_forward - 1,
                  first_backward=min(problem.backward, default=len(ops)))
@@ -182,7 +187,7 @@ def shard(problem: Problem, captured: Captured, *, data_parallel: int, zero_stag
         for extra in after.get(i, []):
             emit(extra, None, list(extra.inputs))
     source = {**problem.source, "zero_stage": zero_stage, "data_parallel": data_parallel,
-              "prefetch": prefetch,
+              "prefetch": prefetch, "backward_prefetch": backward_prefetch,
               "param_gradients": [f"grad_shard.{u}" for u in [*reverse, ROOT] if u in grads]}
     sharded = Problem(tuple(new_ops), name=problem.name, source=source,
                       host_bandwidth=problem.host_bandwidth,
@@ -193,8 +198,8 @@ def shard(problem: Problem, captured: Captured, *, data_parallel: int, zero_stag
 
 def _gathers(before: dict, after: dict, collective, param_bytes: dict[str, int],
              blocks: list[str], reverse: list[str], forward: dict, backward: dict, *,
-             prefetch: int, scratch: bool, keep: bool, first_forward: int, last_forward: int,
-             first_backward: int) -> None:
+             prefetch: int, backward_prefetch: int, scratch: bool, keep: bool,
+             first_forward: int, last_forward: int, first_backward: int) -> None:
     """ZeRO-3's all-gathers, copy-outs and reshards, as FSDP2 runs them synchronously
     (gloo; module doc): `before[i]`/`after[i]` get the collectives to insert around graph op
     i, in the order FSDP2's hooks run them."""
@@ -225,8 +230,8 @@ def _gathers(before: dict, after: dict, collective, param_bytes: dict[str, int],
     # block's flat output is freed at its copy-out. The root keeps its parameters (is_output).
     start = first_backward if ROOT in param_bytes else None
     for j, unit in enumerate([] if keep else reverse):
-        if j >= prefetch or start is None:
-            at = backward[reverse[max(0, j - prefetch)]][0]
+        if j >= backward_prefetch or start is None:
+            at = backward[reverse[max(0, j - backward_prefetch)]][0]
         else:
             at = start
         before.setdefault(at, []).append(collective(

@@ -4,8 +4,10 @@ The registry counts matrix multiplications, convolutions and attention; pointwis
 and softmax count zero, as in ``FlopCounterMode``, so a problem's total equals what
 ``FlopCounterMode`` reports for the same step. The CPU attention kernels have no formula in
 PyTorch; `register_cpu_attention` gives them the CUDA kernels' convention (causal masks are
-not discounted) so that attention counts the same on every device. It changes the global
-registry, which is the point: ``FlopCounterMode`` then agrees with us on a CPU too.
+not discounted) so that attention counts the same on every device; it also gives
+``torch._grouped_mm`` (MoE experts' matmuls, torchtitan's among them), which PyTorch 2.13 counts
+as zero, two FLOPs per multiply-add. It changes the global registry, which is the point:
+``FlopCounterMode`` then agrees with us on a CPU too.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from remat.fx_passes.tracing.rng import unwrapped
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FlopCounter", "node_flops", "register_cpu_attention"]
+__all__ = ["FlopCounter", "grouped_mm_flops", "node_flops", "register_cpu_attention"]
 
 _registered = False
 
@@ -45,6 +47,23 @@ def register_cpu_attention() -> None:
         def _cpu_flash_backward(grad_out, query, key, value, *args, out_shape=None,
                                 **kwargs) -> int:
             return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+
+    grouped = getattr(aten, "_grouped_mm", None)
+    if grouped is not None and grouped not in registry:
+        flop_counter.register_flop_formula(grouped)(grouped_mm_flops)
+
+
+def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """``torch._grouped_mm(a, b, offs=...)``: every output element is one dot product over the
+    contracted dimension, whichever operand the groups split. (M, K) x (G, K, N) -> (M, N) and
+    (G, M, K) x (K, N) -> (M, N): the groups split the rows or the columns; (G, M, K) x
+    (G, K, N): a batch; (M, K) x (K, N) -> (G, M, N): the groups split K, which they share out
+    (a weight's gradient). Rows past the last offset are counted as computed."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    rows = a_shape[0] if len(a_shape) == 2 else a_shape[1]
+    batch = a_shape[0] if len(a_shape) == 3 and len(b_shape) == 3 else 1
+    return 2 * batch * rows * a_shape[-1] * b_shape[-1]
 
 
 def _val(arg: Any) -> Any:

@@ -4,7 +4,6 @@ builds on `EagerDecisions`): a policy's values for every boolean of the model, a
 the model assumes of `EagerBlocks`."""
 from __future__ import annotations
 
-from remat.solvers.cpsat.units import Profile
 from remat.solvers.eager import EagerBlocks
 from remat.solvers.problem import Kind, Problem
 
@@ -13,8 +12,8 @@ TRUE = True  # a literal that always holds (an op that always runs, a term with 
 
 class EagerDecisions:
     """What `EagerModel` offers once built: the attributes it reads are the model's (`cache`,
-    `blocks`, `holds`, `ends`, `_none_defs`, `events`, `fixed`, `temp_at`, `active`, `decided`,
-    `slots`, `peak`, `_bools`, `model`)."""
+    `blocks`, `holds`, `ends`, `_none_defs`, `_some_uncached`, `events`, `fixed`, `temp_at`,
+    `active`, `decided`, `slots`, `peak`, `_bools`, `model`)."""
 
     def decision(self, value) -> frozenset[int]:
         """The cached ops of a solution (`value`: the solver's Value)."""
@@ -27,6 +26,8 @@ class EagerDecisions:
         values: dict[int, int] = {}
         for unit, x in self.cache.items():
             values[x.Index()] = int(bool(cached.intersection(unit)))
+        for runs, lits in self._some_uncached:  # a multi-output call runs unless all cached
+            values[runs.Index()] = int(not all(values[x.Index()] for x in lits))
         lit = lambda x: 1 if x is TRUE else literal_value(values, x)  # noqa: E731
         for x, none, runs in self._none_defs:
             values[x.Index()] = int(lit(none) and not lit(runs))
@@ -38,12 +39,9 @@ class EagerDecisions:
 
     def levels(self, values: dict[int, int]) -> list[int]:
         """The bytes (units) live at each slot under `values` (assignment's)."""
-        level, out = 0, []
-        for t in range(self.slots):
-            level += sum(c * literal_value(values, x) for c, x in self.events.get(t, ()))
-            out.append(level + self.fixed[t]
-                       + sum(c * literal_value(values, x) for c, x in self.temp_at.get(t, ())))
-        return out
+        return [level + self.fixed[t] + sum(c * literal_value(values, x)
+                                            for c, x in self.temp_at.get(t, ()))
+                for t, level in enumerate(running_levels(self.events, values, self.slots))]
 
     def peak_of(self, cached) -> int:
         """The peak (units) of the policy caching `cached`, over the slots that run."""
@@ -84,14 +82,6 @@ def literal_value(values: dict[int, int], x) -> int:
 
 def negated(x):
     return x.Not() if x is not TRUE else False
-
-
-def profile_levels(profile: Profile, slots: int) -> list[int]:
-    level, out = 0, []
-    for t in range(slots):
-        level += profile.delta.get(t, 0)
-        out.append(level)
-    return out
 
 
 def check_structure(problem: Problem, blocks: EagerBlocks) -> None:

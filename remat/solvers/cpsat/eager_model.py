@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from remat.solvers.cpsat.eager_decisions import (TRUE, EagerDecisions, check_structure,
-                                                  negated, profile_levels)
+from remat.solvers.cpsat.eager_decisions import TRUE, EagerDecisions, check_structure, negated
 from remat.solvers.cpsat.units import Profile, Units
 from remat.solvers.eager import EagerBlocks, block_runs
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
@@ -30,8 +29,10 @@ class EagerModel(EagerDecisions):
     tensors of one multi-output op (`EagerBlocks.groups`), which a policy caches together.
     Everything else follows from them (`block_runs`): a block's trigger, early stop and end do
     not depend on what it caches, and the block recomputes exactly the ops it recomputes with
-    nothing cached (`P`) less the cached ones. A unit none of whose ops is in P gets no boolean:
-    caching it saves no recomputation and only holds its tensors longer.
+    nothing cached (`P`) less the cached ones, and less the tuple ops whose tensors are all
+    cached (checkpoint does not run such a call again). A unit none of whose ops is in P, nor
+    a tensor of a tuple op of P whose tensors may all be cached, gets no boolean: caching it
+    saves no recomputation and only holds its tensors longer.
 
     Time is the step order with every op of P recomputed (`eager_timeline`'s order under the
     empty cache): forward ops, then per backward op the recomputations its block runs there
@@ -74,16 +75,34 @@ class EagerModel(EagerDecisions):
         for group in blocks.groups:
             for v in group:
                 unit_of[v] = tuple(group)
+        units_of = {unit_of.get(v, (v,)) for v in blocks.cacheable}
+        can_cache = {u for unit in units_of for u in unit}
+        # A tensor taken out of a tuple op of P counts as in P when the policy may cache every
+        # tensor of that op: caching them all skips the call (block_runs), even one past the
+        # early stop that is itself never recomputed.
+        skippable = {g for t in may if ops[t].kind is Kind.TUPLE and problem.users[t]
+                     and can_cache.issuperset(problem.users[t]) for g in problem.users[t]}
         self.cache: dict[tuple[int, ...], object] = {}
-        for v in sorted(blocks.cacheable):
-            unit = unit_of.get(v, (v,))
-            if unit not in self.cache and any(u in may for u in unit):
+        for unit in sorted(units_of):
+            if any(u in may or u in skippable for u in unit):
                 self.cache[unit] = m.NewBoolVar(f"cache[{ops[unit[0]].name}]")
         cached_lit = {u: x for unit, x in self.cache.items() for u in unit}
         self.decidable = frozenset(cached_lit)
         """The ops whose caching the model decides (cached together by units)."""
-        # A recomputation runs unless its op is cached (its tuple op never is: check_structure).
+        # A recomputation runs unless its op is cached; a tuple op (never cached itself:
+        # check_structure) unless every tensor taken out of it is (block_runs).
         self.runs_lit = {v: cached_lit[v].Not() if v in cached_lit else TRUE for v in may}
+        self._some_uncached: list[tuple[object, list]] = []  # (rerun, its units' literals)
+        for t in (v for v in may if ops[v].kind is Kind.TUPLE and problem.users[v]):
+            if all(g in cached_lit for g in problem.users[t]):
+                lits = list({cached_lit[g].Index(): cached_lit[g]
+                             for g in problem.users[t]}.values())
+                rerun = m.NewBoolVar(f"runs[{ops[t].name}]") if lits[1:] else lits[0].Not()
+                if lits[1:]:  # runs exactly when some unit is not cached
+                    m.AddBoolOr([x.Not() for x in lits]).OnlyEnforceIf(rerun)
+                    m.AddBoolAnd(lits).OnlyEnforceIf(rerun.Not())
+                    self._some_uncached.append((rerun, lits))
+                self.runs_lit[t] = rerun
 
         # --- Step 3: the slots.
         slot = list(range(nf)) + [0] * (len(ops) - nf)
@@ -98,7 +117,8 @@ class EagerModel(EagerDecisions):
             slot[b] = len(self.active)
             self.active.append(TRUE)
         self.slots, self.again = len(self.active), again
-        self._bools: dict[int, object] = {x.Index(): x for x in self.cache.values()}
+        self._bools: dict[int, object] = {x.Index(): x for x in [
+            *self.cache.values(), *(runs for runs, _ in self._some_uncached)]}
         self._none: dict[tuple[int, int], object] = {}  # _first_running's chain literals
         self._none_defs: list[tuple[object, object, object]] = []
         node_end = blocks.node_end
@@ -189,8 +209,10 @@ class EagerModel(EagerDecisions):
                                                if r in again and run_of.get(r) is run]))
             if rec is not None:
                 start = again[i] if t is None else again[t] + 1
-                if not copy:
-                    copy = first_running(start, [])
+                if not copy or t is not None:
+                    # Made at the step after its tuple op's: the first slot from `start` that
+                    # runs, which need not be its own when a sibling's is empty (cached).
+                    copy += first_running(start, [])
                 holds.append(_Hold(size[i], start, rec,
                                    [(k, lits + ([rec] if rec is not TRUE else []))
                                     for k, lits in copy]))
@@ -260,7 +282,7 @@ class EagerModel(EagerDecisions):
                 either = [self._held_at(index, k), self._held_at(index + 1, k)]
                 m.Add(sum(x for x in either if x is not TRUE) + sum(x is TRUE for x in either)
                       >= lit)
-        self.fixed = profile_levels(profile, self.slots)
+        self.fixed = profile.levels(self.slots)
         self.fixed_peak = max(self.fixed, default=0)
 
         # --- Step 7: the memory chain and the peak, checked wherever something rises.

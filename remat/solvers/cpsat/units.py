@@ -143,3 +143,11 @@ class Profile:
                 intervals.append(m.NewFixedSizeIntervalVar(t, nxt - t, f"fixed[{t}]"))
                 demands.append(level)
         return peak
+
+    def levels(self, slots: int) -> list[int]:
+        """The bytes held at each of the first `slots` steps."""
+        level, out = 0, []
+        for t in range(slots):
+            level += self.delta.get(t, 0)
+            out.append(level)
+        return out
