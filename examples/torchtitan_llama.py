@@ -43,6 +43,8 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import remat  # noqa: E402
+from tests.allocator import allocator_peak  # noqa: E402  (every free counted: FSDP2 frees blocks
+#   allocated before the window, which remat's own pairing would drop)
 from examples.torchtitan_models import (SEQ, VOCAB, cpu_patches,  # noqa: E402
                                         selective_ac_saving_cpu_attention, torchtitan_model)
 
@@ -134,23 +136,6 @@ def training_state() -> remat.Training:
                           reserve=0, fragmentation=0.0)
 
 
-def allocator_peak(fn) -> int:
-    """The most bytes the CPU allocator held at once while `fn()` ran, above what it held when
-    it began: torch.profiler's memory events summed in time order, every free counted (FSDP2
-    frees blocks allocated before the window; remat's own pairing would drop them)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                    key=lambda e: e.start_ns())
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 def storage_bytes(tensors) -> int:
     storages = [(t.to_local() if hasattr(t, "to_local") else t).untyped_storage() for t in tensors]
     return sum({s.data_ptr(): s.nbytes() for s in storages}.values())
@@ -184,7 +169,7 @@ def run(model: nn.Module, rank: int) -> dict:
     for _ in range(5):  # the least of five: gloo's own buffers come and go with timing
         gc.collect()
         dist.barrier()  # both ranks start together: a rank kept waiting holds gloo's buffers
-        peaks.append(allocator_peak(lambda: step(*inputs)))
+        peaks.append(allocator_peak(lambda: step(*inputs))[0])
         opt.zero_grad(set_to_none=True)
     with FlopCounter() as counter:
         step(*inputs)

@@ -235,10 +235,14 @@ class _Router(nn.Module):  # Mixtral's router: top-k weights normalized in place
         super().__init__()
         self.gate, self.up = nn.Linear(8, 4), nn.Linear(8, 8)
 
-    def forward(self, x):
+    def weights(self, x):
         top, _ = torch.softmax(self.gate(x), dim=-1).topk(2, dim=-1)
         top /= top.sum(dim=-1, keepdim=True)
-        return (self.up(x) * top.sum(-1, keepdim=True)).pow(2).mean()
+        return top.sum(-1, keepdim=True)
+
+    def forward(self, x):
+        weights = self.weights(x)
+        return (self.up(x) * weights).pow(2).mean()
 
 
 def test_backward_ops_no_gradient_reaches_run_where_they_are_read():
@@ -256,15 +260,10 @@ def test_backward_ops_no_gradient_reaches_run_where_they_are_read():
     assert joint_backward[0] != first.name  # the joint graph did hoist one
 
 
-class _RouterStage(nn.Module):  # the router as a pipeline stage before the last
-    def __init__(self):
-        super().__init__()
-        self.gate, self.up = nn.Linear(8, 4), nn.Linear(8, 8)
-
+class _RouterStage(_Router):  # the router as a pipeline stage before the last
     def forward(self, x):
-        top, _ = torch.softmax(self.gate(x), dim=-1).topk(2, dim=-1)
-        top /= top.sum(dim=-1, keepdim=True)
-        return torch.relu(self.up(x)) * top.sum(-1, keepdim=True)
+        weights = self.weights(x)
+        return torch.relu(self.up(x)) * weights
 
 
 def test_a_stage_backward_starts_from_the_gradient_the_next_stage_sends():

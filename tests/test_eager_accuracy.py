@@ -24,6 +24,7 @@ from remat.fx_passes.eager.probe import probe
 from remat.planner.eager_plan import plan_eager_mode
 from remat.planner.prepare import prepare
 from remat.solvers import SolverOptions, Strategy
+from tests.models import Attention, Shared
 
 pytest.importorskip("transformers")
 
@@ -108,18 +109,6 @@ def test_a_tensor_the_blocks_never_read_is_kept_by_checkpoint():
     assert 0.98 * plan.activation_peak <= measured <= plan.activation_peak
 
 
-class Attention(nn.Module):  # ViT's attention: dropout on the probabilities, the largest tensor
-    def __init__(self, d=16):
-        super().__init__()
-        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.drop = nn.Dropout(0.1)
-
-    def forward(self, x):
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        probs = self.drop(torch.softmax(q @ k.transpose(-1, -2), dim=-1))
-        return x + self.out(probs @ v)
-
-
 class Encoder(nn.Module):
     def __init__(self):
         super().__init__()
@@ -191,17 +180,6 @@ def test_a_block_running_other_code_in_eager_is_named(block, warned, caplog):
                        execution="eager")
     named = [r.getMessage() for r in caplog.records if "runs other code" in r.getMessage()]
     assert bool(named) == warned and (not warned or "'layers.0'" in named[0])
-
-
-class Shared(nn.Module):  # ALBERT: one layer module run by every layer of the step
-    def __init__(self):
-        super().__init__()
-        self.layer = Attention()
-
-    def forward(self, x, y):
-        for _ in range(3):
-            x = self.layer(x)
-        return ((x - y) ** 2).mean()
 
 
 def test_a_module_run_several_times_is_a_block_per_run():

@@ -9,7 +9,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
 
 import remat
 from examples.hf_zoo import activation_peak
@@ -17,31 +16,9 @@ from remat.errors import RematError
 from remat.fx_passes.eager import apply as eager_apply
 from remat.planner.prepare import prepare
 from remat.solvers import SolverOptions, Strategy
+from tests.models import Shared
 
 RUNS = ["layer#0", "layer#1", "layer#2"]
-
-
-class Attention(nn.Module):  # ViT's attention: dropout on the probabilities
-    def __init__(self, d=16):
-        super().__init__()
-        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.drop = nn.Dropout(0.1)
-
-    def forward(self, x):
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
-        probs = self.drop(torch.softmax(q @ k.transpose(-1, -2), dim=-1))
-        return x + self.out(probs @ v)
-
-
-class Shared(nn.Module):  # ALBERT: one layer module run by every layer of the step
-    def __init__(self):
-        super().__init__()
-        self.layer = Attention()
-
-    def forward(self, x, y):
-        for _ in range(3):
-            x = self.layer(x)
-        return ((x - y) ** 2).mean()
 
 
 @pytest.fixture(scope="module")

@@ -121,10 +121,7 @@ def _(x, pool, key):
 
 @torch.library.custom_op("remat::offload_done", mutates_args=())
 def offload_done(x: torch.Tensor, host: torch.Tensor, pool: int) -> None:
-    if _accelerated(x):
-        done = _POOLS[pool].copied.get(host.data_ptr())
-        if done is not None:
-            torch.cuda.current_stream(x.device).wait_event(done)
+    _wait_for(x, _POOLS[pool].copied if _accelerated(x) else {}, host)
 
 
 @offload_done.register_fake
@@ -163,10 +160,15 @@ def _(host, pool, key):
 
 @torch.library.custom_op("remat::reload_done", mutates_args=())
 def reload_done(y: torch.Tensor, host: torch.Tensor, pool: int) -> None:
-    if _accelerated(y):
-        done = _POOLS[pool].loaded.get(host.data_ptr())
-        if done is not None:
-            torch.cuda.current_stream(y.device).wait_event(done)
+    _wait_for(y, _POOLS[pool].loaded if _accelerated(y) else {}, host)
+
+
+def _wait_for(x: torch.Tensor, events: dict, host: torch.Tensor) -> None:
+    """The compute stream waits for the copy into or out of `host` (its event in `events`, by
+    the host buffer's address), where one is pending."""
+    done = events.get(host.data_ptr())
+    if done is not None:
+        torch.cuda.current_stream(x.device).wait_event(done)
 
 
 @reload_done.register_fake
