@@ -303,10 +303,13 @@ class Scaled(nn.Module):  # Granite's residual multiplier: a Python number times
 class ScaledNet(nn.Module):
     def __init__(self, layers=4):
         super().__init__()
+        self.shift = nn.Parameter(torch.zeros(32))
         self.layers = nn.ModuleList(Scaled() for _ in range(layers))
 
     def forward(self, x, y):
-        x = x * 2.0  # Granite's embedding multiplier, outside the blocks
+        x = (x + self.shift) * 2.0  # Granite's embedding multiplier, outside the blocks
+        with torch.no_grad():  # no autograd node (Granite's rotary embedding's scaling)
+            y = y * 0.5
         for layer in self.layers:
             x = layer(x)
         return ((x / 4.0 - y) ** 2).mean()
@@ -326,8 +329,8 @@ def test_a_python_number_that_autograd_saves_is_held_to_its_node():
                            target="h100", solver=Strategy.OPTIMAL,
                            solver_options=SolverOptions(time_limit=5), blocks=None,
                            example_inputs=(x, y))
-    # Four per layer and the loss's; ``x * 2.0`` has no autograd node (x needs no gradient).
-    assert len(plan.structure.kept_numbers) == 4 * 4 + 1
+    # Four per layer, the embedding's and the loss's; not ``y * 0.5``, under no_grad.
+    assert len(plan.structure.kept_numbers) == 4 * 4 + 2
     model = plan.apply(model)
 
     def step():

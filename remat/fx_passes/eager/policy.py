@@ -190,12 +190,18 @@ def _kept_numbers(problem: Problem, nodes: list[fx.Node], device: str
         seq = nodes[b].meta.get("seq_nr")
         if seq is not None:
             last[seq] = max(last.get(seq, b), b)
+    # An op without an autograd node (under no_grad: the rotary embedding's ``cos * scaling``)
+    # carries the sequence number of the last node made before it: the node is the first op's.
+    first: dict[Any, int] = {}
+    for v in range(problem.num_forward):
+        first.setdefault(nodes[v].meta.get("seq_nr"), v)
     kept = []
     for v in range(problem.num_forward):
         node = nodes[v]
-        if str(node.target) in _SAVE_OTHER and len(node.args) == 2 \
+        seq = node.meta.get("seq_nr")
+        if str(node.target) in _SAVE_OTHER and len(node.args) == 2 and first[seq] == v \
                 and isinstance(node.args[0], fx.Node) and isinstance(node.args[1], (int, float)):
-            b = last.get(node.meta.get("seq_nr"))
+            b = last.get(seq)
             if b is not None:
                 kept.append((8, v, b))
     return tuple(kept)
