@@ -266,3 +266,55 @@ def test_a_backward_written_in_python_frees_its_temporaries_as_it_goes():
     measured = activation_peak(step, model)
     assert 0.98 * plan.activation_peak <= measured <= plan.activation_peak, \
         (measured, plan.activation_peak)
+
+
+class Scaled(nn.Module):  # Granite's residual multiplier: a Python number times a tensor
+    def __init__(self, d=32):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        h = self.down(torch.relu(self.up(x) / 3.0))
+        return x + h * 0.5 + (h * 0.25) * 0.125
+
+
+class ScaledNet(nn.Module):
+    def __init__(self, layers=4):
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(32))
+        self.layers = nn.ModuleList(Scaled() for _ in range(layers))
+
+    def forward(self, x, y):
+        x = (x + self.shift) * 2.0  # Granite's embedding multiplier, outside the blocks
+        with torch.no_grad():  # no autograd node (Granite's rotary embedding's scaling)
+            y = y * 0.5
+        for layer in self.layers:
+            x = layer(x)
+        return ((x / 4.0 - y) ** 2).mean()
+
+
+def test_a_python_number_that_autograd_saves_is_held_to_its_node():
+    """``x * 0.5`` and ``x / 3.0``: eager PyTorch wraps the number in an 8-byte tensor, which
+    MulBackward0 and DivBackward0 save (outside checkpoint's hooks) until they run in the
+    backward (Granite, GPT-Neo: 48 bytes above the prediction before)."""
+    torch.manual_seed(0)
+    model = ScaledNet()
+    x, y = torch.randn(16, 32), torch.randn(16, 32)
+    prepared = prepare(copy.deepcopy(model), (x, y))
+    grads = prepared.graph_gradients
+    save_all = prepared.baselines[Strategy.SAVE_ALL].peak - grads
+    plan = plan_eager_mode(model, prepared, budget=None, activation_budget=2 * save_all,
+                           target="h100", solver=Strategy.OPTIMAL,
+                           solver_options=SolverOptions(time_limit=5), blocks=None,
+                           example_inputs=(x, y))
+    # Four per layer, the embedding's and the loss's; not ``y * 0.5``, under no_grad.
+    assert len(plan.structure.kept_numbers) == 4 * 4 + 2
+    model = plan.apply(model)
+
+    def step():
+        model(x, y).backward()
+
+    step()
+    measured = activation_peak(step, model)
+    assert 0.98 * plan.activation_peak <= measured <= plan.activation_peak, \
+        (measured, plan.activation_peak)

@@ -23,7 +23,8 @@ holds until the block's backward ends; cached values that the recomputation stop
 held by the block's Python variables as long as in the forward (`forward_life`); a backward
 value, until the autograd node that reads it last has finished (`node_end`); generator
 snapshots, and on the CPU the copy of the generator's state that the recomputation's
-fork_rng keeps while it runs.
+fork_rng keeps while it runs, and the Python numbers autograd nodes keep as tensors
+(`EagerBlocks.kept_numbers`).
 
 The planners: the heuristic `remat.solvers.eager_heuristic.plan_eager` (status HEURISTIC; from
 seed cache sets it repairs, caching less, until the eager peak fits and improves, caching
@@ -83,6 +84,13 @@ class EagerBlocks:
     unread_inputs: tuple[tuple[int, tuple[str, ...]], ...] = ()
     """(bytes, blocks) of a tensor the blocks are called with but never read (position ids):
     checkpoint keeps it from the first block's forward to the end of their backward."""
+    kept_numbers: tuple[tuple[int, int, int], ...] = ()
+    """(bytes, forward op, backward op) of a Python number that the forward op took as a
+    tensor and its autograd node keeps (``x * 0.5``: MulBackward0 saves the 8-byte tensor
+    eager PyTorch wrapped 0.5 in, outside checkpoint's hooks, which skip wrapped numbers):
+    held after the op's step, its temp, to the end of that backward op's node; and in its
+    block's recomputation, from the first step after it to the recomputation's end (measured:
+    Gemma-2's softcapping, freed when the recomputed graph is)."""
 
     def block_of(self) -> dict[int, str]:
         return {v: name for name, ops in self.ops.items() for v in ops}
@@ -108,7 +116,8 @@ class EagerBlocks:
             state_bytes=self.state_bytes,
             groups=tuple(tuple(map(at, g)) for g in self.groups),
             python_backward=frozenset(map(at, self.python_backward)),
-            unread_inputs=self.unread_inputs)
+            unread_inputs=self.unread_inputs,
+            kept_numbers=tuple((n, at(v), at(b)) for n, v, b in self.kept_numbers))
 
 
 @dataclass(frozen=True)
@@ -373,5 +382,13 @@ def eager_holds(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun], *,
         ends = [finished[n] for n in names if n in finished]
         if ends:
             hold(size, min(step_of[blocks.ops[n][0]] for n in names), max(ends))
+    for size, v, b in blocks.kept_numbers:  # the op's temp is the number while it runs
+        hold(size, step_of[v] + 1, read_at(b))
+        # The recomputation runs the block's Python code again, a cached op's too: the
+        # recomputed graph's node keeps another such number until the recomputation ends.
+        run = run_of.get(block_of.get(v))
+        later = [again[u] for u in run.recomputed if u > v] if run is not None else []
+        if later:
+            hold(size, min(later), step_of[run.trigger] - 1)
     return order, held, moved
 

@@ -167,8 +167,44 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
                          packer=packer, cacheable=cacheable, groups=groups,
                          node_end=node_end, position=position, forward_life=forward_life,
                          python_backward=_python_backward(problem, nodes),
-                         unread_inputs=unread)
+                         unread_inputs=unread,
+                         kept_numbers=_kept_numbers(problem, nodes, captured.device))
     return blocks, policies
+
+
+# Ops whose autograd node saves their second operand for the first's gradient (derivatives.yaml:
+# mul.Tensor's and div.Tensor's `self` formulas read `other`).
+_SAVE_OTHER = ("aten.mul.Tensor", "aten.div.Tensor")
+
+
+def _kept_numbers(problem: Problem, nodes: list[fx.Node], device: str
+                  ) -> tuple[tuple[int, int, int], ...]:
+    """`EagerBlocks.kept_numbers`: each forward ``x * 0.5`` or ``x / scale`` (a Python number as
+    `other`) with an autograd node, the 8-byte tensor eager PyTorch wraps the number in, which
+    the node keeps to its end (its last backward op, by autograd's sequence number). On CUDA
+    the wrapped number lives in host memory."""
+    if device.startswith("cuda"):
+        return ()
+    last: dict[Any, int] = {}
+    for b in problem.backward:
+        seq = nodes[b].meta.get("seq_nr")
+        if seq is not None:
+            last[seq] = max(last.get(seq, b), b)
+    # An op without an autograd node (under no_grad: the rotary embedding's ``cos * scaling``)
+    # carries the sequence number of the last node made before it: the node is the first op's.
+    first: dict[Any, int] = {}
+    for v in range(problem.num_forward):
+        first.setdefault(nodes[v].meta.get("seq_nr"), v)
+    kept = []
+    for v in range(problem.num_forward):
+        node = nodes[v]
+        seq = node.meta.get("seq_nr")
+        if str(node.target) in _SAVE_OTHER and len(node.args) == 2 and first[seq] == v \
+                and isinstance(node.args[0], fx.Node) and isinstance(node.args[1], (int, float)):
+            b = last.get(seq)
+            if b is not None:
+                kept.append((8, v, b))
+    return tuple(kept)
 
 
 def _python_backward(problem: Problem, nodes: list[fx.Node]) -> frozenset[int]:

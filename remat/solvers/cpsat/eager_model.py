@@ -226,6 +226,8 @@ class EagerModel(EagerDecisions):
             if ends:
                 first = min(slot[blocks.ops[n][0]] for n in names)
                 holds.append(_Hold(units.bytes_up(amount), first, TRUE, [(max(ends), [])]))
+        for amount, v, b in blocks.kept_numbers:  # fixed: after the op to its node's end
+            holds.append(_Hold(units.bytes_up(amount), slot[v] + 1, TRUE, [(read_at(b), [])]))
         for h in holds:  # a literal that always holds says nothing; one that never does, drops
             h.terms = [(k, [x for x in lits if x is not TRUE]) for k, lits in h.terms
                        if not any(x is False for x in lits)]
@@ -239,8 +241,15 @@ class EagerModel(EagerDecisions):
         # A recomputation step holds its temp, and on the CPU fork_rng's copy of the
         # generator's state (kept while the block's recomputation runs, its steps only).
         forked = {v for run in runs if run.trigger is not None for v in run.recomputed}
+        # And the Python numbers that the recomputed graph keeps, from their op on: at each
+        # recomputation step after it (eager_holds: to the recomputation's end).
+        numbers: dict[int, int] = {}
+        for amount, v, _ in blocks.kept_numbers:
+            for u in run_of[v].recomputed if v in run_of else ():
+                if u > v:
+                    numbers[u] = numbers.get(u, 0) + units.bytes_up(amount)
         for v, k in again.items():
-            amount = temp[v] + (state if v in forked else 0)
+            amount = temp[v] + (state if v in forked else 0) + numbers.get(v, 0)
             if amount:
                 if self.runs_lit[v] is TRUE:
                     profile.hold(amount, k, k)
