@@ -6,9 +6,14 @@
 
 For each architecture, built as its `ModelTester` builds it and in train mode (dropout on where
 the tester sets it), remat captures the step once, ``model(**kwargs).loss.backward()``, and
-plans it at one activation budget half-way between per-block checkpointing and saving
-everything (remat's own simulated figures for the two baselines; `--fraction` moves it).
-Then, in each mode:
+plans it in each mode at an activation budget half-way (`--fraction` moves it) between what
+that mode holds with per-block checkpointing and with saving everything, in remat's own
+simulated figures: for compiled, the joint graph's baselines; for eager, remat's eager
+timeline with every block checkpointed and nothing cached, and with no block checkpointed
+(what plain eager PyTorch holds). Where checkpointing every block holds more than saving
+everything (its copies of the random state and of the block inputs outweigh what it frees:
+ResNet, DeepSeek-V3 in eager), the budget is per-block checkpointing's own peak, the least
+of the range that the mode's plans reach. Then, in each mode:
 
 - compiled: ``plan.module(**kwargs)``, the rewritten joint graph;
 - eager: ``plan.apply(model)``, per-block selective checkpointing in the model itself.
@@ -18,13 +23,17 @@ largest difference over all parameters, same seed: dropout is replayed), the pla
 activation peak and the allocator's (remat.fx_passes.measuring.allocator: torch.profiler memory
 events on the CPU, the step's peak less the state: parameters before the step, gradients after
 it; there is no optimizer), how far the allocator is above (+) or below (-) the prediction, the
-planning time, and the error where a step failed. The promise is that no row is above its
+planning time, and the error where a step failed. Beside them, both modes' least budgets: the
+smallest activation budget each mode's planner can meet (compiled: the peak the exact solver
+names in its BudgetError at budget 0; eager: the least eager peak of any per-block policy,
+CP-SAT over the eager timeline), "proven" where the search proved it the least. The promise is that no row is above its
 prediction, and none more than 2 % below it without a stated reason.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import logging
 import sys
@@ -42,10 +51,12 @@ from examples.zoo_models import ARCHS, build  # noqa: E402
 from remat.errors import BudgetError  # noqa: E402
 from remat.fx_passes.measuring.allocator import allocator_peak  # noqa: E402
 from remat.planner.budget import format_size  # noqa: E402
-from remat.planner.eager_plan import plan_eager_mode  # noqa: E402
+from remat.planner.eager_plan import eager_structure, plan_eager_mode  # noqa: E402
 from remat.planner.plan import plan_prepared  # noqa: E402
 from remat.planner.prepare import prepare  # noqa: E402
-from remat.solvers import SolverOptions, Strategy  # noqa: E402
+from remat.solvers import SolverOptions, Strategy, solve  # noqa: E402
+from remat.solvers.cpsat.eager_search import least_eager_peak  # noqa: E402
+from remat.solvers.eager import eager_schedule  # noqa: E402
 
 MODES = ("compiled", "eager")
 
@@ -107,12 +118,20 @@ class Row:
     family: str
     mode: str
     budget: int = 0
+    blocks_peak: int | None = None
+    """This mode's activations with every block checkpointed (nothing cached), simulated."""
+    save_all_peak: int | None = None
+    """This mode's activations saving everything (eager: no block checkpointed), simulated."""
     status: str = ""
     gap: float | None = None
     grad_diff: float | None = None
     predicted: int | None = None
     allocator: int | None = None
     plan_seconds: float | None = None
+    least_compiled: int | None = None
+    least_compiled_proven: bool = False
+    least_eager: int | None = None
+    least_eager_proven: bool = False
     error: str = ""
     note: str = ""
     """remat's warnings while planning (a block running other code in eager than captured)."""
@@ -127,8 +146,12 @@ class Row:
     def cells(self) -> list:
         grads = "" if self.grad_diff is None else (
             "equal" if self.grad_diff == 0 else f"{self.grad_diff:.0e}")
+        between = ("" if self.blocks_peak is None else
+                   f"{format_size(self.blocks_peak)} .. {format_size(self.save_all_peak)}")
         return [self.arch, self.family, self.mode, format_size(self.budget) if self.budget
-                else "", self.status, "" if self.gap is None else f"{100 * self.gap:.1f} %",
+                else "", between, _least(self.least_compiled, self.least_compiled_proven),
+                _least(self.least_eager, self.least_eager_proven), self.status,
+                "" if self.gap is None else f"{100 * self.gap:.1f} %",
                 grads, "" if self.predicted is None else f"{self.predicted:,}",
                 "" if self.allocator is None else f"{self.allocator:,}",
                 "" if self.over is None else f"{self.over:+.2f} %",
@@ -136,8 +159,13 @@ class Row:
                 (self.error or self.note)[:90]]
 
 
-HEADERS = ["architecture", "family", "mode", "budget", "status", "gap", "gradients",
-           "predicted", "allocator", "over", "plan", "error or note"]
+def _least(size: int | None, proven: bool) -> str:
+    return "" if size is None else f"{format_size(size)}{'*' if proven else ''}"
+
+
+HEADERS = ["architecture", "family", "mode", "budget", "blocks .. save all", "least compiled",
+           "least eager", "status", "gap", "gradients", "predicted", "allocator", "over", "plan",
+           "error or note"]
 
 
 class _Warnings(logging.Handler):
@@ -151,10 +179,11 @@ class _Warnings(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def run_arch(name: str, options: SolverOptions, modes=MODES, fraction: float = 0.5
-             ) -> list[Row]:
-    """Both modes' rows for one architecture (a failure is a row with its error), at the
-    budget `fraction` of the way from per-block checkpointing's peak to saving everything's."""
+def run_arch(name: str, options: SolverOptions, modes=MODES, fraction: float = 0.5,
+             least: bool = True) -> list[Row]:
+    """Both modes' rows for one architecture (a failure is a row with its error), each at the
+    budget `fraction` of the way from its own mode's per-block checkpointing peak to its saving
+    everything peak (`budget_range`), with both modes' least budgets where `least`."""
     family = ARCHS[name][0]
     rows = [Row(name, family, mode) for mode in modes]
     try:
@@ -168,18 +197,30 @@ def run_arch(name: str, options: SolverOptions, modes=MODES, fraction: float = 0
         for row in rows:
             row.error = f"capture: {_first_line(e)}"
         return rows
-    grads = prepared.graph_gradients
-    save_all = prepared.baselines[Strategy.SAVE_ALL].peak - grads
-    blocks = prepared.baselines[Strategy.CHECKPOINT_BLOCKS].peak - grads
-    budget = int(blocks + fraction * (save_all - blocks))
+    try:  # the eager step as the eager planner sees it (its probe runs a copy of the model)
+        eager = eager_structure(copy.deepcopy(base), prepared, None, (), kwargs)[:2]
+    except Exception as e:
+        eager, eager_failure = None, f"eager blocks: {_first_line(e)}"
+    if least:
+        smallest = least_budgets(prepared, eager, options)
+        for row in rows:
+            (row.least_compiled, row.least_compiled_proven,
+             row.least_eager, row.least_eager_proven) = smallest
     for row in rows:
-        row.budget = budget
+        if row.mode == "eager" and eager is None:
+            row.error = eager_failure
+            continue
+        row.blocks_peak, row.save_all_peak = budget_range(row.mode, prepared, eager)
+        # A range that runs down (checkpointing holds more than saving everything) has its
+        # least, per-block checkpointing, which every plan of the mode can meet.
+        row.budget = max(int(row.blocks_peak + fraction * (row.save_all_peak - row.blocks_peak)),
+                         row.blocks_peak)
         planned = copy.deepcopy(base)
         start = time.perf_counter()
         warnings = _Warnings()
         logging.getLogger("remat").addHandler(warnings)
         try:
-            plan, call = _plan(row.mode, planned, prepared, kwargs, budget, options)
+            plan, call = _plan(row.mode, planned, prepared, kwargs, row.budget, options)
         except Exception as e:
             row.error = f"plan: {_first_line(e)}"
             if isinstance(e, BudgetError) and e.smallest is not None:
@@ -204,6 +245,43 @@ def run_arch(name: str, options: SolverOptions, modes=MODES, fraction: float = 0
         except Exception as e:
             row.error = f"run: {_first_line(e)}"
     return rows
+
+
+def budget_range(mode: str, prepared, eager) -> tuple[int, int]:
+    """The activations (simulated peak less the graph's gradients) that `mode` holds with every
+    block checkpointed and nothing cached, and saving everything: the compiled graph's
+    baselines, or remat's eager timeline of `eager` (problem, blocks) with every block
+    checkpointed and with none (plain eager autograd: `pipeline_stage.ladder`'s low and
+    high)."""
+    grads = prepared.graph_gradients
+    if mode == "compiled":
+        return (prepared.baselines[Strategy.CHECKPOINT_BLOCKS].peak - grads,
+                prepared.baselines[Strategy.SAVE_ALL].peak - grads)
+    problem, blocks = eager
+    unchecked = dataclasses.replace(blocks, ops={}, owner={}, packer={},
+                                    cacheable=frozenset(), groups=())
+    return (eager_schedule(problem, blocks, ()).peak - grads,
+            eager_schedule(problem, unchecked, ()).peak - grads)
+
+
+def least_budgets(prepared, eager, options: SolverOptions
+                  ) -> tuple[int | None, bool, int | None, bool]:
+    """Each mode's least activation budget and whether it is proven the least: compiled, the
+    peak the exact solver names at budget 0 (its BudgetError's `smallest`); eager, the least
+    eager peak of any per-block policy (`least_eager_peak`; None without the eager blocks).
+    Each search has `options`' time limit."""
+    grads = prepared.graph_gradients
+    compiled, compiled_proven = None, False
+    try:
+        solve(prepared.problem, 0, Strategy.OPTIMAL, options)
+    except BudgetError as e:
+        if e.smallest is not None:
+            compiled = e.smallest - grads
+            compiled_proven = "(proven); recomputation cannot go lower" in str(e)
+    if eager is None:
+        return compiled, compiled_proven, None, False
+    found, floor = least_eager_peak(*eager, options)
+    return compiled, compiled_proven, found.peak - grads, floor >= found.peak
 
 
 def _plan(mode: str, model, prepared, kwargs: dict, budget: int, options: SolverOptions):
@@ -231,6 +309,8 @@ def main(argv=None) -> int:
     parser.add_argument("--fraction", type=float, default=0.5,
                         help="the budget's place between per-block checkpointing (0) and "
                              "saving everything (1)")
+    parser.add_argument("--no-least", action="store_true",
+                        help="skip the two least-budget searches (each --time-limit long)")
     parser.add_argument("--out", help="also write the rows to this JSON file")
     parser.add_argument("-v", "--verbose", action="store_true", help="remat's INFO log")
     args = parser.parse_args(argv)
@@ -240,14 +320,18 @@ def main(argv=None) -> int:
     options = SolverOptions(time_limit=args.time_limit)
     rows: list[Row] = []
     for name in args.archs.split(","):
-        new = run_arch(name, options, modes=args.modes.split(","), fraction=args.fraction)
+        new = run_arch(name, options, modes=args.modes.split(","), fraction=args.fraction,
+                       least=not args.no_least)
         print(tabulate([r.cells() for r in new], tablefmt="plain", disable_numparse=True),
               flush=True)
         rows += new
         if args.out:
             Path(args.out).write_text(json.dumps([asdict(r) for r in rows], indent=1))
-    print("\nThe zoo (CPU, fp32): transformers' tester configurations; budget half-way between "
-          "per-block checkpointing and saving everything; predicted = the plan's activation "
+    print(f"\nThe zoo (CPU, fp32): transformers' tester configurations; each mode's budget "
+          f"{args.fraction:g} of the way between its own per-block checkpointing and saving "
+          "everything (blocks .. save all; where checkpointing holds more, checkpointing's); "
+          "least = the least budget each mode's planner meets (* proven); "
+          "predicted = the plan's activation "
           "peak, allocator = torch.profiler memory events less the state; over = allocator "
           "against predicted; gradients: max |planned - eager| over all parameters")
     print(tabulate([r.cells() for r in rows], headers=HEADERS, disable_numparse=True))
