@@ -249,14 +249,23 @@ def test_a_backward_written_in_python_frees_its_temporaries_as_it_goes():
     model = Encoder()
     model.layers = nn.ModuleList(Mlp() for _ in range(2))
     x, y = torch.randn(8, 16, 32), torch.randn(8, 16, 32)
-    prepared = prepare(copy.deepcopy(model), (x, y))
-    grads = prepared.graph_gradients
-    save_all = prepared.baselines[Strategy.SAVE_ALL].peak - grads
-    plan = plan_eager_mode(model, prepared, budget=None, activation_budget=save_all,
-                           target="h100", solver=Strategy.OPTIMAL,
-                           solver_options=SolverOptions(time_limit=5), blocks=None,
-                           example_inputs=(x, y))
+    plan = _eager_plan(model, x, y, times_save_all=1)
     assert plan.structure.python_backward
+    _applied_within_prediction(plan, model, x, y)
+
+
+def _eager_plan(model, x, y, times_save_all: int):
+    """The model's exact eager plan at `times_save_all` times what saving everything holds."""
+    prepared = prepare(copy.deepcopy(model), (x, y))
+    save_all = prepared.baselines[Strategy.SAVE_ALL].peak - prepared.graph_gradients
+    return plan_eager_mode(model, prepared, budget=None,
+                           activation_budget=times_save_all * save_all, target="h100",
+                           solver=Strategy.OPTIMAL, solver_options=SolverOptions(time_limit=5),
+                           blocks=None, example_inputs=(x, y))
+
+
+def _applied_within_prediction(plan, model, x, y) -> None:
+    """The applied step's allocator peak (the second step's) within [-2 %, 0] of the plan's."""
     model = plan.apply(model)
 
     def step():
@@ -300,21 +309,7 @@ def test_a_python_number_that_autograd_saves_is_held_to_its_node():
     torch.manual_seed(0)
     model = ScaledNet()
     x, y = torch.randn(16, 32), torch.randn(16, 32)
-    prepared = prepare(copy.deepcopy(model), (x, y))
-    grads = prepared.graph_gradients
-    save_all = prepared.baselines[Strategy.SAVE_ALL].peak - grads
-    plan = plan_eager_mode(model, prepared, budget=None, activation_budget=2 * save_all,
-                           target="h100", solver=Strategy.OPTIMAL,
-                           solver_options=SolverOptions(time_limit=5), blocks=None,
-                           example_inputs=(x, y))
+    plan = _eager_plan(model, x, y, times_save_all=2)
     # Four per layer, the embedding's and the loss's; not ``y * 0.5``, under no_grad.
     assert len(plan.structure.kept_numbers) == 4 * 4 + 2
-    model = plan.apply(model)
-
-    def step():
-        model(x, y).backward()
-
-    step()
-    measured = activation_peak(step, model)
-    assert 0.98 * plan.activation_peak <= measured <= plan.activation_peak, \
-        (measured, plan.activation_peak)
+    _applied_within_prediction(plan, model, x, y)
