@@ -2,9 +2,12 @@
 in a collective is killed and the test fails saying so, never waits for CI's own limit."""
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 
@@ -17,3 +20,13 @@ def spawn_ranks(fn, args: tuple, nprocs: int, seconds: float) -> None:
             for process in context.processes:
                 process.kill()
             pytest.fail(f"the ranks did not finish within {seconds:.0f} s")
+
+
+def rank_results(fn, args: tuple, nprocs: int, seconds: float) -> list:
+    """Run `fn(rank, init, *args, results)` on `nprocs` processes (`init`: a file rendezvous for
+    `init_process_group`; each rank `torch.save`s what it found to ``f"{results}.{rank}"``) and
+    return those, rank by rank."""
+    with tempfile.TemporaryDirectory() as tmp:
+        results = os.path.join(tmp, "result")
+        spawn_ranks(fn, (f"file://{tmp}/rendezvous", *args, results), nprocs, seconds)
+        return [torch.load(f"{results}.{rank}") for rank in range(nprocs)]

@@ -11,8 +11,6 @@ one step within the budget, within 2 % of the prediction and not above it."""
 from __future__ import annotations
 
 import gc
-import os
-import tempfile
 from dataclasses import replace
 from functools import partial
 
@@ -28,7 +26,7 @@ from remat.solvers.pipeline import (Action, ActionKind, Kept, MicrobatchMemory, 
                                     in_flight)
 from remat.fx_passes.measuring.allocator import allocator_peak
 from tests.allocator import storage_bytes
-from tests.ranks import spawn_ranks
+from tests.ranks import rank_results
 
 CONFIG = replace(LLAMA_TEST, layers=4)
 WORLD = 2
@@ -263,10 +261,7 @@ def _worker(rank: int, init: str, plans, results: str) -> None:
 
 def test_pipeline_plans_train_like_plain_pytorch_within_their_budgets():
     plans = _plans()
-    with tempfile.TemporaryDirectory() as tmp:
-        results = os.path.join(tmp, "result")
-        spawn_ranks(_worker, (f"file://{tmp}/rendezvous", plans, results), WORLD, seconds=300)
-        measured = [torch.load(f"{results}.{rank}") for rank in range(WORLD)]
+    measured = rank_results(_worker, (plans,), WORLD, seconds=300)
     for rank, outs in enumerate(measured):
         for schedule, out in outs.items():
             plan = plans[schedule]

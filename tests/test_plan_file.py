@@ -21,7 +21,7 @@ from remat.planner.plan_load import loads_plan
 from remat.solvers import SolverOptions, Strategy, problem_file
 from remat.solvers.schedule import make_schedule
 from examples.llama import LLAMA_TEST, tiny_llama
-from tests.ranks import spawn_ranks
+from tests.ranks import rank_results
 
 CONFIG = LLAMA_TEST
 BATCH = 2
@@ -223,10 +223,8 @@ def _rank(rank: int, init: str, results: str) -> None:
         dist.destroy_process_group()
 
 
-def test_broadcast_plan_runs_rank_0s_plan_on_every_rank(tmp_path):
-    results = str(tmp_path / "result")
-    spawn_ranks(_rank, (f"file://{tmp_path}/rendezvous", results), WORLD, seconds=DEADLINE)
-    ranks = [torch.load(f"{results}.{rank}") for rank in range(WORLD)]
+def test_broadcast_plan_runs_rank_0s_plan_on_every_rank():
+    ranks = rank_results(_rank, (), WORLD, seconds=DEADLINE)
     for execution in ("compiled", "eager"):
         sent, received = ranks[0][execution], ranks[1][execution]
         assert received["type"] == sent["type"] == ("EagerPlan" if execution == "eager"

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
-import tempfile
 
 import pytest
 import torch
@@ -24,7 +22,7 @@ from examples.llama_tensor_parallel import parallelize_llama
 from remat.fx_passes.eager.apply import apply_eager
 from remat.fx_passes.measuring.allocator import allocator_peak
 from tests.allocator import storage_bytes
-from tests.ranks import spawn_ranks
+from tests.ranks import rank_results
 
 CONFIG = LLAMA_TEST  # dropout on: the recomputation must replay it
 DP, TP = 2, 2
@@ -151,10 +149,7 @@ def _worker(rank: int, init: str, plans, results: str) -> None:
 
 def test_tensor_parallel_plans_train_like_plain_pytorch_within_their_budgets():
     plans = _plans()
-    with tempfile.TemporaryDirectory() as tmp:
-        results = os.path.join(tmp, "result")
-        spawn_ranks(_worker, (f"file://{tmp}/rendezvous", plans, results), WORLD, seconds=300)
-        measured = [torch.load(f"{results}.{rank}") for rank in range(WORLD)]
+    measured = rank_results(_worker, (plans,), WORLD, seconds=300)
     for rank, outs in enumerate(measured):
         for job, out in outs.items():
             _, budget, memory = plans[job]
