@@ -88,6 +88,26 @@ def test_each_planned_call_takes_the_next_run_and_each_step_starts_at_the_first(
         (measured, plan.activation_peak)
 
 
+def test_a_call_running_the_shared_module_more_often_than_planned_is_refused(planned):
+    base, (x, y), plan, expected = planned
+    model = plan.apply(copy.deepcopy(base))
+
+    def four_runs(x, y):  # as if the config had grown a layer since planning
+        for _ in range(4):
+            x = model.layer(x)
+        return ((x - y) ** 2).mean()
+
+    model.forward = four_runs
+    with pytest.raises(RematError, match="'layer' runs a 4th time .* 3 runs of it"):
+        model(x, y)
+    del model.forward  # the planned step again: the refused call left no turn behind
+    for _ in range(4):  # the block on its own, outside the model: in turn, starting over
+        model.layer(x)
+    torch.manual_seed(7)
+    model(x, y).backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+
+
 def test_the_planned_call_is_checked_for_every_run(planned):
     base, (x, y), plan, _ = planned
     model = plan.apply(copy.deepcopy(base))

@@ -35,7 +35,10 @@ def apply_eager(model: torch.nn.Module, policies: dict[str, BlockPolicy]) -> tor
     policy for the call's shapes (`remat.fx_passes.eager.call_guard`). A module called
     several times in a step (ALBERT's shared layer) has a policy per run (``path#k``,
     `remat.fx_passes.eager.runs`): its calls that run the plan take them in turn, from the
-    first at each call of `model`; a run the policies leave out runs without checkpoint."""
+    first at each call of `model`; a run the policies leave out runs without checkpoint. A call
+    of `model` that runs such a module more times than the plan has runs is refused (the step
+    is not the one planned); called on its own, outside `model`, the module takes the runs in
+    turn and starts over after the last."""
     by_module: dict[str, dict[int | None, str]] = {}
     for name in policies:
         by_module.setdefault(module_path(name), {})[run_index(name)] = name
@@ -61,16 +64,23 @@ def apply_eager(model: torch.nn.Module, policies: dict[str, BlockPolicy]) -> tor
     if turns:
         def first_turn(module, args):  # each step starts at the first run, whatever came before
             for turn in turns:
-                turn.next = 0
+                turn.next, turn.in_model_call = 0, True
+
+        def call_ended(module, args, output):
+            for turn in turns:
+                turn.in_model_call = False
 
         model.register_forward_pre_hook(first_turn)
+        model.register_forward_hook(call_ended, always_call=True)
     return model
 
 
 class _Turn:
-    """Which run of a module called several times in a step its next planned call is."""
+    """Which run of a module called several times in a step its next planned call is, and
+    whether a call of the planned model is running (where a run past the last is an error)."""
 
     next = 0
+    in_model_call = False
 
 
 def _in_turn(module: torch.nn.Module, forward, runs: tuple, turn: _Turn,
@@ -80,10 +90,23 @@ def _in_turn(module: torch.nn.Module, forward, runs: tuple, turn: _Turn,
             not _in_mode(current(planned), module):
         # Not the planned step (no_grad, the other mode): runs plainly, and takes no turn.
         return _checkpointed(module, forward, planned, offloads, *args, **kwargs)
+    if turn.in_model_call and turn.next >= len(runs):
+        path = current(planned).path
+        raise RematError(
+            f"block {path!r} runs a {_ordinal(turn.next + 1)} time in this call of the model, "
+            f"but the plan has {len(runs)} runs of it (the step it was planned from ran it "
+            f"{len(runs)} times): this call is not the step planned (a config or an input "
+            "that changes how often the shared module runs?). Plan again with example inputs "
+            "that run it as this call does, or apply the plan to a model configured as the "
+            "planned one.")
     k, turn.next = turn.next % len(runs), turn.next + 1
     if runs[k] is None:
         return forward(*args, **kwargs)
     return _checkpointed(module, forward, runs[k], offloads, *args, **kwargs)
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _in_mode(policy: BlockPolicy, module: torch.nn.Module) -> bool:
