@@ -3,3 +3,13 @@ import sys
 
 # Benchmarks and examples import the test models by package path.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hypothesis import settings  # noqa: E402
+
+# The suite draws the same examples on every run, so that a CI run cannot turn red on a
+# structure drawn for the first time; `HYPOTHESIS_PROFILE=explore python -m pytest ...`
+# draws new ones each run, as a search for bugs (the exact eager model's property tests found
+# a real mismatch that way).
+settings.register_profile("suite", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
