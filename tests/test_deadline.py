@@ -230,3 +230,24 @@ def test_two_processes_plan_the_same_schedule():
     results = [json.loads(run.communicate(timeout=900)[0].splitlines()[-1]) for run in runs]
     assert all(r["deterministic"] is True for r in results), results
     assert results[0] == results[1]
+
+
+def test_baselines_skipped_for_time_run_in_the_time_the_later_stages_leave(monkeypatch):
+    """A loaded machine as the driver sees it: an evaluation measured at 3 s, so the prefix
+    searches (greedy, selective) are predicted past the pool's share and skipped; the relaxation
+    reads no plan; the model would take too long to build. What the later stages left goes to
+    the skipped baselines: the call returns greedy's plan, not the fixed plan the pool had."""
+    from remat.solvers.bound import Bound
+    from remat.solvers.cpsat.hints import Pool
+
+    monkeypatch.setattr(Pool, "evaluation", lambda self, deterministic: 3.0)
+    monkeypatch.setattr(driver, "relaxed_schedule",
+                        lambda *args, **kwargs: (None, Bound(0.0, (), True)))
+    problem = transformer_ops(500)
+    budget = int(0.7 * make_schedule(problem, []).peak)
+    greedy = solve(problem, budget, Strategy.GREEDY, SolverOptions())
+    result = solve(problem, budget, Strategy.OPTIMAL,
+                   SolverOptions(time_limit=60, relative_gap=0, model="single"))
+    assert result.info["model_build"].startswith("not built")
+    assert result.info["hint"] == "greedy" and "greedy" not in result.info.get("skipped", {})
+    assert result.peak <= budget and result.cost <= greedy.cost

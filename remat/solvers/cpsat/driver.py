@@ -3,12 +3,12 @@
 pool's baselines, the plan read off the bound's relaxation (`remat.solvers.relaxed`, which proves
 a bound too), the least-peak search where nothing fits, the drop pass, the bound at the step
 where the hint binds, the model's construction, the least-cost stage, the least-peak-at-that-cost
-stage, and every fallback. Each part gets a share of the limit and never more than what is left
-less the time kept to finish; each checks the deadline between its steps (a model's
-construction too) and every CP-SAT solve runs under its watchdog. What could not run is named in
-`info` ("skipped", "model_build", "peak_stage", "stopped_in"). In deterministic mode
-(`SolverOptions.deterministic`) the shares are of deterministic time, so the same decisions are
-taken in any process (`remat.solvers.cpsat.search.deadline_of`).
+stage, and every fallback (a baseline skipped for time runs in what the later stages left).
+Each part gets a share of the limit, never more than what is left less the time kept to finish;
+each checks the deadline between its steps (a model's construction too) and every CP-SAT solve
+runs under its watchdog. What could not run is named in `info` ("skipped", "model_build",
+"peak_stage", "stopped_in"). In deterministic mode (`SolverOptions.deterministic`) the shares
+are of deterministic time: the same decisions in any process (`search.deadline_of`).
 
 The status is the truth about the returned schedule's true (unrounded) cost: OPTIMAL only when
 it is within OPTIMAL_TOLERANCE of a proven bound; else FEASIBLE, with that bound and its gap.
@@ -18,36 +18,30 @@ from __future__ import annotations
 import logging
 import math
 import time
-from types import MappingProxyType
 
 from ortools.sat.python import cp_model
 
-from remat.errors import BudgetError, SolverError
 from remat.solvers.bound import Bound, recompute_bound
+from remat.solvers.cpsat.call_outcomes import OPTIMAL_TOLERANCE, CallOutcomes
 from remat.solvers.cpsat.hints import Pool, drop_pass
-from remat.solvers.cpsat.least_peak import least_peak, too_small
-from remat.solvers.cpsat.rich_search import full_cost, optimal_rich
-from remat.solvers.cpsat.search import (Progress, Trace, build_model, cp_solver, deadline_info,
-                                        deadline_of, run_solver)
+from remat.solvers.cpsat.rich_search import optimal_rich
+from remat.solvers.cpsat.search import (Progress, Trace, build_model, cp_solver, deadline_of,
+                                        run_solver)
 from remat.solvers.cpsat.units import Units
 from remat.solvers.deadline import Deadline, OutOfTime, modelled
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Problem
 from remat.solvers.strategies import Strategy, register
 from remat.solvers.relaxed import binding_step, joint_bound, relaxed_schedule
-from remat.solvers.schedule import Schedule, Status, evaluate, make_schedule
+from remat.solvers.schedule import Schedule, evaluate, make_schedule
 
 logger = logging.getLogger(__name__)
 
-# A schedule is OPTIMAL when its true cost is within this fraction above a proven bound.
-OPTIMAL_TOLERANCE = 1e-4
-# The relaxations of remat.solvers.bound run with their own worker count (bound.WORKERS: the
-# portfolio that proves them), whatever `options.workers` gives the search.
-# Shares of the time limit: the hint pool's baselines; the plan read off the bound's
-# relaxation; the drop pass; the least-peak search
-# when no baseline fits (of what is left; it stops once the budget is met); the bound proven from backward steps (a second or
-# two on real graphs, where CP-SAT's own bound stays near zero); the stage that lowers the peak
-# at the found cost.
+# Shares of the time limit (the relaxations of remat.solvers.bound run with their own worker
+# count, bound.WORKERS, whatever `options.workers` gives the search): the hint pool's baselines;
+# the plan read off the relaxation; the drop pass; the least-peak search when no baseline fits
+# (of what is left; it stops once the budget is met); the bound proven from backward steps;
+# the stage that lowers the peak at the found cost.
 BASELINE_SHARE = 0.25
 UNTIL_ONE_FITS_SHARE = 0.4  # the pool's while none of it fits yet
 RELAXED_SHARE = 0.55
@@ -56,8 +50,8 @@ LEAST_PEAK_SHARE = 0.5
 BOUND_SHARE = 0.15
 PEAK_STAGE_SHARE = 0.1
 RICH_JOINT_SHARE = 0.35
-# Building the model, and finishing (make_schedule, hint, evaluate), in schedule evaluations:
-# what they took at 10,000 ops on a loaded machine (build 13 to 41 evaluations, finish 3).
+# Building the model, and finishing, in schedule evaluations: what they took at 10,000 ops on
+# a loaded machine (build 13 to 41 evaluations, finish 3).
 BUILD_EVALUATIONS = 40
 FINISH_EVALUATIONS = 4
 # What a relaxation's part (its build, its plans' evaluations) runs past its solve's time limit.
@@ -73,8 +67,8 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
     options = options.by_size(len(problem))
     deadline = deadline_of(options)
     with Progress(deadline) as progress:
+        # Just-in-time positions are the single model's space (the rich model's are free).
         if options.model == "single" or (options.model == "auto" and not options.free_positions):
-            # Just-in-time positions are the single model's space (the rich model's are free).
             return _Call(problem, budget, options, progress, deadline).run()
         # The richer model ("rich"), or the single model first and the richer one where a
         # bound over its space leaves room ("auto"): `remat.solvers.cpsat.rich_search`.
@@ -84,9 +78,8 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
             OPTIMAL_TOLERANCE)
 
 
-class _Call:
-    """One call of `optimal` (or its single-model part): its deadline, its shared state, its
-    stages."""
+class _Call(CallOutcomes):
+    """One call of `optimal` (or its single-model part): deadline, shared state, stages."""
 
     def __init__(self, problem: Problem, budget: int, options: SolverOptions, progress: Progress,
                  deadline: Deadline):
@@ -123,8 +116,8 @@ class _Call:
         if hint is None or hint.peak > budget:
             hint = self.pool.best(budget, self.part(BASELINE_SHARE),
                                   until_one_fits=self.part(UNTIL_ONE_FITS_SHARE))
-        # The plan the first backward step's relaxation suggests, repaired to fit: on stacks
-        # of blocks far cheaper than any baseline's, and sometimes the only one that fits.
+        # The plan the first backward step's relaxation suggests, repaired to fit: far cheaper
+        # than any baseline's on stacks of blocks, and sometimes the only one that fits.
         relaxed, relaxed_bound = None, Bound(0.0, (), True)
         part = self.part(RELAXED_SHARE, PART_EVALUATIONS * self.evaluation())
         if part.check("reading a plan off the relaxation"):
@@ -147,8 +140,8 @@ class _Call:
             return self.fail(model=None)
         model = None
         if hint is None:
-            # Near the smallest peak no baseline fits, and CP-SAT rarely finds a first schedule
-            # on its own there; the least-peak search does (or proves that none fits).
+            # Near the smallest peak no baseline fits, and CP-SAT rarely finds a first schedule:
+            # the least-peak search does (or proves that none fits).
             model = self.build()
             if model is None:
                 return self.nothing_found("no time left to build the model")
@@ -164,9 +157,8 @@ class _Call:
         if self.pool.skipped:
             info["skipped"] = dict(self.pool.skipped)
         if hint is not None:
-            # The relaxation's plan too: its rooms shrink evenly until a plan fits, which
-            # recomputes more than fitting needs (gpt2 at half its save-all peak: 0.118 ms,
-            # 0.090 ms after the drop pass in 0.5 s).
+            # The relaxation's plan too recomputes more than fitting needs (gpt2 at half its
+            # save-all peak: 0.118 ms, 0.090 ms after the drop pass in 0.5 s).
             part = self.part(HINT_SHARE, self.evaluation())
             self.progress.update(cost=hint.cost)
             if part.check("improving the hint"):
@@ -174,10 +166,9 @@ class _Call:
                 hint = drop_pass(problem, budget, hint, part)
             info["hint"] = hint.strategy
 
-        # --- Under "auto" and "rich" the call's bound is over the rich space, where the
-        # relaxation's steps together are not proven: proven there now, before the search
-        # (the 70B: 0.1922 s over its two steps in 6 to 10 s, where the one step that holds over
-        # that space gives 0.1532, and the single model's search finds nothing in 30 s).
+        # --- Under "auto" and "rich" the call's bound is over the rich space: the relaxation's
+        # steps proven together there, before the search (the 70B: 0.1922 s over two steps in
+        # 6 to 10 s; one step gives 0.1532; the single model's search finds nothing in 30 s).
         part = self.part(RICH_JOINT_SHARE, self.evaluation())
         if (self.options.model != "single" and self.options.free_positions
                 and len(relaxed_bound.steps) > 1 and part.check("proving the relaxation's "
@@ -210,6 +201,7 @@ class _Call:
         if model is None:
             model = self.build()
             if model is None:  # no time to search: the hint as it is, with what is proven
+                hint = self.second_chance(hint)
                 if hint is None:
                     return self.nothing_found("no time left to build the model")
                 info["from_hint"] = True
@@ -245,6 +237,7 @@ class _Call:
         if status == cp_model.INFEASIBLE:
             return self.fail(model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            hint = self.second_chance(hint)
             if hint is not None and hint.peak <= budget:  # a caller's hint need not fit
                 # Out of time before CP-SAT accepted any schedule; the hint fits (simulated).
                 info["from_hint"] = True
@@ -290,17 +283,8 @@ class _Call:
             schedule = hint  # CP-SAT started from it; its own answer can only be as good
         return self.result(schedule, bound)
 
-    def close_enough(self, hint: Schedule | None, bound: float) -> bool:
-        """Whether `hint` fits and its true cost is proven within `options.relative_gap` of
-        `bound`: the search may stop there, as CP-SAT does at that gap (never at 0)."""
-        if hint is None or hint.peak > self.budget or self.options.relative_gap <= 0:
-            return False
-        cost = full_cost(self.problem, hint)
-        return cost - bound <= self.options.relative_gap * cost
-
     def evaluation(self) -> float:
-        """Seconds one schedule evaluation (make_schedule, simulate) takes on this problem:
-        measured on the wall clock, modelled in deterministic mode."""
+        """Seconds one schedule evaluation takes: measured, or modelled (deterministic mode)."""
         return self.pool.evaluation(self.deadline.deterministic)
 
     def finish(self) -> float:
@@ -311,9 +295,8 @@ class _Call:
         return FINISH_EVALUATIONS * max(self.evaluation(), measured)
 
     def build(self):
-        """The model for the options, when its construction (predicted from the time one
-        schedule evaluation takes) fits in the time left and ends before the deadline; else
-        None."""
+        """The model for the options, when its construction (predicted from an evaluation's
+        time) fits in the time left and ends before the deadline; else None."""
         expected = BUILD_EVALUATIONS * self.evaluation()
         work = self.work()
         if expected > work.left() or not work.check("building the model"):
@@ -333,65 +316,13 @@ class _Call:
                          build_time=time.perf_counter() - began)
         return model
 
-    # --- Outcomes.
+    def second_chance(self, hint: Schedule | None) -> Schedule | None:
+        """`hint`, or a baseline the pool had no time for that does better in the time left
+        (`Pool.second_chance`): where the relaxation and the model could not run."""
+        if self.pool.skipped:
+            self.progress.update(stage="running the baselines skipped")
+            hint = self.pool.second_chance(hint, self.budget, self.work())
+            self.info.update(skipped=dict(self.pool.skipped),
+                             **({"hint": hint.strategy} if hint is not None else {}))
+        return hint
 
-    def result(self, schedule: Schedule, bound: float) -> Schedule:
-        """`schedule` with its true status: OPTIMAL within OPTIMAL_TOLERANCE of `bound`."""
-        self.progress.update(stage="done")
-        self.info.update(deadline_info(self.deadline))
-        cost = full_cost(self.problem, schedule)  # a caller's hint may be a rich schedule
-        optimum = cost - bound <= OPTIMAL_TOLERANCE * cost
-        return evaluate(self.problem, schedule, strategy=Strategy.OPTIMAL.value,
-                        status=Status.OPTIMAL if optimum else Status.FEASIBLE,
-                        budget=self.budget, bound=bound,
-                        solve_time=time.perf_counter() - self.start,
-                        info=MappingProxyType(self.info))
-
-    def best_bound(self, searched: float, steps: Bound) -> float:
-        """The higher of CP-SAT's bound and the one proven from backward steps;
-        `info["bound_from"]` says which, for the report."""
-        if steps.steps and steps.value > searched:
-            self.info["bound_from"] = f"backward steps ({steps.where(self.problem)})"
-            # A single step's bound holds over the rich space too (remat.solvers.cpsat.
-            # rich_search uses it then); several steps together assume one decision a value.
-            self.info["bound_steps"] = len(steps.steps)
-            return steps.value
-        self.info["bound_from"] = "CP-SAT search"
-        self.info.pop("bound_steps", None)
-        return searched
-
-    def search_least_peak(self, model, deadline: Deadline, target: int = -1) -> None:
-        if self.least is None:
-            self.progress.update(stage="searching for the least peak")
-            self.least, self.least_proven = least_peak(
-                self.problem, self.units, self.options, self.pool, model, deadline, target,
-                start=self.lowest[0] if self.lowest else None)
-
-    def too_small(self) -> BudgetError:
-        return too_small(self.problem, self.budget, self.least, self.least_proven, self.options,
-                         self.work())
-
-    def fail(self, model) -> Schedule:
-        """Where the model (or a bound) finds nothing that fits: the least-peak schedule, which
-        fits only where rounding made the model conservative; else BudgetError."""
-        model = model or self.build()
-        if model is not None:
-            self.search_least_peak(model, self.work())
-        elif self.least is None:  # no time to search: the pool's least peak, unproven
-            self.least = self.pool.least_peak(self.work())
-        if self.least is None:
-            return self.nothing_found("no time left for the least-peak search")
-        if self.least.peak > self.budget:
-            raise self.too_small()
-        return self.result(self.least, 0.0)
-
-    def nothing_found(self, why: str) -> Schedule:
-        if self.least is not None:  # a schedule is known, only above the budget: say so
-            raise self.too_small()
-        hint = self.options.hint
-        tried = (f"hinted with {hint.strategy}, which does not fit" if hint is not None
-                 else "no baseline fits to hint")
-        skipped = f"; skipped: {', '.join(self.pool.skipped)}" if self.pool.skipped else ""
-        raise SolverError(f"optimal: no schedule within the time limit of "
-                          f"{self.options.time_limit:g} s ({why}; {tried}{skipped}); raise "
-                          "time_limit or the budget")
