@@ -3,7 +3,8 @@ one micro-batch's passes over them, why checkpointing raised the peak under the 
 schedules, and plans run with `torch.distributed.pipelining` on 2 gloo ranks.
 
 The distributed test plans examples/llama_pipeline.py's stages of the tests' Llama (4 layers,
-dropout on) for GPipe and 1F1B (2 stages) and InterleavedZeroBubble (4 stages, 2 a rank) at
+dropout on) for GPipe and 1F1B (2 stages), InterleavedZeroBubble (4 stages, 2 a rank) and ZBVZeroBubble
+(4 stages in a V: rank 1 runs both stages of its turn, which hand tensors on without a send) at
 budgets that make them recompute, and judges each rank against the same job without remat
 (parameters after two AdamW steps), against the schedule's order as the runtime ran it, and
 against the allocator: what the rank holds when the step starts as predicted, and its peak in
@@ -54,6 +55,15 @@ def test_micro_batches_in_flight_per_schedule():
                 at = [acts.index(Action(s, k, m)) for k in (ActionKind.FORWARD,
                                                            ActionKind.INPUT, ActionKind.WEIGHT)]
                 assert at == sorted(at)
+    # ZBVZeroBubble's turn (stages 1 and 2 on rank 1): stage 1's output, handed on as stage
+    # 2's input, outlives its own W, to the end of the step; the other ranks hand nothing on.
+    zbv = schedule_actions("ZBVZeroBubble", ranks=2, microbatches=4)
+    sizes = {s: 10 for s in range(4)}
+    handed = {k.what: k for k in zbv.kept(1, sizes, sizes) if k.what.endswith("handed on")}
+    assert {w: (k.size, k.after, k.until) for w, k in handed.items()} == {
+        f"1F{m} handed on": (10, zbv.actions[1].index(Action(1, ActionKind.WEIGHT, m)), None)
+        for m in range(4)}
+    assert not any(k.what.endswith("handed on") for k in zbv.kept(0, sizes, sizes))
     with pytest.raises(remat.RematError, match="one stage a rank"):
         schedule_actions("1F1B", ranks=2, microbatches=4, stages=4)
     with pytest.raises(remat.RematError, match="unknown pipeline schedule"):
@@ -131,7 +141,7 @@ def test_split_backward_recomputes_a_checkpointed_block_per_parameter_group():
 # ----------------------------------------------------------------------------- on gloo
 
 
-SCHEDULES = ("GPipe", "1F1B", "InterleavedZeroBubble")
+SCHEDULES = ("GPipe", "1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 
 
 def _stages(schedule: str, count: int):
@@ -142,7 +152,7 @@ def _stages(schedule: str, count: int):
 def _plans() -> dict:
     """Each schedule's plan at a budget per rank that makes it recompute: for GPipe and 1F1B
     the least that holds each stage's middle plan of the ladder (a selective policy that
-    caches some), for InterleavedZeroBubble halfway between the least any plan holds and what
+    caches some), for the zero-bubble schedules halfway between the least any plan holds and what
     no checkpointing holds."""
     from remat.planner.pipeline import PipelineSpec, _smallest_budget, plan_pipeline
 
@@ -261,7 +271,7 @@ def _worker(rank: int, init: str, plans, results: str) -> None:
 
 def test_pipeline_plans_train_like_plain_pytorch_within_their_budgets():
     plans = _plans()
-    measured = rank_results(_worker, (plans,), WORLD, seconds=300)
+    measured = rank_results(_worker, (plans,), WORLD, seconds=400)
     for rank, outs in enumerate(measured):
         for schedule, out in outs.items():
             plan = plans[schedule]

@@ -37,9 +37,12 @@ while the work object lives):
 - The multi-stage runtime keeps every send's works to the end of the step. A V-shaped
   schedule hands tensors between the two stages of its turn on one rank without a send
   (`set_local_fwd_input`, `set_local_bwd_input`): the output becomes the next stage's input
-  buffer (no bytes more than the model counts, measured), the input gradient the previous
-  stage's output-gradient buffer, which stays to the end of the step like a sent one
-  (measured; why the buffer it replaces is not freed then was not found).
+  buffer and the input gradient the previous stage's output-gradient buffer, each kept to
+  the end of the step (and on, until the next step hands on its own), like a sent one. The
+  output is held by its own stage up to its W (or B) anyway; from then on it is kept as the
+  next stage's input. The buffer each replaces (the last step's) is freed at the hand-off,
+  but allocated before the step, its free is one that the CPU profiler does not report; as
+  measured (docs/parallelism.md) the handed-on tensors count on top of the receive buffers.
 """
 from __future__ import annotations
 
@@ -124,9 +127,14 @@ class ScheduleOrder:
                         out.append(Kept(input_grad[s], made[m], next_after(backwards, made[m]),
                                         f"{s}B{m} sends"))
             else:
+                hands_on = not last and self.stage_rank[s + 1] == rank  # a V's turn
                 for m in mbs:
                     if sends:
                         out.append(Kept(output[s], freed[m], None, f"{s}F{m} sent"))
+                    # Handed on to the next stage on the same rank, the output is that
+                    # stage's input buffer from then on: it outlives its own W (module doc).
+                    if hands_on:
+                        out.append(Kept(output[s], freed[m], None, f"{s}F{m} handed on"))
                     # Handed back to a stage on the same rank (a V-shaped turn), the input
                     # gradient stays to the end of the step too (measured).
                     if s != 0:
