@@ -126,15 +126,25 @@ class _Call:
         # The plan the first backward step's relaxation suggests, repaired to fit: on stacks
         # of blocks far cheaper than any baseline's, and sometimes the only one that fits.
         relaxed, relaxed_bound = None, Bound(0.0, (), True)
-        part = self.part(RELAXED_SHARE, PART_EVALUATIONS * self.evaluation())
+        # Under "auto" and "rich" the joint steps are proven over the rich space in this stage
+        # (`rich` below), which takes the share of that stage too.
+        rich = [] if self.rich_bound_wanted() else None
+        plans = self.part(RELAXED_SHARE, PART_EVALUATIONS * self.evaluation())
+        part = self.part(RELAXED_SHARE + RICH_JOINT_SHARE * (rich is not None),
+                         PART_EVALUATIONS * self.evaluation())
         if part.check("reading a plan off the relaxation"):
             self.progress.update(stage="reading a plan off the relaxation")
             one_step: list[Bound] = []
+            # The steps joined are solved over the rich space at once where the call's bound is
+            # over that space: that bound holds over both (the 70B: one joint solve, not two).
             relaxed, relaxed_bound = relaxed_schedule(problem, budget, time_limit=part.limit,
                                                       lowest=self.lowest, deadline=part,
-                                                      one_step=one_step)
+                                                      one_step=one_step, rich=rich, plans=plans)
             if one_step and math.isfinite(one_step[0].value):  # for the rich space's bound
                 info["one_step_bound"] = one_step[0].value
+            if rich and rich[0].value > 0:
+                info["rich_joint_bound"] = rich[0].value
+                info["rich_joint_steps"] = rich[0].steps
             if len(relaxed_bound.steps) > 1:  # where the rich space's bound is proven first
                 info["relaxation_steps"] = relaxed_bound.steps
         else:
@@ -179,12 +189,12 @@ class _Call:
         # (the 70B: 0.1922 s over its two steps in 6 to 10 s, where the one step that holds over
         # that space gives 0.1532, and the single model's search finds nothing in 30 s).
         part = self.part(RICH_JOINT_SHARE, self.evaluation())
-        if (self.options.model != "single" and self.options.free_positions
-                and len(relaxed_bound.steps) > 1 and part.check("proving the relaxation's "
-                                                                "steps over the rich space")):
+        if (self.rich_bound_wanted() and len(relaxed_bound.steps) > 1
+                and info.get("rich_joint_steps") != relaxed_bound.steps
+                and part.check("proving the relaxation's steps over the rich space")):
             self.progress.update(stage="proving the relaxation's steps over the rich space")
             joint = joint_bound(problem, budget, relaxed_bound.steps, rich=True, deadline=part)
-            if joint.value > 0:
+            if joint.value > info.get("rich_joint_bound", 0.0):
                 info["rich_joint_bound"] = joint.value
 
         # --- A bound proven at the step where the hint peaks, where the budget binds, unless
@@ -289,6 +299,10 @@ class _Call:
         if hint is not None and hint.peak <= budget and hint.cost < schedule.cost:
             schedule = hint  # CP-SAT started from it; its own answer can only be as good
         return self.result(schedule, bound)
+
+    def rich_bound_wanted(self) -> bool:
+        """Whether the call's bound must hold over the rich space ("auto", "rich")."""
+        return self.options.model != "single" and self.options.free_positions
 
     def close_enough(self, hint: Schedule | None, bound: float) -> bool:
         """Whether `hint` fits and its true cost is proven within `options.relative_gap` of
