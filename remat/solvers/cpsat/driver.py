@@ -34,7 +34,7 @@ from remat.solvers.deadline import Deadline, OutOfTime, modelled
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Problem
 from remat.solvers.strategies import Strategy, register
-from remat.solvers.relaxed import binding_step, joint_bound, relaxed_schedule
+from remat.solvers.relaxed import binding_step, relaxed_schedule
 from remat.solvers.schedule import Schedule, Status, evaluate, make_schedule
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ HINT_SHARE = 0.05
 LEAST_PEAK_SHARE = 0.5
 BOUND_SHARE = 0.15
 PEAK_STAGE_SHARE = 0.1
-RICH_JOINT_SHARE = 0.35
+RICH_JOINT_SHARE = 0.35  # more for the relaxation, whose joint steps prove the rich bound
 # Building the model, and finishing (make_schedule, hint, evaluate), in schedule evaluations:
 # what they took at 10,000 ops on a loaded machine (build 13 to 41 evaluations, finish 3).
 BUILD_EVALUATIONS = 40
@@ -123,11 +123,11 @@ class _Call:
         if hint is None or hint.peak > budget:
             hint = self.pool.best(budget, self.part(BASELINE_SHARE),
                                   until_one_fits=self.part(UNTIL_ONE_FITS_SHARE))
-        # The plan the first backward step's relaxation suggests, repaired to fit: on stacks
+        # The plan a backward step's relaxation suggests, repaired to fit: on stacks
         # of blocks far cheaper than any baseline's, and sometimes the only one that fits.
         relaxed, relaxed_bound = None, Bound(0.0, (), True)
-        # Under "auto" and "rich" the joint steps are proven over the rich space in this stage
-        # (`rich` below), which takes the share of that stage too.
+        # Under "auto" and "rich" the call's bound is over the rich space: the steps joined are
+        # proven over it in this stage (`rich`), which has RICH_JOINT_SHARE more time for them.
         rich = [] if self.rich_bound_wanted() else None
         plans = self.part(RELAXED_SHARE, PART_EVALUATIONS * self.evaluation())
         part = self.part(RELAXED_SHARE + RICH_JOINT_SHARE * (rich is not None),
@@ -135,8 +135,6 @@ class _Call:
         if part.check("reading a plan off the relaxation"):
             self.progress.update(stage="reading a plan off the relaxation")
             one_step: list[Bound] = []
-            # The steps joined are solved over the rich space at once where the call's bound is
-            # over that space: that bound holds over both (the 70B: one joint solve, not two).
             relaxed, relaxed_bound = relaxed_schedule(problem, budget, time_limit=part.limit,
                                                       lowest=self.lowest, deadline=part,
                                                       one_step=one_step, rich=rich, plans=plans)
@@ -145,7 +143,7 @@ class _Call:
             if rich and rich[0].value > 0:
                 info["rich_joint_bound"] = rich[0].value
                 info["rich_joint_steps"] = rich[0].steps
-            if len(relaxed_bound.steps) > 1:  # where the rich space's bound is proven first
+            if len(relaxed_bound.steps) > 1:
                 info["relaxation_steps"] = relaxed_bound.steps
         else:
             info["relaxation"] = "skipped: no time left"
@@ -183,19 +181,6 @@ class _Call:
                 self.progress.update(stage="improving the hint")
                 hint = drop_pass(problem, budget, hint, part)
             info["hint"] = hint.strategy
-
-        # --- Under "auto" and "rich" the call's bound is over the rich space, where the
-        # relaxation's steps together are not proven: proven there now, before the search
-        # (the 70B: 0.1922 s over its two steps in 6 to 10 s, where the one step that holds over
-        # that space gives 0.1532, and the single model's search finds nothing in 30 s).
-        part = self.part(RICH_JOINT_SHARE, self.evaluation())
-        if (self.rich_bound_wanted() and len(relaxed_bound.steps) > 1
-                and info.get("rich_joint_steps") != relaxed_bound.steps
-                and part.check("proving the relaxation's steps over the rich space")):
-            self.progress.update(stage="proving the relaxation's steps over the rich space")
-            joint = joint_bound(problem, budget, relaxed_bound.steps, rich=True, deadline=part)
-            if joint.value > info.get("rich_joint_bound", 0.0):
-                info["rich_joint_bound"] = joint.value
 
         # --- A bound proven at the step where the hint peaks, where the budget binds, unless
         # the relaxation's solves proved one there already (or one over several steps).
