@@ -96,10 +96,9 @@ def _read_plans(problem: Problem, budget: int, workers: int, lowest: list | None
     best = None  # the cheapest fitting plan
     tightest = _tightest_step(problem)
     if tightest != nf:  # its bound first, alone, then with the step where its plan binds
-        best, proven = _from_tightest(problem, budget, tightest, workers, deadline, rich)
-        found[:] = [best, proven]
-        if one_step is not None:
-            one_step[:] = [proven]
+        # `found` and `one_step` are told as soon as known: OutOfTime may end the joint solve.
+        best, proven = _from_tightest(problem, budget, tightest, workers, deadline, rich, found,
+                                      one_step if one_step is not None else [])
         if proven.value == math.inf:
             return None, proven
     steps, shrink = [nf], 0
@@ -210,20 +209,24 @@ def joint_bound(problem: Problem, budget: int, steps, *, rich: bool,
 
 
 def _from_tightest(problem: Problem, budget: int, tightest: int, workers: int,
-                   deadline: Deadline, rich: list | None) -> tuple[Schedule | None, Bound]:
+                   deadline: Deadline, rich: list | None, found: list,
+                   one_step: list) -> tuple[Schedule | None, Bound]:
     """The relaxation at `tightest` alone (its plan repaired; its bound, which holds over the
     rich space too), then with the step where that plan binds (over the rich space where `rich`
-    asks, which receives its bound): the plan of least cost that fits, and the one step's bound.
+    asks, which receives its bound): the plan of least cost that fits, and the one step's bound,
+    both told to `found` (plan, bound) as they come, the bound to `one_step` too.
     The 70B: 0.1946 s proven at the log-softmax's backward in a second; with the step in the
     last block's backward where its plan peaks, a plan at 0.1957 s that fits as read."""
     nf, fixed = problem.num_forward, fixed_bytes(problem)
     relaxation = Relaxation(problem, [tightest], deadline=deadline)
     value, exact = relaxation.least_cost({tightest: budget - fixed[tightest - nf]},
                                          lambda op: op.cost, deadline.left(), workers, gap=GAP)
-    proven = Bound(value, (tightest,), exact)
+    proven = found[1] = Bound(value, (tightest,), exact)
+    one_step[:] = [proven]
     if value == math.inf:
         return None, proven
     best, read = _fitted(problem, budget, relaxation, deadline)
+    found[0] = best
     binding = binding_step(problem, read) if read is not None and read.peak > budget else None
     logger.debug("step %d alone: bound %.6g, plan %s, repaired %s; binds at %s", tightest, value,
                  read and read.cost, best and best.cost, binding)
@@ -241,7 +244,7 @@ def _from_tightest(problem: Problem, budget: int, tightest: int, workers: int,
     logger.debug("steps %s: bound %.6g, plan %s, repaired %s", steps, value, read and read.cost,
                  joined and joined.cost)
     if joined is not None and (best is None or joined.cost < best.cost):
-        best = joined
+        best = found[0] = joined
     return best, proven
 
 
