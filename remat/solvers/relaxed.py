@@ -62,15 +62,17 @@ def relaxed_schedule(problem: Problem, budget: int, *, time_limit: float = 10.0,
     solves with the true rooms proved (math.inf: no schedule fits). `lowest`, a list, receives
     the plan of least peak seen, fitting or not (near the floor, where none fits, a start for
     the least-peak search); `one_step`, a list, the best bound proven at one step alone (the
-    first, or `_tightest_step`, solved first for its bound alone) (which holds over the rich space too, where no value may wait in host memory).
+    first, or `_tightest_step`'s, solved before it), which holds over the rich space too, where
+    no value may wait in host memory.
 
     `rich`, a list, asks for the steps joined to be solved over the rich space
     (`Relaxation(rich=True)`, a relaxation of the single one: its bound holds over both) and
     receives the best Bound proven there. Its solution is the single space's too wherever it
     recomputes nothing twice and offloads nothing, and the plan is read off it then; else the
-    same steps are solved again over the single space for the plan (mamba at 60 %: a plan read
-    off the rich solution cost 7.03e-05 against 6.22e-05). One solve instead of two where the
-    joint solve is most of the time (the 70B's two steps: 5 CPU seconds each).
+    same steps are solved again over the single space for the plan where a solve as long fits
+    (mamba at 60 %: a plan read off the rich solution cost 7.03e-05 against 6.22e-05). One
+    solve instead of two where the joint solve is most of the time (the 70B's two first steps:
+    4.1 CPU seconds, where the single solve took 5.0 and the rich one 7.1 after it).
 
     `plans`, a part of `deadline` (None: all of it), bounds the turns that only look for
     cheaper plans (rooms shrunk); the first step's turn and the joint one may run to `deadline`,
