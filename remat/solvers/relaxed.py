@@ -42,29 +42,53 @@ PRECISION = 1e-3
 # Each solve stops within this share of its optimum: the last fraction of a percent is most of
 # the time to prove it (5,000 ops: 9.5 s to prove one step), and the bound is CP-SAT's anyway.
 GAP = 2e-3
+# The joint solve grown from `_tightest_step`, which is there for its plan (the step's own bound
+# stands), stops within this share: the 70B's, 3.9 CPU seconds, the same plan; 6.7 at GAP.
+PLAN_GAP = 1e-2
+# Its solves get at most these shares of the time left, alone and joined: the turns from the
+# first step follow (a synthetic 5,000-op stack at a load of 10: its step alone found nothing in
+# 7.7 s, where the first step's plan and bound came in 2.2 s).
+TIGHTEST_ALONE_SHARE = 0.3
+TIGHTEST_SHARE = 0.6
 
 
 def relaxed_schedule(problem: Problem, budget: int, *, time_limit: float = 10.0,
                      workers: int = 0, lowest: list | None = None,
                      deadline: Deadline | None = None,
-                     one_step: list | None = None) -> tuple[Schedule | None, Bound]:
+                     one_step: list | None = None, rich: list | None = None,
+                     plans: Deadline | None = None) -> tuple[Schedule | None, Bound]:
     """The cheapest plan that fits `budget` found this way in `time_limit` seconds of
     `deadline` (a part of a caller's call) or of now (None: none), and the best bound its
     solves with the true rooms proved (math.inf: no schedule fits). `lowest`, a list, receives
     the plan of least peak seen, fitting or not (near the floor, where none fits, a start for
-    the least-peak search); `one_step`, a list, the bound proven at the first backward step
-    alone (which holds over the rich space too, where no value may wait in host memory)."""
+    the least-peak search); `one_step`, a list, the best bound proven at one step alone (the
+    first, or `_tightest_step`'s, solved before it), which holds over the rich space too, where
+    no value may wait in host memory.
+
+    `rich`, a list, asks for the steps joined to be solved over the rich space
+    (`Relaxation(rich=True)`, a relaxation of the single one: its bound holds over both) and
+    receives the best Bound proven there. Its solution is the single space's too wherever it
+    recomputes nothing twice and offloads nothing, and the plan is read off it then; else the
+    same steps are solved again over the single space for the plan where a solve as long fits
+    (mamba at 60 %: a plan read off the rich solution cost 7.03e-05 against 6.22e-05). One
+    solve instead of two where the joint solve is most of the time (the 70B's two first steps:
+    4.1 CPU seconds, where the single solve took 5.0 and the rich one 7.1 after it).
+
+    `plans`, a part of `deadline` (None: all of it), bounds the turns that only look for
+    cheaper plans (rooms shrunk); the first step's turn and the joint one may run to `deadline`,
+    since their bounds are the call's."""
     deadline = Deadline(time_limit) if deadline is None else deadline.within(time_limit)
     found: list = [None, Bound(0.0, (), True)]  # the best plan and bound, where OutOfTime finds
     try:
-        return _read_plans(problem, budget, workers, lowest, deadline, found, one_step)
+        return _read_plans(problem, budget, workers, lowest, deadline, found, one_step, rich,
+                           plans or deadline)
     except OutOfTime:
         return found[0], found[1]
 
 
 def _read_plans(problem: Problem, budget: int, workers: int, lowest: list | None,
-                deadline: Deadline, found: list, one_step: list | None
-                ) -> tuple[Schedule | None, Bound]:
+                deadline: Deadline, found: list, one_step: list | None,
+                rich: list | None, plans: Deadline) -> tuple[Schedule | None, Bound]:
     now = deadline.now
     evaluation = modelled("evaluation", len(problem))
     nf = problem.num_forward
@@ -75,23 +99,53 @@ def _read_plans(problem: Problem, budget: int, workers: int, lowest: list | None
     fixed = fixed_bytes(problem)
     if budget < fixed[0]:  # the first backward step holds more under every schedule
         return None, Bound(math.inf, (nf,), True)
+    deadline.charge(evaluation)
+    best = None  # the cheapest fitting plan
+    tightest = _tightest_step(problem)
+    if tightest != nf:  # its bound first, alone, then with the step where its plan binds
+        # `found` and `one_step` are told as soon as known: OutOfTime may end the joint solve.
+        try:
+            best, proven = _from_tightest(problem, budget, tightest, workers, deadline, rich,
+                                          found, one_step if one_step is not None else [])
+        except OutOfTime:  # its part is spent: what it found stands, the turns follow
+            best, proven = found[0], found[1]
+        if proven.value == math.inf:
+            return None, proven
     steps, shrink = [nf], 0
     ceiling = None  # the least shrink found infeasible
-    best, fits, fails = None, None, None  # the cheapest fitting plan; shrinks that fit and not
+    fits, fails = None, None  # shrinks that fit and not
     overhead = 0.0  # what the last turn spent outside the solve: building, evaluating
-    while deadline.left() > overhead and deadline.check("reading a plan off the relaxation"):
+    while True:
+        turn = plans if shrink else deadline  # the turns whose bounds count may run longer
+        if not (turn.left() > overhead and turn.check("reading a plan off the relaxation")):
+            break
         began = now()
         rooms = {b: budget - fixed[b - nf] - shrink for b in steps}
         if min(rooms.values()) < 0 and not shrink:
             break
-        relaxation = Relaxation(problem, steps, deadline=deadline)
+        over_rich = rich is not None and len(steps) > 1 and not shrink
+        relaxation = Relaxation(problem, steps, over_rich, deadline=turn)
         built = now()
         value, exact = relaxation.least_cost(rooms, lambda op: op.cost,
-                                             deadline.left() - overhead, workers, gap=GAP)
+                                             turn.left() - overhead, workers, gap=GAP)
         solved = now()
+        if over_rich:
+            logger.debug("relaxation over %d steps over the rich space: bound %.6g (%.2f s), "
+                         "single: %s", len(steps), value, solved - built, relaxation.single())
+            if value > 0 and (not rich or value > rich[0].value):
+                rich[:] = [Bound(value, tuple(steps), exact)]
+            if not relaxation.single() and solved - built < turn.left() - overhead:
+                # Its plan may be poor: the single space's, again, where a solve as long fits
+                # (else the plan is read off the rich solution's recomputations).
+                relaxation = Relaxation(problem, steps, deadline=turn)
+                built = now()
+                value, exact = relaxation.least_cost(rooms, lambda op: op.cost,
+                                                     turn.left() - overhead, workers, gap=GAP)
+                solved = now()
         if not shrink and value > proven.value or not proven.steps:
             proven = found[1] = Bound(value, tuple(steps), exact)
-        if not shrink and len(steps) == 1 and one_step is not None:
+        if (not shrink and len(steps) == 1 and one_step is not None
+                and (not one_step or value > one_step[0].value)):
             one_step[:] = [Bound(value, tuple(steps), exact)]
         recomputed = relaxation.recomputed()
         if value == math.inf and shrink:
@@ -162,6 +216,80 @@ def joint_bound(problem: Problem, budget: int, steps, *, rich: bool,
     except OutOfTime:
         return Bound(0.0, (), False)
     return Bound(value, tuple(steps), exact)
+
+
+def _from_tightest(problem: Problem, budget: int, tightest: int, workers: int,
+                   deadline: Deadline, rich: list | None, found: list,
+                   one_step: list) -> tuple[Schedule | None, Bound]:
+    """The relaxation at `tightest` alone (its plan repaired; its bound, which holds over the
+    rich space too), then with the step where that plan binds (over the rich space where `rich`
+    asks, which receives its bound): the plan of least cost that fits, and the one step's bound,
+    both told to `found` (plan, bound) as they come, the bound to `one_step` too.
+    The 70B: 0.1946 s proven at the log-softmax's backward in a second; with the step in the
+    last block's backward where its plan peaks, a plan at 0.1957 s that fits as read."""
+    nf, fixed = problem.num_forward, fixed_bytes(problem)
+    part = deadline.within(TIGHTEST_ALONE_SHARE * deadline.left())
+    relaxation = Relaxation(problem, [tightest], deadline=part)
+    value, exact = relaxation.least_cost({tightest: budget - fixed[tightest - nf]},
+                                         lambda op: op.cost, part.left(), workers, gap=GAP)
+    proven = found[1] = Bound(value, (tightest,), exact)
+    one_step[:] = [proven]
+    if value == math.inf:
+        return None, proven
+    best, read = _fitted(problem, budget, relaxation, deadline)
+    found[0] = best
+    binding = binding_step(problem, read) if read is not None and read.peak > budget else None
+    logger.debug("step %d alone: bound %.6g, plan %s, repaired %s; binds at %s", tightest, value,
+                 read and read.cost, best and best.cost, binding)
+    if binding is None or binding == tightest or not deadline.check("reading a plan off the "
+                                                                     "relaxation"):
+        return best, proven
+    steps = sorted([tightest, binding])
+    part = deadline.within(TIGHTEST_SHARE * deadline.left())
+    relaxation = Relaxation(problem, steps, rich is not None, deadline=part)
+    value, exact = relaxation.least_cost({b: budget - fixed[b - nf] for b in steps},
+                                         lambda op: op.cost, part.left(), workers,
+                                         gap=PLAN_GAP)
+    if rich is not None and value > 0 and (not rich or value > rich[0].value):
+        rich[:] = [Bound(value, tuple(steps), exact)]
+    joined, read = _fitted(problem, budget, relaxation, deadline)
+    logger.debug("steps %s: bound %.6g, plan %s, repaired %s", steps, value, read and read.cost,
+                 joined and joined.cost)
+    if joined is not None and (best is None or joined.cost < best.cost):
+        best = found[0] = joined
+    return best, proven
+
+
+def _fitted(problem: Problem, budget: int, relaxation: Relaxation,
+            deadline: Deadline) -> tuple[Schedule | None, Schedule | None]:
+    """The plan of `relaxation`'s solution repaired where it peaks above `budget` (None: none,
+    or no repair found), and the plan as read."""
+    recomputed = relaxation.recomputed()
+    if recomputed is None:
+        return None, None
+    deadline.charge(modelled("evaluation", len(problem)))
+    try:
+        schedule = make_schedule(problem, drop_unneeded(problem, recomputed),
+                                 strategy="relaxation", budget=budget)
+    except ValueError:  # a decision the execution model cannot run (a tuple's getitem)
+        return None, None
+    if schedule.peak <= budget:
+        return schedule, schedule
+    return repair(problem, schedule, budget, deadline), schedule
+
+
+def _tightest_step(problem: Problem) -> int:
+    """The backward step where saving everything peaks (else the first backward step): where
+    the forward values still needed and what every schedule holds weigh most, one step's
+    knapsack is tightest. The 70B: the log-softmax's backward, four steps in, holding 4.2 GB
+    more than the first (its bound 0.1946 s in a second, the first step's 0.1532). The turns
+    start from the first step all the same: the joint steps grown from this one
+    missed the ones that bind (mamba at 60 %: 7.03e-05, 6.22e-05 from the first step's);
+    only its own plan, repaired, is a candidate (the 70B: 0.1986 s, the first step's 0.2060)."""
+    step = simulate(problem, make_schedule(problem, ())).peak_step
+    if step is None or step.op < problem.num_forward:
+        return problem.num_forward
+    return step.op
 
 
 def binding_step(problem: Problem, schedule: Schedule) -> int | None:

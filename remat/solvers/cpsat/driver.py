@@ -32,7 +32,7 @@ from remat.solvers.deadline import Deadline, OutOfTime, modelled
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Problem
 from remat.solvers.strategies import Strategy, register
-from remat.solvers.relaxed import binding_step, joint_bound, relaxed_schedule
+from remat.solvers.relaxed import binding_step, relaxed_schedule
 from remat.solvers.schedule import Schedule, evaluate, make_schedule
 
 logger = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ HINT_SHARE = 0.05
 LEAST_PEAK_SHARE = 0.5
 BOUND_SHARE = 0.15
 PEAK_STAGE_SHARE = 0.1
-RICH_JOINT_SHARE = 0.35
+RICH_JOINT_SHARE = 0.35  # more for the relaxation, whose joint steps prove the rich bound
 # Building the model, and finishing, in schedule evaluations: what they took at 10,000 ops on
 # a loaded machine (build 13 to 41 evaluations, finish 3).
 BUILD_EVALUATIONS = 40
@@ -116,19 +116,27 @@ class _Call(CallOutcomes):
         if hint is None or hint.peak > budget:
             hint = self.pool.best(budget, self.part(BASELINE_SHARE),
                                   until_one_fits=self.part(UNTIL_ONE_FITS_SHARE))
-        # The plan the first backward step's relaxation suggests, repaired to fit: far cheaper
-        # than any baseline's on stacks of blocks, and sometimes the only one that fits.
+        # The plan a backward step's relaxation suggests, repaired to fit: far cheaper than
+        # any baseline's on stacks of blocks, and sometimes the only one that fits.
         relaxed, relaxed_bound = None, Bound(0.0, (), True)
-        part = self.part(RELAXED_SHARE, PART_EVALUATIONS * self.evaluation())
+        # Under "auto" and "rich" the call's bound is over the rich space: the steps joined are
+        # proven over it in this stage (`rich`), which has RICH_JOINT_SHARE more time for them.
+        rich = [] if self.rich_bound_wanted() else None
+        plans = self.part(RELAXED_SHARE, PART_EVALUATIONS * self.evaluation())
+        part = self.part(RELAXED_SHARE + RICH_JOINT_SHARE * (rich is not None),
+                         PART_EVALUATIONS * self.evaluation())
         if part.check("reading a plan off the relaxation"):
             self.progress.update(stage="reading a plan off the relaxation")
             one_step: list[Bound] = []
             relaxed, relaxed_bound = relaxed_schedule(problem, budget, time_limit=part.limit,
                                                       lowest=self.lowest, deadline=part,
-                                                      one_step=one_step)
+                                                      one_step=one_step, rich=rich, plans=plans)
             if one_step and math.isfinite(one_step[0].value):  # for the rich space's bound
                 info["one_step_bound"] = one_step[0].value
-            if len(relaxed_bound.steps) > 1:  # where the rich space's bound is proven first
+            if rich and rich[0].value > 0:
+                info["rich_joint_bound"] = rich[0].value
+                info["rich_joint_steps"] = rich[0].steps
+            if len(relaxed_bound.steps) > 1:
                 info["relaxation_steps"] = relaxed_bound.steps
         else:
             info["relaxation"] = "skipped: no time left"
@@ -165,18 +173,6 @@ class _Call(CallOutcomes):
                 self.progress.update(stage="improving the hint")
                 hint = drop_pass(problem, budget, hint, part)
             info["hint"] = hint.strategy
-
-        # --- Under "auto" and "rich" the call's bound is over the rich space: the relaxation's
-        # steps proven together there, before the search (the 70B: 0.1922 s over two steps in
-        # 6 to 10 s; one step gives 0.1532; the single model's search finds nothing in 30 s).
-        part = self.part(RICH_JOINT_SHARE, self.evaluation())
-        if (self.options.model != "single" and self.options.free_positions
-                and len(relaxed_bound.steps) > 1 and part.check("proving the relaxation's "
-                                                                "steps over the rich space")):
-            self.progress.update(stage="proving the relaxation's steps over the rich space")
-            joint = joint_bound(problem, budget, relaxed_bound.steps, rich=True, deadline=part)
-            if joint.value > 0:
-                info["rich_joint_bound"] = joint.value
 
         # --- A bound proven at the step where the hint peaks, where the budget binds, unless
         # the relaxation's solves proved one there already (or one over several steps).
@@ -282,6 +278,10 @@ class _Call(CallOutcomes):
         if hint is not None and hint.peak <= budget and hint.cost < schedule.cost:
             schedule = hint  # CP-SAT started from it; its own answer can only be as good
         return self.result(schedule, bound)
+
+    def rich_bound_wanted(self) -> bool:
+        """Whether the call's bound must hold over the rich space ("auto", "rich")."""
+        return self.options.model != "single" and self.options.free_positions
 
     def evaluation(self) -> float:
         """Seconds one schedule evaluation takes: measured, or modelled (deterministic mode)."""

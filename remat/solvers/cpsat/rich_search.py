@@ -160,7 +160,8 @@ def optimal_rich(problem: Problem, budget: int, options: SolverOptions, progress
     # The single call's relaxation steps, proven over the rich space too (`optimal`'s driver).
     joint = info.get("rich_joint_bound", 0.0)
     if joint > rich.value and joint > (single_step_bound or 0.0):
-        rich = Bound(joint, tuple(info.get("relaxation_steps", ())), False)
+        rich = Bound(joint, tuple(info.get("rich_joint_steps", info.get("relaxation_steps", ()))),
+                     False)
     if single_step_bound is not None and single_step_bound > rich.value:
         rich = replace(rich, value=single_step_bound)
         info["rich_bound_from"] = "the single model's bound from one backward step"
