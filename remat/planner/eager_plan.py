@@ -278,8 +278,9 @@ def eager_step(prepared, paths: Sequence[str], *, observed=None, policies=None):
     # Checkpoint's recomputations run the graph's ops with eager's bytes; under ZeRO-2/3 the
     # collectives of FSDP2 are inserted among them as in the compiled mode (gathered
     # parameters, full gradients until their reduce-scatter), and the blocks renumbered.
-    problem = with_eager_bytes(eager_problem(joint, op_nodes(captured, joint), captured.device),
-                               policies)
+    problem = eager_problem(joint, op_nodes(captured, joint), captured.device)
+    if captured.shape_range is None:  # the probe saw one shape: a range keeps its bound
+        problem = with_eager_bytes(problem, policies)
     problem = dataclasses.replace(problem, host_bandwidth=joint.host_bandwidth,
                                   host_capacity=joint.host_capacity)
     to_graph = tuple(range(len(problem)))
