@@ -100,3 +100,19 @@ def test_probe_names_the_tensors_overwritten_and_the_writers():
     assert len(copies) == 2
     assert {empty, *copies, *slices} <= mutated  # the buffer, its slices, the writes
     assert not {k for k, op in enumerate(ops) if op == "aten.addmm.default"} & mutated
+
+
+def test_probe_gives_the_bytes_of_the_tensors_ops_make_in_storages_of_their_own():
+    """`Observed.nbytes`, which the eager problem takes for the graph's: a fresh tensor's
+    storage; nothing for a view or an in-place write (their bytes are another op's)."""
+    torch.manual_seed(0)
+    model = Net(ExpandKV)
+    x, y = _inputs()
+    observed = probe(model, (x, y), ["layers.0"])["layers.0"]
+    made = dict(zip(observed.ops, observed.nbytes))
+    assert len(observed.nbytes) == len(observed.ops)
+    assert made["aten.new_empty.default"] == 13 * 7 * 96 * 4
+    assert made["aten.relu.default"] == 13 * 7 * 96 * 4
+    assert {observed.nbytes[k] for k, op in enumerate(observed.ops)
+            if op in ("aten.copy_.default", "aten.slice.Tensor", "aten.view.default",
+                      "aten.t.default")} == {0}

@@ -270,7 +270,7 @@ def eager_step(prepared, paths: Sequence[str], *, observed=None, policies=None):
     """(structure, policies, eager problem, its ops' joint-graph ops) of the eager step whose
     blocks are `paths`: their policies `observed` by a probe, derived from the joint graph, or
     given (a saved plan's, `remat.planner.plan_file`)."""
-    from remat.fx_passes.eager.policy import eager_blocks, eager_problem
+    from remat.fx_passes.eager.policy import eager_blocks, eager_problem, with_eager_bytes
     from remat.fx_passes.lowering.lower import op_nodes
 
     captured, joint = prepared.captured, prepared.sharded.graph
@@ -279,6 +279,8 @@ def eager_step(prepared, paths: Sequence[str], *, observed=None, policies=None):
     # collectives of FSDP2 are inserted among them as in the compiled mode (gathered
     # parameters, full gradients until their reduce-scatter), and the blocks renumbered.
     problem = eager_problem(joint, op_nodes(captured, joint), captured.device)
+    if captured.shape_range is None:  # the probe saw one shape: a range keeps its bound
+        problem = with_eager_bytes(problem, policies)
     problem = dataclasses.replace(problem, host_bandwidth=joint.host_bandwidth,
                                   host_capacity=joint.host_capacity)
     to_graph = tuple(range(len(problem)))

@@ -35,6 +35,10 @@ class BlockPolicy:
     life: tuple[tuple[int, int], ...] = ()
     """(joint op, joint op): in the probe, the first's tensor lived until the second ran
     (Python variables keep tensors beyond their last use, until the block returns)."""
+    eager_bytes: tuple[tuple[int, int], ...] = ()
+    """(joint op, bytes): in the probe, eager made the op's tensor in a storage of that size,
+    which can differ from the capture's (a mask that eager does not broadcast over the
+    batch); the eager problem takes it (`remat.fx_passes.eager.policy.with_eager_bytes`)."""
     cache: frozenset[int] = frozenset()
     training: bool | None = None
     """The block's mode (``module.training``) the plan was made in; None if unknown. A block

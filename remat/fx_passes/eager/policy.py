@@ -45,7 +45,7 @@ from remat.solvers.problem import (Kind, Phase, Problem, Reason, recompute_block
 
 log = logging.getLogger(__name__)
 
-__all__ = ["block_paths", "eager_blocks", "eager_problem"]
+__all__ = ["block_paths", "eager_blocks", "eager_problem", "with_eager_bytes"]
 
 _CPU_DROPOUT = ("aten.empty_like.default", "aten.bernoulli_.float", "aten.div_.Scalar")
 
@@ -111,8 +111,8 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
         policies = {p: expected_ops(problem, nodes, p, members, captured.device)
                     for p, members in ops.items()}
         if observed is not None:
-            policies = {p: aligned(pol, observed[p].ops, observed[p].freed, observed[p].mutated)
-                        for p, pol in policies.items()}
+            policies = {p: aligned(pol, observed[p].ops, observed[p].freed, observed[p].mutated,
+                                   observed[p].nbytes) for p, pol in policies.items()}
             calls = {p: observed[p].calls for p in paths}
     elif observed is not None:
         raise ValueError("eager_blocks: give observed ops or policies, not both")
@@ -286,6 +286,25 @@ def _kept_input(node: fx.Node) -> bool:
     fn = stack[-1][1]
     return fn is torch.nn.functional.dropout or (
         isinstance(fn, type) and issubclass(fn, torch.nn.modules.dropout._DropoutNd))
+
+
+def with_eager_bytes(problem: Problem, policies: dict[str, BlockPolicy]) -> Problem:
+    """The eager problem with the bytes the probe saw eager PyTorch make for a block's op
+    (`BlockPolicy.eager_bytes`) where the joint graph's own storage has other bytes: eager
+    can run other shapes than the capture. Transformers drops an all-ones padding mask only
+    when it is not tracing (masking_utils' ``_ignore_causal_mask_sdpa``), so the capture
+    broadcasts the mask over the batch in every attention ([batch, heads, q, k] where eager
+    makes [1, heads, q, k]: OPT's, T5's). Views, tensors taken out of a tuple op and ops
+    without bytes keep the graph's."""
+    ops = list(problem.ops)
+    for policy in policies.values():
+        for j, nbytes in policy.eager_bytes:
+            op = ops[j]
+            if (op.kind in (Kind.VIEW, Kind.TUPLE) or problem.root[j] != j or op.size == 0
+                    or tuple_of(problem, j) is not None or op.size == nbytes):
+                continue
+            ops[j] = replace(op, size=nbytes)
+    return problem if ops == list(problem.ops) else replace(problem, ops=tuple(ops))
 
 
 def eager_problem(problem: Problem, nodes: list[fx.Node], device: str) -> Problem:

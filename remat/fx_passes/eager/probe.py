@@ -56,6 +56,11 @@ class Observed:
     calls: tuple[int, ...] = (0,)
     """Where each call of the block began in `ops`: a module called several times in one step
     (ALBERT's shared layer) is a block with several runs."""
+    nbytes: tuple[int, ...] = ()
+    """For each op, the bytes of the one tensor it returned in a storage of its own (0: a view,
+    in place, several outputs or none). Eager PyTorch can make other shapes than the capture:
+    transformers passes no attention mask when the padding mask is all ones, a branch it
+    never takes while tracing, so the capture broadcasts its mask over the batch."""
 
 
 def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
@@ -70,6 +75,7 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
     mutated: dict[str, set[int]] = {p: set() for p in paths}
     unread: dict[str, list[tuple[int, int, int]]] = {p: [] for p in paths}
     calls: dict[str, list[int]] = {p: [] for p in paths}
+    nbytes: dict[str, list[int]] = {p: [] for p in paths}
     static = weakref.WeakSet(_storage(t) for t in [*tree_flatten((inputs, kwargs))[0],
                                                    *model.parameters(), *model.buffers()]
                              if _storage(t) is not None)
@@ -86,15 +92,19 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
             def record(ctx, op, *args, **kwargs):
                 seen[path].append(canonical(str(op)))
                 freed[path].append(-1)
+                nbytes[path].append(0)
                 alive[path].append(0)
                 return CheckpointPolicy.PREFER_RECOMPUTE
 
-            def watch(k, output):
-                for t in tree_flatten(output)[0]:
-                    if isinstance(t, torch.Tensor):
-                        alive[path][k] += 1
-                        weakref.finalize(t.untyped_storage(), _note, freed[path], alive[path],
-                                         seen[path], k)
+            def watch(k, output, given):
+                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
+                for t in tensors:
+                    alive[path][k] += 1
+                    weakref.finalize(t.untyped_storage(), _note, freed[path], alive[path],
+                                     seen[path], k)
+                own = [_storage(t) for t in tensors]
+                if len(own) == 1 and own[0] is not None and all(own[0] is not g for g in given):
+                    nbytes[path][k] = own[0].nbytes()
 
             caching, recompute = create_selective_checkpoint_contexts(record)
 
@@ -142,13 +152,14 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
             for name, buffer in model.named_buffers():
                 buffer.copy_(saved[name])
     return {p: Observed(seen[p], freed[p], mutated[p], tuple(unread[p]),
-                        tuple(calls[p]) or (0,)) for p in paths}
+                        tuple(calls[p]) or (0,), tuple(nbytes[p])) for p in paths}
 
 
 class _Outputs(TorchDispatchMode):
-    """Hands `watch(k, output)` the output of the k-th op the policy was called for, and
-    adds to `mutated` the positions whose output an in-place op overwrites (every earlier
-    position whose output lives in the storage it writes) and the in-place op's own. Entered
+    """Hands `watch(k, output, given)` the output of the k-th op the policy was called for and
+    the storages of its arguments, and adds to `mutated` the positions whose output an in-place
+    op overwrites (every earlier position whose output lives in the storage it writes) and the
+    in-place op's own. Entered
     above the selective-checkpoint mode, each op passes here on its way to the policy and its
     output comes back here. torch 2.13 also gives the policy the output (`ctx.op_output`), but
     2.11 calls the policy before the op runs; this works on both. Ops the policy is not
@@ -163,13 +174,13 @@ class _Outputs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = len(self.seen)
-        self.read.update(s for s in map(_storage, tree_flatten((args, kwargs))[0])
-                         if s is not None)
+        given = [s for s in map(_storage, tree_flatten((args, kwargs))[0]) if s is not None]
+        self.read.update(given)
         written = [self.made.get(storage, ()) for storage in
                    map(_storage, _written(func, args, kwargs or {})) if storage is not None]
         out = func(*args, **(kwargs or {}))
         if len(self.seen) == before + 1:
-            self.watch(before, out)
+            self.watch(before, out, given)
             for t in tree_flatten(out)[0]:
                 storage = _storage(t)
                 if storage is not None:
@@ -210,12 +221,14 @@ def _note(freed: list[int], alive: list[int], seen: list[str], k: int) -> None:
 
 
 def aligned(policy: BlockPolicy, observed: Sequence[str], freed: Sequence[int] = (),
-            mutated: Iterable[int] = ()) -> BlockPolicy:
+            mutated: Iterable[int] = (), nbytes: Sequence[int] = ()) -> BlockPolicy:
     """The block's policy over the ops eager PyTorch really dispatches, each matched to the
     joint-graph ops it stands for where the two sequences agree (difflib's longest matching
     blocks); an eager op without a match is never cached, a joint op without one is not
     cacheable. `freed` (from `probe`) gives each matched joint op its forward lifetime; the
-    `mutated` positions (overwritten in place later, or writing in place) are never cached."""
+    `mutated` positions (overwritten in place later, or writing in place) are never cached;
+    `nbytes` the bytes eager made for a matched op that stands for one joint op
+    (`BlockPolicy.eager_bytes`)."""
     matcher = difflib.SequenceMatcher(a=policy.ops, b=list(observed), autojunk=False)
     joint: list[tuple[int, ...]] = [()] * len(observed)
     cacheable = [False] * len(observed)
@@ -244,5 +257,7 @@ def aligned(policy: BlockPolicy, observed: Sequence[str], freed: Sequence[int] =
         latest.append(running)
     life = tuple((j, latest[freed[k] - 1]) for k, ops in enumerate(joint) if k < len(freed)
                  and freed[k] > 0 and latest[freed[k] - 1] >= 0 for j in ops)
+    made = tuple((ops[0], nbytes[k]) for k, ops in enumerate(joint)
+                 if len(ops) == 1 and k < len(nbytes) and nbytes[k] > 0)
     return replace(policy, ops=tuple(observed), joint=tuple(joint),
-                   cacheable=tuple(cacheable), life=life)
+                   cacheable=tuple(cacheable), life=life, eager_bytes=made)

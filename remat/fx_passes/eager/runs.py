@@ -65,6 +65,7 @@ def split_runs(problem: Problem, nodes: list[fx.Node], path: str, calls: Sequenc
             cacheable=policy.cacheable[a:b],
             made_after=tuple(pair for pair in policy.made_after if pair[0] in mine),
             life=tuple(pair for pair in policy.life if pair[0] in mine),
+            eager_bytes=tuple(pair for pair in policy.eager_bytes if pair[0] in mine),
             cache=frozenset(c - a for c in policy.cache if a <= c < b),
             keep=frozenset(c - a for c in policy.keep if a <= c < b))
     by_seq = {nodes[v].meta.get("seq_nr"): k for k, run in enumerate(runs) for v in run}
@@ -101,6 +102,7 @@ def joined_runs(policies: dict[str, BlockPolicy]
             cacheable=sum((r.cacheable for r in ordered), ()),
             made_after=sum((r.made_after for r in ordered), ()),
             life=sum((r.life for r in ordered), ()),
+            eager_bytes=sum((r.eager_bytes for r in ordered), ()),
             cache=frozenset(s + c for s, r in zip(starts, ordered) for c in r.cache),
             keep=frozenset(s + c for s, r in zip(starts, ordered) for c in r.keep))
     return joined, calls
