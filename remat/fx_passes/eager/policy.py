@@ -133,7 +133,7 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
                 name = p if len(observed[p].calls) == 1 else run_name(p, call)
                 given.setdefault(number, (size, []))[1].append(name)
         unread = tuple((size, tuple(names)) for size, names in given.values())
-        unused = _unused(problem, observed, paths, joined, ops)
+        unused = _unused(problem, nodes, captured.device, observed, paths, joined, ops)
     # Autograd's sequence number ties a backward op to the forward op whose node it runs;
     # that node packed what the op reads: its outputs after it ran, its inputs before.
     packer: dict[int, int] = {}
@@ -177,19 +177,21 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
     return blocks, policies
 
 
-def _unused(problem: Problem, observed: dict[str, Observed], paths: Sequence[str],
+def _unused(problem: Problem, nodes: list[fx.Node], device: str,
+            observed: dict[str, Observed], paths: Sequence[str],
             joined: dict[str, BlockPolicy], ops: dict[str, list[int]]
             ) -> tuple[tuple[int, int, int, bool], ...]:
     """`EagerBlocks.unused_tensors` of the probe's run: the blocks' calls in the order they
     ran, each a block (`ops`, a run of a module called several times)."""
     order = [(p, call) for _, p, call in sorted(
         (g, p, call) for p in paths for call, g in enumerate(observed[p].order))]
-    found = [u for p in paths for u in observed[p].unused]
-    if not found:
+    unused = observed[paths[0]].unused if paths else None
+    if unused is None or not unused.found or not order:
         return ()
     return unused_tensors(
-        found, order, joined, {p: observed[p].calls for p in paths}, ops,
+        unused, order, joined, {p: observed[p].calls for p in paths}, ops,
         lambda p, call: p if len(observed[p].calls) == 1 else run_name(p, call),
+        lambda members: expected_ops(problem, nodes, "", members, device),
         problem.num_forward)
 
 

@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
-from remat.fx_passes.eager.unused import UnusedTracker
+from remat.fx_passes.eager.unused import Unused, UnusedTracker
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +62,9 @@ class Observed:
     (ALBERT's shared layer) is a block with several runs."""
     order: tuple[int, ...] = ()
     """Each call's place among all the blocks' calls of the step, in the order they ran."""
-    unused: tuple[tuple[int, tuple, tuple], ...] = ()
-    """(bytes, made, freed) of the tensors that no op read, made in or after one of this
-    block's calls (or before the first call, for the first block), freed before the forward
-    returned (`remat.fx_passes.eager.unused`, whose `Place`s these are)."""
+    unused: Unused | None = None
+    """The tensors of the step that no op read and that were freed before the forward
+    returned, and the ops outside the blocks (one for all blocks: `remat.fx_passes.eager.unused`)."""
 
 
 def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
@@ -123,7 +122,7 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
                      if s is not None and s not in static}
             read.clear()
             calls[path].append(len(seen[path]))
-            order[path].append(tracker.calls)
+            order[path].append(len(tracker.segments) - 1)
             tracker.enter(lambda: len(seen[path]))
             try:
                 out = checkpoint(forward, *a, use_reentrant=False, context_fn=contexts, **k)
@@ -161,14 +160,9 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
         with torch.no_grad():
             for name, buffer in model.named_buffers():
                 buffer.copy_(saved[name])
-    made_in = {g: p for p in paths for g in order[p]}
-    unused: dict[str, list] = {p: [] for p in paths}
-    for size, made, gone in tracker.found:
-        if made[0] in made_in:  # (with no block call, nothing to place it by)
-            unused[made_in[made[0]]].append((size, made, gone))
+    unused = tracker.result()
     return {p: Observed(seen[p], freed[p], mutated[p], tuple(unread[p]),
-                        tuple(calls[p]) or (0,), tuple(order[p]), tuple(unused[p]))
-            for p in paths}
+                        tuple(calls[p]) or (0,), tuple(order[p]), unused) for p in paths}
 
 
 class _Outputs(TorchDispatchMode):

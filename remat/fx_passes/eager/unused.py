@@ -14,49 +14,65 @@ where the ops outside the blocks are not matched.
 """
 from __future__ import annotations
 
+import difflib
 import weakref
-from typing import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from remat.fx_passes.eager.block_policy import BlockPolicy
+from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
 
-__all__ = ["UnusedTracker", "unused_tensors"]
+__all__ = ["Unused", "UnusedTracker", "unused_tensors"]
 
-Place = tuple  # (call, k): in the call-th block call of the step (in order) after k of its
-# block's observed ops (counted over all of the block's calls); k None: after the call returned;
-# (0, -1): before the first call began.
+Place = tuple
+"""(True, call, k): in the call-th block call of the step (in order), after k of its module's
+observed ops (counted over all of the module's calls); (False, segment, j): outside the blocks,
+after j ops of the segment that runs before the segment-th call (after the last call: the
+segment numbered the count of calls)."""
+
+
+@dataclass(frozen=True)
+class Unused:
+    """What `UnusedTracker` found in one forward: per unused tensor (bytes, where it was made
+    (after the op that made it), where it was freed), and the ops of each segment outside the
+    blocks (canonical names), by which the places outside are matched to the joint graph."""
+
+    found: tuple[tuple[int, Place, Place], ...]
+    segments: tuple[tuple[str, ...], ...]
 
 
 class UnusedTracker(TorchDispatchMode):
     """Entered around one forward, below the blocks' own modes: sees every op, in and out of
     the blocks. `enter(position)` and `leave()` bracket each block call (`position()` counts
-    the running block's observed ops); `made(k, output)` says that the block's op at position
-    k made `output`; `done()` once the forward has returned. `found` is then (bytes, made,
-    freed) per unused tensor (`Place`s)."""
+    the module's observed ops); `made(k, output)`, from the block's own mode, says that its
+    op at position k made `output`; `done()` once the forward has returned. `result()`
+    is then the `Unused`."""
 
     def __init__(self) -> None:
         super().__init__()
         self.found: list[tuple[int, Place, Place]] = []
-        self.calls = 0  # block calls begun
-        self.position = None  # the running call's count of observed ops, or None outside
+        self.segments: list[list[str]] = [[]]
+        self.position = None  # the running call's count of observed ops; None outside
         self.finished = False
-        # storage -> [bytes, call, k, read]; k _PENDING until the block's mode names the op
+        self.fresh: list[list] = []  # the records of what the last op made
+        # storage -> [bytes, made, read]
         self.records: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def place(self) -> Place:
+    def place(self, ahead: int = 0) -> Place:
+        g = len(self.segments) - 1  # the running call, or the segment before the next
         if self.position is not None:
-            return self.calls - 1, self.position()
-        return (self.calls - 1, None) if self.calls else (0, -1)
+            return True, g, self.position()
+        return False, g, len(self.segments[-1]) - ahead
 
     def enter(self, position) -> None:
-        self.calls += 1
         self.position = position
 
     def leave(self) -> None:
         self.position = None
+        self.segments.append([])
 
     def done(self) -> None:
         self.finished = True
@@ -64,8 +80,11 @@ class UnusedTracker(TorchDispatchMode):
     def made(self, k: int, output) -> None:
         for t in tree_flatten(output)[0]:
             record = self.records.get(_storage(t))
-            if record is not None and record[2] is _PENDING:
-                record[2] = k
+            if record is not None and any(record is r for r in self.fresh):
+                record[1] = (True, record[1][1], k)
+
+    def result(self) -> Unused:
+        return Unused(tuple(self.found), tuple(map(tuple, self.segments)))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         inputs = {s for s in map(_storage, tree_flatten((args, kwargs))[0]) if s is not None}
@@ -74,70 +93,90 @@ class UnusedTracker(TorchDispatchMode):
         for s in inputs - outputs:  # a view or an in-place write is no read
             record = self.records.get(s)
             if record is not None:
-                record[3] = True
-        for s in outputs - inputs:
-            if s not in self.records:
-                call, k = self.place()
-                record = [s.nbytes(), call, _PENDING if self.position is not None else k,
-                          False]
-                self.records[s] = record
-                weakref.finalize(s, self._freed, record)
+                record[2] = True
+        if self.position is None:
+            self.segments[-1].append(canonical(str(func)))
+        new = [s for s in outputs - inputs if s not in self.records]
+        if new:  # (the blocks' modes detach what they cache: no new storage)
+            self.fresh = []
+        for s in new:
+            record = [s.nbytes(), self.place(ahead=1), False]
+            self.records[s] = record
+            self.fresh.append(record)
+            weakref.finalize(s, self._freed, record)
         return out
 
     def _freed(self, record: list) -> None:
-        size, call, k, read = record
+        size, made, read = record
         if not read and not self.finished:
-            # An op the block's mode passed over (none allocates): after the block's ops.
-            self.found.append((size, (call, None if k is _PENDING else k), self.place()))
+            self.found.append((size, made, self.place()))
 
 
-_PENDING = object()
-
-
-def unused_tensors(found: Sequence[tuple[int, Place, Place]], order: Sequence[tuple[str, int]],
+def unused_tensors(unused: Unused, order: Sequence[tuple[str, int]],
                    policies: Mapping[str, BlockPolicy], starts: Mapping[str, Sequence[int]],
-                   ops: Mapping[str, Sequence[int]], run_of, num_forward: int
+                   ops: Mapping[str, Sequence[int]], run_of: Callable[[str, int], str],
+                   expected: Callable[[Sequence[int]], BlockPolicy], num_forward: int
                    ) -> tuple[tuple[int, int, int, bool], ...]:
-    """`EagerBlocks.unused_tensors` of the probe's `found` (`UnusedTracker`): `order`, the
-    (module path, call) of each block call in the step's order; `policies`, each path's aligned
-    policy over all its calls (`starts`: where each call began in it); `ops`, each block's
-    forward ops, named by `run_of(path, call)`. A tensor made at a matched op is the op's own
-    (its forward life is `forward_life`'s within the call): counted only beyond the call."""
-
-    def latest(path: str, call: int, k: int | None = None) -> int | None:
-        """The latest joint op run by the call's ops before position k (None: to the call's
-        end), where positions count the path's observed ops over all its calls; None where
-        none is matched."""
-        bounds = [*starts[path], len(policies[path].joint)]
-        joint = policies[path].joint[bounds[call]:bounds[call + 1] if k is None else k]
-        return max((j for js in joint for j in js), default=None)
+    """`EagerBlocks.unused_tensors` of what the probe's tracker found: `order`, the (module
+    path, call) of each block call in the step's order; `policies`, each path's aligned policy
+    over all its calls (`starts`: where each call began in it); `ops`, each block's forward
+    ops, named by `run_of(path, call)`; `expected(members)`, the ops eager PyTorch would
+    dispatch for forward ops `members` outside the blocks (`policy.expected_ops`). A tensor
+    made at a matched op of a block is the op's own (`forward_life` holds it to the call's
+    end): counted only beyond its call."""
 
     def block(g: int) -> Sequence[int]:
         return ops[run_of(*order[g])]
 
+    def latest(inside: bool, g: int, k: int | None = None) -> int | None:
+        """The latest joint op run before position k of call (or segment) g (None: its
+        end); None where none is matched."""
+        if inside:
+            path, call = order[g]
+            bounds = [*starts[path], len(policies[path].joint)]
+            joint = policies[path].joint[bounds[call]:bounds[call + 1] if k is None else k]
+        else:
+            joint = outside(g)[:k]
+        return max((j for js in joint for j in js), default=None)
+
+    def low(s: int) -> int:  # the first joint op of segment s (the next block's: empty)
+        return max(block(s - 1)) + 1 if s > 0 else 0
+
+    segments: dict[int, list[tuple[int, ...]]] = {}
+
+    def outside(s: int) -> list[tuple[int, ...]]:
+        """The joint ops of each observed op of segment s, where difflib matches them."""
+        if s not in segments:
+            high = min(block(s)) - 1 if s < len(order) else num_forward - 1
+            policy = expected(range(low(s), high + 1))
+            matcher = difflib.SequenceMatcher(a=policy.ops, b=unused.segments[s],
+                                              autojunk=False)
+            joint = [()] * len(unused.segments[s])
+            for m in matcher.get_matching_blocks():
+                joint[m.b:m.b + m.size] = policy.joint[m.a:m.a + m.size]
+            segments[s] = joint
+        return segments[s]
+
     kept = []
-    for size, (g, k), (h, f) in found:
-        in_block = k is not None and k >= 0
-        joint = policies[order[g][0]].joint
-        if in_block and k < len(joint) and joint[k]:
-            if h == g and f is not None:
-                continue  # freed in its own call: forward_life holds it
-            first = latest(*order[g]) + 1
-            in_block = False  # the recomputation's copy is the op's own too
-        elif in_block:
-            after = latest(*order[g], k)
-            first = min(block(g)) if after is None else after
-        elif k is None:
-            first = max(block(g)) + 1
+    for size, (inside, g, k), (freed_inside, h, f) in unused.found:
+        in_block = inside
+        if inside:
+            path, _ = order[g]
+            if k < len(policies[path].joint) and policies[path].joint[k]:
+                if freed_inside and h == g:
+                    continue  # freed in its own call: forward_life holds it
+                first, in_block = latest(True, g) + 1, False  # its recomputation's too
+            else:
+                after = latest(True, g, k)
+                first = min(block(g)) if after is None else after
         else:
-            first = 0
-        if f is None:  # after call h returned, before the next began
-            last = min(block(h + 1)) - 1 if h + 1 < len(order) else num_forward - 1
-        elif f < 0:
-            last = min(block(h)) - 1
+            after = latest(False, g, k + 1)
+            first = low(g) if after is None else after
+        before = latest(freed_inside, h, f)
+        if before is not None:
+            last = before
         else:
-            before = latest(*order[h], f)
-            last = min(block(h)) if before is None else before
+            last = min(block(h)) if freed_inside else low(h) - 1
         first = min(first, num_forward - 1)
         if last >= first and size:
             kept.append((size, first, last, in_block))
