@@ -24,8 +24,7 @@ held by the block's Python variables as long as in the forward (`forward_life`);
 value, until the autograd node that reads it last has finished (`node_end`); generator
 snapshots, and on the CPU the copy of the generator's state that the recomputation's
 fork_rng keeps while it runs, the Python numbers autograd nodes keep as tensors
-(`EagerBlocks.kept_numbers`), and the tensors eager PyTorch makes that no op reads, which the
-graph has not (`EagerBlocks.unused_tensors`).
+(`EagerBlocks.kept_numbers`), and the tensors that no op reads (`unused_tensors`).
 
 The planners: the heuristic `remat.solvers.eager_heuristic.plan_eager` (status HEURISTIC; from
 seed cache sets it repairs, caching less, until the eager peak fits and improves, caching
@@ -93,14 +92,7 @@ class EagerBlocks:
     block's recomputation, from the first step after it to the recomputation's end (measured:
     Gemma-2's softcapping, freed when the recomputed graph is)."""
     unused_tensors: tuple[tuple[int, int, int, bool], ...] = ()
-    """(bytes, first forward op, last forward op, made in a block) of a tensor that eager
-    PyTorch makes and a Python variable holds although no op reads it, which the graph drops
-    as dead code (Swin's stages return their hidden states reshaped for output_hidden_states,
-    and the encoder holds each until the next stage returns; Gemma-3 makes a full-attention
-    mask that no layer of the tester's configuration reads, held until the model's forward
-    returns): held from the first op's step to the last's. One made in a block (after its
-    first op) is made again by the block's recomputation when it runs past that op, and held
-    from there to the recomputation's end, as a kept number."""
+    """(bytes, first op, last op, made in a block): `remat.fx_passes.eager.unused`'s tensors."""
 
     def block_of(self) -> dict[int, str]:
         return {v: name for name, ops in self.ops.items() for v in ops}
@@ -128,8 +120,7 @@ class EagerBlocks:
             python_backward=frozenset(map(at, self.python_backward)),
             unread_inputs=self.unread_inputs,
             kept_numbers=tuple((n, at(v), at(b)) for n, v, b in self.kept_numbers),
-            unused_tensors=tuple((n, at(a), at(z), made) for n, a, z, made
-                                 in self.unused_tensors))
+            unused_tensors=tuple((n, at(a), at(z), m) for n, a, z, m in self.unused_tensors))
 
 
 @dataclass(frozen=True)
@@ -394,22 +385,16 @@ def eager_holds(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun], *,
         ends = [finished[n] for n in names if n in finished]
         if ends:
             hold(size, min(step_of[blocks.ops[n][0]] for n in names), max(ends))
-    def remade(size: int, v: int, after: int) -> None:
-        """A tensor held by the recomputation of v's block from its first step that runs an
-        op after `after` to the recomputation's end."""
+    for size, v, b in blocks.kept_numbers:  # the op's temp is the number while it runs
+        hold(size, step_of[v] + 1, read_at(b))
+    for size, first, last, _ in blocks.unused_tensors:  # from the op it follows
+        hold(size, step_of[first], step_of[last])
+    # A block's recomputation runs its Python code again (a cached op's too), to its end.
+    for size, v, after in [*((n, v, v) for n, v, _ in blocks.kept_numbers),
+                           *((n, a, a - 1) for n, a, _, made in blocks.unused_tensors if made)]:
         run = run_of.get(block_of.get(v))
         later = [again[u] for u in run.recomputed if u > after] if run is not None else []
         if later:
             hold(size, min(later), step_of[run.trigger] - 1)
-
-    for size, v, b in blocks.kept_numbers:  # the op's temp is the number while it runs
-        hold(size, step_of[v] + 1, read_at(b))
-        # The recomputation runs the block's Python code again, a cached op's too: the
-        # recomputed graph's node keeps another such number until the recomputation ends.
-        remade(size, v, v)
-    for size, first, last, in_block in blocks.unused_tensors:
-        hold(size, step_of[first], step_of[last])
-        if in_block:  # made after `first`, which the recomputation may run again or skip
-            remade(size, first, first - 1)
     return order, held, moved
 

@@ -9,8 +9,11 @@ probe (`remat.fx_passes.eager.probe`) watches every op of its forward with `Unus
 storage that an op makes, that no later op reads (a view of it, or an in-place write into it,
 is no read), and that is freed before the model's forward returns (what autograd saves, and
 the outputs, live on) is such a tensor. `unused_tensors` places each on the joint graph's
-forward ops, from the matched op before it to the one its free follows, rounding outward
-where the ops outside the blocks are not matched.
+forward ops, from the matched op before it to the one its free follows (the ops outside the
+blocks matched segment by segment, between two block calls), rounding outward where nothing is
+matched. The eager timeline holds it from the first op's step (conservative by the inputs that
+op frees before it is made) to the last's; one made in a block is made again by the block's
+recomputation where that runs past its first op, and held to the recomputation's end.
 """
 from __future__ import annotations
 
