@@ -9,7 +9,9 @@ within [-2 %, 0] of the plan's prediction. Each case is a cause found in transfo
 - a CPU dropout's backward is a product with the saved noise;
 - a module run several times in one step is a block per run (ALBERT);
 - a backward written in Python (BLOOM's GeLU) frees its temporaries as it goes, and a Python
-  number an op takes as a tensor is an 8-byte tensor while the op runs."""
+  number an op takes as a tensor is an 8-byte tensor while the op runs;
+- a tensor that no op reads (dead code in the graph) lives while its Python variable does
+  (Swin's discarded reshaped stage outputs, Gemma-3's unread mask)."""
 from __future__ import annotations
 
 import copy
