@@ -61,6 +61,7 @@ class UnusedTracker(TorchDispatchMode):
         self.position = None  # the running call's count of observed ops; None outside
         self.finished = False
         self.fresh: list[list] = []  # the records of what the last op made
+        self.watches: list[weakref.finalize] = []
         # storage -> [bytes, made, read]
         self.records: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -78,7 +79,12 @@ class UnusedTracker(TorchDispatchMode):
         self.segments.append([])
 
     def done(self) -> None:
+        """What is freed from here on lived past the forward (saved for the backward, an
+        output, a module's cache): it does not count."""
         self.finished = True
+        for watch in self.watches:
+            watch.detach()
+        self.watches = []
 
     def made(self, k: int, output) -> None:
         for t in tree_flatten(output)[0]:
@@ -106,7 +112,7 @@ class UnusedTracker(TorchDispatchMode):
             record = [s.nbytes(), self.place(ahead=1), False]
             self.records[s] = record
             self.fresh.append(record)
-            weakref.finalize(s, self._freed, record)
+            self.watches.append(weakref.finalize(s, self._freed, record))
         return out
 
     def _freed(self, record: list) -> None:
@@ -187,6 +193,11 @@ def unused_tensors(unused: Unused, order: Sequence[tuple[str, int]],
 
 
 def _storage(t):
-    if not isinstance(t, torch.Tensor) or t.untyped_storage().nbytes() == 0:
+    """The storage of tensor `t`, or None: not a tensor, empty, or a wrapper without one."""
+    if not isinstance(t, torch.Tensor):
         return None
-    return t.untyped_storage()
+    try:
+        storage = t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return storage if storage.nbytes() else None
