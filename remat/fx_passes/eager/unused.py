@@ -87,8 +87,8 @@ class UnusedTracker(TorchDispatchMode):
         self.watches = []
 
     def made(self, k: int, output) -> None:
-        for t in tree_flatten(output)[0]:
-            record = self.records.get(_storage(t))
+        for s in map(_storage, tree_flatten(output)[0]):
+            record = None if s is None else self.records.get(s)  # (empty: no storage)
             if record is not None and any(record is r for r in self.fresh):
                 record[1] = (True, record[1][1], k)
 
