@@ -64,7 +64,8 @@ class Observed:
     """Each call's place among all the blocks' calls of the step, in the order they ran."""
     unused: Unused | None = None
     """The tensors of the step that no op read and that were freed before the forward
-    returned, and the ops outside the blocks (one for all blocks: `remat.fx_passes.eager.unused`)."""
+    returned, and the ops outside the blocks: one for all the blocks
+    (`remat.fx_passes.eager.unused`)."""
 
 
 def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
