@@ -3,9 +3,10 @@ exact eager model against brute force: blocks of consecutive forward ops, backwa
 the block they read, and each of `EagerBlocks`' finer facts (packers, node ends, positions made
 after another op, forward lifetimes, multi-output groups, the generator's state, backward ops
 written in Python, tensors the blocks are called with but never read, Python numbers an
-autograd node keeps, tensors eager makes that no op reads) drawn at random, as the torch side may report them. Half the structures
-are one module run several times (ALBERT's shared layer): the torch side makes a block per
-call, named for the module and the call, and an unread input is then held across the calls."""
+autograd node keeps, tensors eager makes that no op reads) drawn at random, as the torch
+side may report them. Half the structures are one module run several times (ALBERT's shared
+layer): the torch side makes a block per call, named for the module and the call, and an
+unread input is then held across the calls."""
 from __future__ import annotations
 
 import random
