@@ -23,8 +23,8 @@ holds until the block's backward ends; cached values that the recomputation stop
 held by the block's Python variables as long as in the forward (`forward_life`); a backward
 value, until the autograd node that reads it last has finished (`node_end`); generator
 snapshots, and on the CPU the copy of the generator's state that the recomputation's
-fork_rng keeps while it runs, and the Python numbers autograd nodes keep as tensors
-(`EagerBlocks.kept_numbers`).
+fork_rng keeps while it runs, the Python numbers autograd nodes keep as tensors
+(`EagerBlocks.kept_numbers`), and the tensors that no op reads (`unused_tensors`).
 
 The planners: the heuristic `remat.solvers.eager_heuristic.plan_eager` (status HEURISTIC; from
 seed cache sets it repairs, caching less, until the eager peak fits and improves, caching
@@ -91,6 +91,8 @@ class EagerBlocks:
     held after the op's step, its temp, to the end of that backward op's node; and in its
     block's recomputation, from the first step after it to the recomputation's end (measured:
     Gemma-2's softcapping, freed when the recomputed graph is)."""
+    unused_tensors: tuple[tuple[int, int, int, bool], ...] = ()
+    """(bytes, first op, last op, made in a block): `remat.fx_passes.eager.unused`'s tensors."""
 
     def block_of(self) -> dict[int, str]:
         return {v: name for name, ops in self.ops.items() for v in ops}
@@ -117,7 +119,8 @@ class EagerBlocks:
             groups=tuple(tuple(map(at, g)) for g in self.groups),
             python_backward=frozenset(map(at, self.python_backward)),
             unread_inputs=self.unread_inputs,
-            kept_numbers=tuple((n, at(v), at(b)) for n, v, b in self.kept_numbers))
+            kept_numbers=tuple((n, at(v), at(b)) for n, v, b in self.kept_numbers),
+            unused_tensors=tuple((n, at(a), at(z), m) for n, a, z, m in self.unused_tensors))
 
 
 @dataclass(frozen=True)
@@ -384,10 +387,13 @@ def eager_holds(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun], *,
             hold(size, min(step_of[blocks.ops[n][0]] for n in names), max(ends))
     for size, v, b in blocks.kept_numbers:  # the op's temp is the number while it runs
         hold(size, step_of[v] + 1, read_at(b))
-        # The recomputation runs the block's Python code again, a cached op's too: the
-        # recomputed graph's node keeps another such number until the recomputation ends.
+    for size, first, last, _ in blocks.unused_tensors:  # from the op it follows
+        hold(size, step_of[first], step_of[last])
+    # A block's recomputation runs its Python code again (a cached op's too), to its end.
+    for size, v, after in [*((n, v, v) for n, v, _ in blocks.kept_numbers),
+                           *((n, a, a - 1) for n, a, _, made in blocks.unused_tensors if made)]:
         run = run_of.get(block_of.get(v))
-        later = [again[u] for u in run.recomputed if u > v] if run is not None else []
+        later = [again[u] for u in run.recomputed if u > after] if run is not None else []
         if later:
             hold(size, min(later), step_of[run.trigger] - 1)
     return order, held, moved

@@ -3,9 +3,10 @@ exact eager model against brute force: blocks of consecutive forward ops, backwa
 the block they read, and each of `EagerBlocks`' finer facts (packers, node ends, positions made
 after another op, forward lifetimes, multi-output groups, the generator's state, backward ops
 written in Python, tensors the blocks are called with but never read, Python numbers an
-autograd node keeps) drawn at random, as the torch side may report them. Half the structures
-are one module run several times (ALBERT's shared layer): the torch side makes a block per
-call, named for the module and the call, and an unread input is then held across the calls."""
+autograd node keeps, tensors eager makes that no op reads) drawn at random, as the torch
+side may report them. Half the structures are one module run several times (ALBERT's shared
+layer): the torch side makes a block per call, named for the module and the call, and an
+unread input is then held across the calls."""
 from __future__ import annotations
 
 import random
@@ -82,8 +83,14 @@ def random_eager(seed: int, *, max_forward: int = 9, max_backward: int = 7,
         unread.append((rng.randint(1, 30), tuple(callers)))
     kept_numbers = tuple((8, rng.randrange(nf), rng.choice(problem.backward))
                          for _ in range(rng.choice((0, 0, 1, 2))))
+    unused = []
+    for _ in range(rng.choice((0, 0, 1, 2))):
+        first = rng.randrange(nf)
+        unused.append((rng.randint(1, 30), first, rng.randint(first, nf - 1),
+                       first in block_of and rng.random() < 0.7))
     return problem, EagerBlocks(ops=blocks, owner=owner, packer=packer, cacheable=cacheable,
                                 node_end=node_end, position=position,
                                 forward_life=forward_life, state_bytes=state,
                                 groups=tuple(groups), python_backward=frozenset(python_backward),
-                                unread_inputs=tuple(unread), kept_numbers=kept_numbers)
+                                unread_inputs=tuple(unread), kept_numbers=kept_numbers,
+                                unused_tensors=tuple(unused))

@@ -37,6 +37,7 @@ from remat.fx_passes.tracing.dynamic import is_size_arithmetic
 from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
 from remat.fx_passes.eager.probe import Observed, aligned
 from remat.fx_passes.eager.runs import joined_runs, module_path, run_name, split_runs
+from remat.fx_passes.eager.unused import unused_tensors
 from remat.fx_passes.lowering.lower import op_nodes
 from remat.fx_passes.tracing.rng import rng_state, state_bytes
 from remat.solvers.eager import EagerBlocks
@@ -118,11 +119,13 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
         raise ValueError("eager_blocks: give observed ops or policies, not both")
     else:
         policies, calls = joined_runs(policies)
+    joined = dict(policies)  # each module's aligned policy over all its calls
     # A module called several times (ALBERT's shared layer) is one block per call.
     for p, starts in calls.items():
         if len(starts) > 1:
             split_runs(problem, nodes, p, starts, ops, owner, policies)
     unread: tuple[tuple[int, tuple[str, ...]], ...] = ()
+    unused: tuple[tuple[int, int, int, bool], ...] = ()
     if observed is not None:
         given: dict[int, tuple[int, list[str]]] = {}
         for p in paths:
@@ -130,6 +133,7 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
                 name = p if len(observed[p].calls) == 1 else run_name(p, call)
                 given.setdefault(number, (size, []))[1].append(name)
         unread = tuple((size, tuple(names)) for size, names in given.values())
+        unused = _unused(problem, nodes, captured.device, observed, paths, joined, ops)
     # Autograd's sequence number ties a backward op to the forward op whose node it runs;
     # that node packed what the op reads: its outputs after it ran, its inputs before.
     packer: dict[int, int] = {}
@@ -168,8 +172,27 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
                          node_end=node_end, position=position, forward_life=forward_life,
                          python_backward=_python_backward(problem, nodes),
                          unread_inputs=unread,
-                         kept_numbers=_kept_numbers(problem, nodes, captured.device))
+                         kept_numbers=_kept_numbers(problem, nodes, captured.device),
+                         unused_tensors=unused)
     return blocks, policies
+
+
+def _unused(problem: Problem, nodes: list[fx.Node], device: str,
+            observed: dict[str, Observed], paths: Sequence[str],
+            joined: dict[str, BlockPolicy], ops: dict[str, list[int]]
+            ) -> tuple[tuple[int, int, int, bool], ...]:
+    """`EagerBlocks.unused_tensors` of the probe's run: the blocks' calls in the order they
+    ran, each a block (`ops`, a run of a module called several times)."""
+    order = [(p, call) for _, p, call in sorted(
+        (g, p, call) for p in paths for call, g in enumerate(observed[p].order))]
+    unused = observed[paths[0]].unused if paths else None
+    if unused is None or not unused.found or not order:
+        return ()
+    return unused_tensors(
+        unused, order, joined, {p: observed[p].calls for p in paths}, ops,
+        lambda p, call: p if len(observed[p].calls) == 1 else run_name(p, call),
+        lambda members: expected_ops(problem, nodes, "", members, device),
+        problem.num_forward)
 
 
 # Ops whose autograd node saves their second operand for the first's gradient (derivatives.yaml:

@@ -13,6 +13,9 @@ DeepSeek-V3 fills a ``new_empty`` buffer through ``copy_`` into slices, T5 adds 
 position buckets with ``+=``. Checkpoint refuses a cached tensor that was mutated after it was
 cached, and a cached in-place op would skip its write in the recomputation: the probe names
 both (`mutated`), and `aligned` never lets the policy cache them.
+
+And eager PyTorch makes tensors that no op reads, which the joint graph drops as dead code:
+the probe's `remat.fx_passes.eager.unused.UnusedTracker` finds those a Python variable holds.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
+from remat.fx_passes.eager.unused import Unused, UnusedTracker
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,12 @@ class Observed:
     in place, several outputs or none). Eager PyTorch can make other shapes than the capture:
     transformers passes no attention mask when the padding mask is all ones, a branch it
     never takes while tracing, so the capture broadcasts its mask over the batch."""
+    order: tuple[int, ...] = ()
+    """Each call's place among all the blocks' calls of the step, in the order they ran."""
+    unused: Unused | None = None
+    """The tensors of the step that no op read and that were freed before the forward
+    returned, and the ops outside the blocks: one for all the blocks
+    (`remat.fx_passes.eager.unused`)."""
 
 
 def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
@@ -76,6 +86,8 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
     unread: dict[str, list[tuple[int, int, int]]] = {p: [] for p in paths}
     calls: dict[str, list[int]] = {p: [] for p in paths}
     nbytes: dict[str, list[int]] = {p: [] for p in paths}
+    order: dict[str, list[int]] = {p: [] for p in paths}
+    tracker = UnusedTracker()
     static = weakref.WeakSet(_storage(t) for t in [*tree_flatten((inputs, kwargs))[0],
                                                    *model.parameters(), *model.buffers()]
                              if _storage(t) is not None)
@@ -97,6 +109,7 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
                 return CheckpointPolicy.PREFER_RECOMPUTE
 
             def watch(k, output, given):
+                tracker.made(k, output)
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)]
                 for t in tensors:
                     alive[path][k] += 1
@@ -120,7 +133,12 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
                      if s is not None and s not in static}
             read.clear()
             calls[path].append(len(seen[path]))
-            out = checkpoint(forward, *a, use_reentrant=False, context_fn=contexts, **k)
+            order[path].append(len(tracker.segments) - 1)
+            tracker.enter(lambda: len(seen[path]))
+            try:
+                out = checkpoint(forward, *a, use_reentrant=False, context_fn=contexts, **k)
+            finally:
+                tracker.leave()
             # What is still alive when the block returns lives to its end at least.
             freed[path][:] = [len(seen[path]) if n > 0 else f
                               for f, n in zip(freed[path], alive[path])]
@@ -139,8 +157,10 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
         # The generators the forward's random ops draw from: the CPU's, and each GPU's the
         # model is on (fork_rng(devices=[]) forks the CPU's alone).
         gpus = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
-        with torch.random.fork_rng(devices=gpus), torch.enable_grad():
-            model(*inputs, **(kwargs or {}))
+        with torch.random.fork_rng(devices=gpus), torch.enable_grad(), tracker:
+            out = model(*inputs, **(kwargs or {}))
+            tracker.done()  # what is freed from here on was held past the forward
+            del out
     finally:
         for path, forward in originals.items():
             module = model.get_submodule(path)
@@ -151,8 +171,10 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
         with torch.no_grad():
             for name, buffer in model.named_buffers():
                 buffer.copy_(saved[name])
+    unused = tracker.result()
     return {p: Observed(seen[p], freed[p], mutated[p], tuple(unread[p]),
-                        tuple(calls[p]) or (0,), tuple(nbytes[p])) for p in paths}
+                        tuple(calls[p]) or (0,), tuple(nbytes[p]), tuple(order[p]), unused)
+            for p in paths}
 
 
 class _Outputs(TorchDispatchMode):

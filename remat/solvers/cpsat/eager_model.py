@@ -56,7 +56,8 @@ class EagerModel(EagerDecisions):
     recomputation up to its `forward_life`; a backward value to the end of its readers' nodes
     (within a node written in Python, `python_backward`, to the reader itself); fork_rng's copy
     of the generator's state at each running recomputation step; an unread input from its
-    first caller's forward to its last caller's end."""
+    first caller's forward to its last caller's end; a kept number and an unused tensor at
+    their fixed forward slots and at their block's running recomputation steps after them."""
 
     def __init__(self, problem: Problem, blocks: EagerBlocks, units: Units):
         self.problem, self.blocks, self.units = problem, blocks, units
@@ -228,6 +229,8 @@ class EagerModel(EagerDecisions):
                 holds.append(_Hold(units.bytes_up(amount), first, TRUE, [(max(ends), [])]))
         for amount, v, b in blocks.kept_numbers:  # fixed: after the op to its node's end
             holds.append(_Hold(units.bytes_up(amount), slot[v] + 1, TRUE, [(read_at(b), [])]))
+        for amount, first, last, _ in blocks.unused_tensors:  # fixed: first to last op
+            holds.append(_Hold(units.bytes_up(amount), slot[first], TRUE, [(slot[last], [])]))
         for h in holds:  # a literal that always holds says nothing; one that never does, drops
             h.terms = [(k, [x for x in lits if x is not TRUE]) for k, lits in h.terms
                        if not any(x is False for x in lits)]
@@ -242,11 +245,15 @@ class EagerModel(EagerDecisions):
         # generator's state (kept while the block's recomputation runs, its steps only).
         forked = {v for run in runs if run.trigger is not None for v in run.recomputed}
         # And the Python numbers that the recomputed graph keeps, from their op on: at each
-        # recomputation step after it (eager_holds: to the recomputation's end).
+        # recomputation step after it (eager_holds: to the recomputation's end); so do the
+        # unused tensors made in a block, from their first op's recomputation on.
         numbers: dict[int, int] = {}
-        for amount, v, _ in blocks.kept_numbers:
+        remade = [(amount, v, v) for amount, v, _ in blocks.kept_numbers] + [
+            (amount, first, first - 1) for amount, first, _, in_block in blocks.unused_tensors
+            if in_block]
+        for amount, v, after in remade:
             for u in run_of[v].recomputed if v in run_of else ():
-                if u > v:
+                if u > after:
                     numbers[u] = numbers.get(u, 0) + units.bytes_up(amount)
         for v, k in again.items():
             amount = temp[v] + (state if v in forked else 0) + numbers.get(v, 0)

@@ -42,11 +42,13 @@ SUBSOLVERS = ("max_lp", "default_lp", "quick_restart", "core")
 
 def eager_units(problem: Problem, blocks: EagerBlocks, options: SolverOptions) -> Units:
     """The compiled models' units, with checkpoint's generator state (5,056 bytes on a CPU), the
-    unread inputs it holds and the Python numbers autograd keeps among the sizes that the byte
-    unit divides, so that the model's bytes stay exact."""
+    unread inputs it holds, the Python numbers autograd keeps and the unused tensors eager
+    PyTorch makes among the sizes that the byte unit divides, so that the model's bytes stay
+    exact."""
     units = Units.of(problem, options)
     extra = [a for a in (blocks.state_bytes, *(n for n, _ in blocks.unread_inputs),
-                         *(n for n, _, _ in blocks.kept_numbers)) if a]
+                         *(n for n, _, _ in blocks.kept_numbers),
+                         *(n for n, _, _, _ in blocks.unused_tensors)) if a]
     if not units.exact_bytes or all(a % units.byte == 0 for a in extra):
         return units
     unit = math.gcd(units.byte, *extra)
