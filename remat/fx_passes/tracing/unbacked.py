@@ -88,19 +88,27 @@ def _upper(expr, shape_env, joint: fx.GraphModule, label: str) -> int:
     expr = shape_env.replace(expr.node.expr) if isinstance(expr, torch.SymInt) else expr
     if getattr(expr, "is_number", False):
         return int(expr)
-    upper = bound_sympy(expr, shape_env.var_to_range).upper
-    if not upper.is_finite or int(upper) > 2 ** 62:
-        unbounded = [s for s in expr.free_symbols
-                     if not shape_env.var_to_range.get(s, None) or
-                     not shape_env.var_to_range[s].upper.is_finite or
-                     int(shape_env.var_to_range[s].upper) > 2 ** 62]
-        symbol = unbounded[0] if unbounded else next(iter(expr.free_symbols))
+    upper = _finite(bound_sympy(expr, shape_env.var_to_range).upper)
+    if upper is None:
+        unbounded = [s for s in sorted(expr.free_symbols, key=str)
+                     if s not in shape_env.var_to_range
+                     or _finite(shape_env.var_to_range[s].upper) is None]
+        symbol = unbounded[0] if unbounded else sorted(expr.free_symbols, key=str)[0]
         raise CaptureError(
             f"{label}: the size {expr} depends on the data and has no finite bound: {symbol} "
             f"comes from {_maker(joint, symbol)}, whose result torch cannot bound; remat plans "
             f"such sizes at their worst case, so bound it in the model, e.g. "
             f"`torch._check(n <= max_tokens)` right after the op that makes it")
-    return max(int(upper), 0)
+    return max(upper, 0)
+
+
+def _finite(value) -> int | None:
+    """`value` (a sympy bound) as an int, or None when it is infinite (or absurdly large)."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return None
+    return number if number < 2 ** 62 else None
 
 
 def bound_data_dependent(joint: fx.GraphModule, label: str = "the model") -> list[WorstCase]:
