@@ -135,14 +135,14 @@ def test_a_plan_holds_over_20_steps_while_the_tokens_per_expert_change(execution
     net, xs = model(), batches(20)
     routings = {tokens_per_expert(net, x) for x in xs}
     assert len(routings) > 5 and any(TOKENS in r for r in routings)
-    save_all = remat.optimize(copy.deepcopy(net), activation_budget=10**12,
-                              example_inputs=(xs[0],), returns="loss",
-                              solver="save_all").activation_peak
-    # eager's per-block policies reach less far than the compiled plan (test_moe.py)
-    fraction = 0.5 if execution == "compiled" else 1.2
-    plan = remat.optimize(net, activation_budget=int(fraction * save_all),
+    options = SolverOptions(time_limit=5)
+    # the least budget the mode reaches: everything else recomputed
+    with pytest.raises(remat.BudgetError) as refused:
+        remat.optimize(net, activation_budget=1, example_inputs=(xs[0],), returns="loss",
+                       execution=execution, solver_options=options)
+    plan = remat.optimize(net, activation_budget=refused.value.smallest,
                           example_inputs=(xs[0],), returns="loss", execution=execution,
-                          solver_options=SolverOptions(time_limit=5))
+                          solver_options=options)
     assert plan.schedule.recomputed
     problem = plan.eager_problem if execution == "eager" else plan.prepared.problem
     # the routing decisions are kept, never made again
