@@ -21,6 +21,8 @@ API
     `WorstCase`. A symbol without a finite upper bound raises CaptureError naming the op that
     makes it and the ``torch._check`` that would bound it. Sizes of symbolic nodes (SymInt
     values) stay symbolic: the rewrite saves them for the backward as AOTAutograd does.
+``symbolic_again(gm)``: a graph made from such a joint graph (the rewrite's forward and
+    backward) with its symbolic values back, for the compilers that read them (Inductor).
 ``worst_case_lines(cases)``: the report's lines on them.
 """
 from __future__ import annotations
@@ -34,7 +36,8 @@ from torch import fx
 
 from remat.errors import CaptureError
 
-__all__ = ["WorstCase", "bound_data_dependent", "data_dependent_sizes", "worst_case_lines"]
+__all__ = ["WorstCase", "bound_data_dependent", "data_dependent_sizes", "symbolic_again",
+           "worst_case_lines"]
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,14 @@ def bound_data_dependent(joint: fx.GraphModule, label: str = "the model") -> lis
                                    ranges, c.untyped_storage().nbytes()))
     joint.meta["remat_worst_case"] = cases
     return cases
+
+
+def symbolic_again(gm: fx.GraphModule) -> None:
+    """Put back the symbolic values `bound_data_dependent` replaced (copied nodes share the
+    meta's keys): the planning is done, and a compiler must see sizes that change."""
+    for node in gm.graph.nodes:
+        if "unbacked_val" in node.meta:
+            node.meta["val"] = node.meta["unbacked_val"]
 
 
 def _shape_env_of(value: Any):
