@@ -233,6 +233,10 @@ def run_arch(name: str, options: SolverOptions, modes=MODES, fraction: float = 0
                 row.note = "eager runs other code than captured (warned)"
         row.status = plan.status.value
         row.gap = plan.gap
+        bounded = plan.prepared.captured.graph_module.meta.get("remat_worst_case")
+        if bounded and not row.note:
+            row.note = (f"{len(bounded)} data-dependent sizes at their worst case "
+                        "(every token to each expert)")
         row.predicted = plan.activation_peak
         try:
             step = training_step(call, kwargs, seed=7)

@@ -8,7 +8,10 @@ Where a tester's configuration cannot train on a CPU as it is, the change is nam
 entry: MoE experts as batched matmuls (transformers' default grouped-mm experts fail in eager
 PyTorch on the CPU, "strides should be multiple of 16 bytes"), DeepSeek-V3 with its second
 layer a MoE layer of 8 experts in 2 groups (the tester's first_k_dense_replace=3 leaves both
-layers dense, and its 256 experts in 8 groups cannot pick 2 of 8), and no
+layers dense, and its 256 experts in 8 groups cannot pick 2 of 8), DBRX's experts looping over
+every expert rather than over the experts a batch hits (`every_expert`: the same sums; a loop
+whose length is read from the data cannot be one graph, while each expert's
+``torch.where(mask)`` stays, a size that depends on the data), and no
 key/value cache (`use_cache=False` on every config: training keeps none).
 
 `ARCHS[name] = (family, build)`; ``build() -> (model, kwargs)``, the model in train mode.
@@ -107,6 +110,50 @@ def causal_lm(config_cls: str, model_cls: str, **overrides) -> Callable:
 
 def moe(config_cls: str, model_cls: str, **overrides) -> Callable:
     return causal_lm(config_cls, model_cls, experts_implementation="batched_mm", **overrides)
+
+
+def every_expert(build: Callable) -> Callable:
+    """`build` with DBRX's experts looping over every expert (`dbrx_every_expert`)."""
+    def patched():
+        model, kwargs = build()
+        return dbrx_every_expert(model), kwargs
+    return patched
+
+
+def dbrx_every_expert(model):
+    """DBRX's experts (transformers 5.24 `DbrxExperts`) loop ``for expert_idx in expert_hit``,
+    the experts this batch routes a token to: a loop of a length read from the data, which no
+    one graph holds. Here every expert runs, in the same order; one that no token picked gets
+    ``torch.where`` of nothing and adds nothing, so the sums are the same. Per instance: the
+    class is left as it is."""
+    import types
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        batch_size = hidden_states.shape[0]
+        hidden_states = hidden_states.reshape(-1, self.hidden_size)
+        next_states = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = torch.nn.functional.one_hot(top_k_index, self.num_experts + 1)
+            expert_mask = expert_mask.permute(2, 1, 0)
+        shape = (-1, self.ffn_hidden_size, self.hidden_size)
+        for expert_idx in range(self.num_experts):
+            with torch.no_grad():
+                idx, token_idx = torch.where(expert_mask[expert_idx])
+            # top-k picks an expert at most once per token: at most every token comes here,
+            # the worst case remat plans for (torch alone bounds it by the mask's top_k*tokens)
+            torch._check(token_idx.shape[0] <= hidden_states.shape[0])
+            v1 = self.mlp.v1.view(shape)[expert_idx]
+            w1 = self.mlp.w1.view(shape)[expert_idx]
+            w2 = self.mlp.w2.view(shape)[expert_idx]
+            states = self.mlp(hidden_states[token_idx], w1, v1, w2)
+            states = states.view(-1, self.hidden_size) * top_k_weights[token_idx, idx, None]
+            next_states.index_add_(0, token_idx, states)
+        return next_states.view(batch_size, -1, self.hidden_size)
+
+    for module in model.modules():
+        if type(module).__name__ == "DbrxExperts":
+            module.forward = types.MethodType(forward, module)
+    return model
 
 
 def decoder(config_cls: str, model_cls: str, fields: dict, *, batch: int = BATCH) -> Callable:
@@ -268,12 +315,12 @@ ARCHS: dict[str, tuple[str, Callable]] = {
     "deepseek_v3": ("MoE", moe("DeepseekV3Config", "DeepseekV3ForCausalLM",
                                n_routed_experts=8, n_group=2, topk_group=1,
                                first_k_dense_replace=1)),
-    "dbrx": ("MoE", decoder("DbrxConfig", "DbrxForCausalLM", dict(
+    "dbrx": ("MoE", every_expert(decoder("DbrxConfig", "DbrxForCausalLM", dict(
         vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=512,
         attn_config={"clip_qkv": 8, "kv_n_heads": 4, "rope_theta": 500000},
         ffn_config={"ffn_hidden_size": 32, "moe_jitter_eps": 0, "moe_loss_weight": 0.05,
                     "moe_num_experts": 16, "moe_top_k": 4, "ffn_act_fn": {"name": "gelu"}},
-        resid_pdrop=0.0, emb_pdrop=0.0, pad_token_id=0))),
+        resid_pdrop=0.0, emb_pdrop=0.0, pad_token_id=0)))),
     # state-space models and hybrids
     "mamba": ("SSM", causal_lm("MambaConfig", "MambaForCausalLM")),
     "falcon_mamba": ("SSM", causal_lm("FalconMambaConfig", "FalconMambaForCausalLM")),

@@ -378,7 +378,6 @@ def test_a_tensor_eager_makes_smaller_than_the_capture_is_planned_with_eager_byt
     assert before - (plan.schedule.peak - plan.activation_peak) > 1.1 * measured
 
 
-
 class Stage(nn.Module):  # Swin's stage: also returns its output reshaped for hidden states
     def __init__(self, d=32):
         super().__init__()

@@ -18,6 +18,7 @@ from remat.planner.report import (Measured, MemoryColumn, Report, SolverSummary,
 from remat.planner.prepare import (Prepared, check_same_parameters, device_of,
                                    has_meta_weights, prepare)
 from remat.planner.job import options_for_this_job
+from remat.fx_passes.tracing.unbacked import worst_case_lines
 from remat.planner.training import Training
 from remat.solvers import Problem, Schedule, SolverOptions, Strategy, solve
 
@@ -181,6 +182,7 @@ class Plan:
         if self.shapes is not None:
             notes.extend(self.shapes.notes())
         captured = prepared.captured
+        notes.extend(worst_case_notes(captured, self.problem))
         title = (f"remat plan for {captured.model_name} in {self.training_mode} mode: "
                  f"{prepared.state.parameters:,} parameters, inputs {captured.input_shapes}, "
                  f"{self.training.precision.value} {self.training.optimizer.value}, "
@@ -288,3 +290,16 @@ def budget_error_in_user_terms(prepared: Prepared, error: BudgetError, *, budget
     return whole
 
 
+
+
+def worst_case_notes(captured: Any, problem: Problem) -> list[str]:
+    """The report's note on the tensors whose sizes depend on the data: how many, counted at
+    what worst case (`remat.fx_passes.tracing.unbacked`); none for a graph without them."""
+    graph = getattr(captured, "graph_module", None)
+    cases = graph.meta.get("remat_worst_case", []) if graph is not None else []
+    owners = {op.name for op in problem.ops if op.size or op.temp}
+    lines = worst_case_lines(cases, owners=owners)
+    if not lines:
+        return []
+    return ["\n  ".join([lines[0] + " (the bound, not the example's routing: the plan holds "
+                          "for every step)", *(line.strip() for line in lines[1:])])]

@@ -44,6 +44,7 @@ from remat.fx_passes.compiled.joint_graph import (check_schedule, flat_outputs, 
                                                   match_problem, mutated_inputs, output_descs,
                                                   placeholder_kind, saved_descs)
 from remat.fx_passes.tracing.rng import RandomOp
+from remat.fx_passes.tracing.unbacked import symbolic_again
 from remat.solvers.problem import Kind, Problem
 from remat.solvers.schedule import Schedule
 from remat.solvers.simulate import StepKind, step_order
@@ -134,6 +135,9 @@ def partition_fn(problem: Problem, schedule: Schedule,
                   len(result.saved), len(result.recomputed))
         if on_partition is not None:
             on_partition(result)
+        # planned at the worst case; compiled for the sizes each step has
+        symbolic_again(result.forward)
+        symbolic_again(result.backward)
         return result.forward, result.backward
 
     return apply

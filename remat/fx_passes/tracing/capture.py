@@ -54,6 +54,7 @@ from remat.fx_passes.tracing.loss_type import loss_types_named, unnamed_loss_typ
 from remat.fx_passes.tracing.rng import snapshot_random_ops
 from remat.fx_passes.tracing.step_io import (capture_failure, check_inputs, default_loss, progress,
                                      quiet_torch_logs, step_function)
+from remat.fx_passes.tracing.unbacked import bound_data_dependent, data_dependent_sizes
 
 log = logging.getLogger(__name__)
 
@@ -174,9 +175,11 @@ def _exact_fake_storages(example_inputs) -> None:
         mode.cache_enabled = False
 
 
-def prepare_joint(joint: fx.GraphModule) -> None:
+def prepare_joint(joint: fx.GraphModule, label: str = "the model") -> None:
     """The passes every joint graph gets, when it is captured and when a plan is applied to it,
-    so that the problem and the graph it runs on agree."""
+    so that the problem and the graph it runs on agree: sizes that depend on the data are
+    counted at their worst case (`remat.fx_passes.tracing.unbacked`)."""
+    bound_data_dependent(joint, label)
     drop_unused_running_stats(joint)
     snapshot_random_ops(joint)
 
@@ -215,12 +218,11 @@ def compile_step(model: torch.nn.Module, partition_fn: Callable, *,
     if shape_range is not None:
         compiled = marked(compiled, shape_range, bucket)
     unnamed = unnamed_loss_types(model)
-    if not unnamed:
-        return compiled
 
     def step(*args, **kwargs):
-        # Named at every call, as when captured: dynamo guards on the attribute.
-        with loss_types_named(unnamed):
+        # Named at every call, as when captured: dynamo guards on the attribute. Sizes that
+        # depend on the data are traced as capture traced them (a call may recompile).
+        with loss_types_named(unnamed), data_dependent_sizes():
             return compiled(*args, **kwargs)
 
     return step
@@ -274,8 +276,8 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
             loss_types_named(unnamed_loss_types(model)), quiet_torch_logs(), progress(label):
         args, kwargs = faked
         try:
-            with torch.enable_grad(), (tracing_sizes() if shape_range is not None
-                                       else contextlib.nullcontext()):
+            with torch.enable_grad(), data_dependent_sizes(), (
+                    tracing_sizes() if shape_range is not None else contextlib.nullcontext()):
                 compiled(*args, **kwargs)
         except RematError:
             raise
@@ -291,7 +293,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
                                    "no_grad?)")
             if shape_range is not None:
                 concretize(seen["joint"], shape_range, bucket, label)
-            prepare_joint(seen["joint"])
+            prepare_joint(seen["joint"], label)
             captured = _describe(model, args, kwargs, seen, name)
     if failure is not None:
         # Outside the fake-tensor context: the diagnosis makes fake tensors of its own.
