@@ -170,6 +170,10 @@ def plan_pipeline(stages: Sequence[Any], example_inputs: Sequence[Any], *, examp
     from remat.planner.training import state_memory
     import torch
 
+    from remat.planner.tensor_layout import check_tensor_parallel
+
+    for stage in stages:  # Training(tensor_parallel=...) against each stage's layout
+        check_tensor_parallel(stage, training)
     order = schedule_actions(spec.schedule, ranks=spec.ranks or _default_ranks(spec, stages),
                              microbatches=spec.microbatches, stages=len(stages))
     budgets = _budgets(budget, order.ranks)
