@@ -99,3 +99,33 @@ def test_optimize_plans_a_tensor_parallel_rank_as_plan_tensor_parallel_does():
     # The rest of an eager plan reads through (its report, its activation peak).
     assert routed.activation_peak == routed.plan.activation_peak
     assert routed.placements["tok_embeddings.weight"] == "(Shard(dim=0),)"
+
+
+def test_fsdp_inside_pipeline_stages_terms():
+    """remat.planner.pipeline_fsdp: the units of a stage (root first, blocks in order), the
+    end-of-step reduction's peak replayed by hand, and what is refused."""
+    from dataclasses import replace
+
+    from examples.llama_pipeline import llama_stages
+    from remat.planner.pipeline_fsdp import (StageUnits, check_fsdp_in_pipeline, reduce_peak,
+                                             stage_units)
+
+    config = replace(CONFIG, layers=4)
+    model, _ = llama(config, batch=BATCH, data_seed=1)
+    first, last = llama_stages(model, 2)
+    training = remat.Training(data_parallel=2, zero_stage=3, reshard_after_forward=False)
+    units = stage_units(last, training)
+    layer = sum(p.numel() for p in model.layers[2].parameters()) * 4
+    rest = (model.norm.weight.numel() + model.output.weight.numel()) * 4
+    assert units.params == units.grads == units.padded == (rest, layer, layer)
+    # Root: its parameters resharded, its buffer and shard made while every gradient lives.
+    u = StageUnits(params=(10, 20, 30), grads=(10, 20, 30), padded=(12, 20, 30))
+    steps = [50 + 60 + 0 + 12 + 6, 30 + 50 + 6 + 20 + 10, 0 + 30 + 16 + 30 + 15]
+    assert reduce_peak([u], 2) == max(steps) == 128
+    for bad in (remat.Training(data_parallel=2, zero_stage=3),
+                remat.Training(data_parallel=2, zero_stage=2)):
+        with pytest.raises(remat.RematError, match="reshard_after_forward=False"):
+            check_fsdp_in_pipeline(bad, split_backward=False)
+    with pytest.raises(remat.RematError, match="zero-bubble"):
+        check_fsdp_in_pipeline(training, split_backward=True)
+    check_fsdp_in_pipeline(remat.Training(), split_backward=True)  # no sharding: nothing
