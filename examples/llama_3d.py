@@ -83,7 +83,8 @@ def job_mesh(job: Job):
 def job_stages(job: Job, mesh, data_seed: int = 1):
     """The stage modules of the model tensor-parallelized over the mesh's "tp", and a batch."""
     model, (tokens, targets) = llama(job.config, batch=job.batch, data_seed=data_seed)
-    parallelize_llama(model, mesh["tp"], sequence_parallel=False)
+    if job.tp > 1:
+        parallelize_llama(model, mesh["tp"], sequence_parallel=False)
     return llama_stages(model, job.pp), tokens, targets
 
 
@@ -259,11 +260,13 @@ def main(argv=None) -> None:
           f"replica in {args.microbatches} micro-batches; mesh (pp, dp, tp) = "
           f"({args.pp}, {args.dp}, {args.tp}), {world} gloo ranks; bytes per rank")
     print("| schedule | rank | (pp, dp, tp) | budget | predicted | allocator | over | "
-          "recompute MFLOP | grads bitwise equal | params after 2 steps: worst rel. diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "held at the start as predicted | recompute MFLOP | grads bitwise equal | "
+          "params after 2 steps: worst rel. diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows(jobs, measured):
         print(f"| {r['job']} | {r['rank']} | {r['coords']} | {k(r['budget'])} | "
               f"{k(r['predicted'])} | {k(r['allocator'])} | {r['over']:+.2f} % | "
+              f"{'yes' if r['held'] == r['static'] else k(r['held'] - r['static'])} | "
               f"{r['recompute'] / 1e6:.2f} | {'yes' if r['bitwise'] else 'no'} | "
               f"{r['worst']:.1e} |")
 
