@@ -42,6 +42,7 @@ import remat  # noqa: E402
 from examples.llama import LLAMA_TEST, llama  # noqa: E402
 from examples.llama_pipeline import llama_stages, pipeline_loss, pipeline_runtime  # noqa: E402
 from examples.llama_tensor_parallel import parallelize_llama  # noqa: E402
+from remat.planner.pipeline_fsdp import reduce_peak  # noqa: E402
 
 # benchmarks/pipeline.py's model: hidden 64, 4 layers, sequence 32.
 CONFIG = replace(LLAMA_TEST, layers=4, dropout=0.0, seq=32, hidden=64, mlp=176)
@@ -241,11 +242,15 @@ def main(argv=None) -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--schedules", nargs="+", default=["GPipe", "1F1B"])
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=CONFIG.vocab_size,
+                        help="vocabulary size (a large one makes the end-of-step reduction of "
+                             "the embedding's and output's gradients the first stage's peak)")
     args = parser.parse_args(argv)
+    config = replace(CONFIG, vocab_size=args.vocab)
     jobs, free = {}, None
     for schedule in args.schedules:
         job = Job(pp=args.pp, dp=args.dp, tp=args.tp, schedule=schedule,
-                  microbatches=args.microbatches)
+                  microbatches=args.microbatches, config=config)
         if schedule not in ("GPipe", "1F1B"):
             parser.error(f"{schedule}: this example runs one stage a rank (GPipe, 1F1B)")
         plan, free = plan_job(job, reuse=free)
@@ -256,13 +261,27 @@ def main(argv=None) -> None:
                  join=True)
         measured = [torch.load(f"{tmp}/out.{r}") for r in range(world)]
     k = lambda b: f"{b:,}"  # noqa: E731
-    print(f"Llama hidden {CONFIG.hidden}, {CONFIG.layers} layers, seq {CONFIG.seq}, batch 8 a "
+    print(f"Llama hidden {config.hidden}, {config.layers} layers, vocabulary "
+          f"{config.vocab_size}, seq {config.seq}, batch 8 a "
           f"replica in {args.microbatches} micro-batches; mesh (pp, dp, tp) = "
           f"({args.pp}, {args.dp}, {args.tp}), {world} gloo ranks; bytes per rank")
     print("| schedule | rank | (pp, dp, tp) | budget | predicted | allocator | over | "
           "held at the start as predicted | recompute MFLOP | grads bitwise equal | "
           "params after 2 steps: worst rel. diff |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, (job, plan) in jobs.items():
+        for pp in range(job.pp):
+            memory = plan.ranks[pp]
+            units = [plan.fsdp_units[s] for s in plan.order.stages_of(pp)
+                     if s in plan.fsdp_units]
+            end = sum(k.size for k in plan.handoffs[pp] if k.until is None)
+            at_reduction = units and reduce_peak(units, job.dp) + end == memory.peak
+            print(f"{name}, pipeline rank {pp}: peak "
+                  + ("in the end-of-step reduction" if at_reduction
+                     else f"at {memory.peak_action}")
+                  + (f"; FSDP2: gathered parameters {sum(u.gathered for u in units):,} B, "
+                     f"the reduction's peak {reduce_peak(units, job.dp):,} B above the state"
+                     if units else ""))
     for r in rows(jobs, measured):
         print(f"| {r['job']} | {r['rank']} | {r['coords']} | {k(r['budget'])} | "
               f"{k(r['predicted'])} | {k(r['allocator'])} | {r['over']:+.2f} % | "
