@@ -20,8 +20,9 @@ any of remat's candidate combinations holds and what no checkpointing holds (Ada
 reserved, 1 % margin).
 
 Per rank the script prints: its coordinates, the budget, remat's predicted peak, the allocator's
-(what the rank holds when the step starts plus torch.profiler's peak of one step above it, the
-least of three steps), how far the measurement is over the prediction, and whether the gradients
+(what the rank holds when the step starts plus torch.profiler's peak of one step above it: of
+`--readings` steps, the least peak of those whose recorded end is the least, as a reading that
+missed a free on gloo's thread ends higher), how far the measurement is over the prediction, and whether the gradients
 of a step equal those of the same job without remat (bitwise, and the worst relative
 difference of the parameters after two AdamW steps).
 """
@@ -46,7 +47,7 @@ from remat.planner.pipeline_fsdp import reduce_peak  # noqa: E402
 
 # benchmarks/pipeline.py's model: hidden 64, 4 layers, sequence 32.
 CONFIG = replace(LLAMA_TEST, layers=4, dropout=0.0, seq=32, hidden=64, mlp=176)
-READINGS = 3
+READINGS = 5
 
 
 @dataclass(frozen=True)
@@ -127,10 +128,11 @@ def _bytes(tensors) -> int:
                 for t in map(_local, tensors)}.values())
 
 
-def train_rank(rank: int, job: Job, mesh, plan, measure: bool) -> dict:
+def train_rank(rank: int, job: Job, mesh, plan, measure: bool, readings: int = READINGS) -> dict:
     """This rank's part of the job, with remat's plan (`measure`) or without: the gradients of
     the first step, the parameters after `job.steps` AdamW steps and, with the plan, what the
-    rank holds when a step starts and the allocator's peak of a step above it."""
+    rank holds when a step starts and the allocator's peak of a step above it (the least of
+    `readings` steps; each reading's (peak, end) in "readings")."""
     pp, dp, _ = job.coords(rank)
     modules, tokens, targets = job_stages(job, mesh, data_seed=1 + dp)
     mine = plan.order.stages_of(pp)
@@ -163,7 +165,7 @@ def train_rank(rank: int, job: Job, mesh, plan, measure: bool) -> dict:
                                       for n, p in named}}
     if not measure:
         return out
-    from remat.fx_passes.measuring.allocator import allocator_peak
+    from remat.fx_passes.measuring.allocator import AllocatorTrace, cpu_memory_events, paired
 
     held = (_bytes(params)
             + _bytes(t for st in opt.state.values() for t in st.values() if _local(t).dim())
@@ -172,16 +174,24 @@ def train_rank(rank: int, job: Job, mesh, plan, measure: bool) -> dict:
                                                  *getattr(st, "grad_recv_info", {}).values()])
             + (_bytes([tokens]) if first else 0) + (_bytes([targets]) if last else 0))
     peaks = []
-    # The least of three readings: a functional collective's output (an all-reduce's clone)
-    # whose last reference gloo's worker thread drops is freed on a thread the profiler does
-    # not record, and such a reading counts it live to the step's end (docs/parallelism.md).
-    for _ in range(READINGS):
+    # Several readings: a collective's output (an all-reduce's clone, an all-gather's flat
+    # buffer) whose last reference gloo's worker thread drops is freed on a thread the
+    # profiler does not record, and such a reading counts it live to the step's end
+    # (docs/parallelism.md); which readings catch it depends on timing.
+    for _ in range(readings):
         gc.collect()
         dist.barrier()
         torch.manual_seed(7)
-        peaks.append(allocator_peak(step))
+        with cpu_memory_events() as events:
+            step()
+        trace = AllocatorTrace(tuple(paired(events)))
+        peaks.append((trace.peak, trace.end))  # the end: what the step left, as recorded
         opt.zero_grad(set_to_none=True)
-    return {**out, "held": held, "peak": min(peaks)}
+    # A reading that missed a free counts the block to its end: only those with the least end
+    # are clean; the least peak of those.
+    least = min(end for _, end in peaks)
+    return {**out, "held": held, "peak": min(p for p, end in peaks if end == least),
+            "readings": peaks}
 
 
 def compare(plain: dict, planned: dict) -> dict:
@@ -195,7 +205,7 @@ def compare(plain: dict, planned: dict) -> dict:
     return {"names": same, "bitwise": bitwise, "worst": worst}
 
 
-def worker(rank: int, init: str, jobs: dict, results: str) -> None:
+def worker(rank: int, init: str, jobs: dict, results: str, readings: int = READINGS) -> None:
     """Every job of `jobs` (name -> (Job, plan)) on this rank, plain then planned."""
     world = next(iter(jobs.values()))[0].world
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
@@ -205,9 +215,9 @@ def worker(rank: int, init: str, jobs: dict, results: str) -> None:
         for name, (job, plan) in jobs.items():
             mesh = job_mesh(job)
             plain = train_rank(rank, job, mesh, plan, measure=False)
-            planned = train_rank(rank, job, mesh, plan, measure=True)
+            planned = train_rank(rank, job, mesh, plan, measure=True, readings=readings)
             out[name] = {**compare(plain, planned), "held": planned["held"],
-                         "peak": planned["peak"]}
+                         "peak": planned["peak"], "readings": planned["readings"]}
         torch.save(out, f"{results}.{rank}")
     finally:
         dist.destroy_process_group()
@@ -227,7 +237,8 @@ def rows(jobs: dict, measured: list) -> list[dict]:
                         "over": 100 * (whole - plan.peak(pp)) / plan.peak(pp),
                         "recompute": sum(s.recompute_flops for s in plan.stages
                                          if s.rank == pp) * job.microbatches,
-                        **{k: got[k] for k in ("held", "bitwise", "worst", "names")}})
+                        **{k: got[k] for k in ("held", "bitwise", "worst", "names",
+                                               "readings")}})
     return out
 
 
@@ -245,6 +256,8 @@ def main(argv=None) -> None:
     parser.add_argument("--vocab", type=int, default=CONFIG.vocab_size,
                         help="vocabulary size (a large one makes the end-of-step reduction of "
                              "the embedding's and output's gradients the first stage's peak)")
+    parser.add_argument("--readings", type=int, default=READINGS,
+                        help="profiled steps per rank; the least peak is taken")
     args = parser.parse_args(argv)
     config = replace(CONFIG, vocab_size=args.vocab)
     jobs, free = {}, None
@@ -257,8 +270,8 @@ def main(argv=None) -> None:
         jobs[schedule] = (job, plan)
     world = args.pp * args.dp * args.tp
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(worker, args=(f"file://{tmp}/rendezvous", jobs, f"{tmp}/out"), nprocs=world,
-                 join=True)
+        mp.spawn(worker, args=(f"file://{tmp}/rendezvous", jobs, f"{tmp}/out", args.readings),
+                 nprocs=world, join=True)
         measured = [torch.load(f"{tmp}/out.{r}") for r in range(world)]
     k = lambda b: f"{b:,}"  # noqa: E731
     print(f"Llama hidden {config.hidden}, {config.layers} layers, vocabulary "
@@ -288,6 +301,10 @@ def main(argv=None) -> None:
               f"{'yes' if r['held'] == r['static'] else k(r['held'] - r['static'])} | "
               f"{r['recompute'] / 1e6:.2f} | {'yes' if r['bitwise'] else 'no'} | "
               f"{r['worst']:.1e} |")
+    for r in rows(jobs, measured):  # readings that disagree (docs/parallelism.md: gloo frees)
+        if len({end for _, end in r["readings"]}) > 1:
+            print(f"{r['job']} rank {r['rank']}: readings (peak, end) "
+                  + ", ".join(f"({p:,}, {e:,})" for p, e in r["readings"]))
 
 
 if __name__ == "__main__":
