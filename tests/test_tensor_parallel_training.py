@@ -73,6 +73,19 @@ def test_the_layout_is_read_from_the_placements_and_checked():
                                training=remat.Training(tensor_parallel=2))
 
 
+def test_a_fully_sharded_model_is_not_taken_for_tensor_parallel():
+    """FSDP2's parameters are DTensors on the data-parallel mesh: refused, with the remedy
+    (plan before fully_shard), not planned as TP."""
+    from torch.distributed.fsdp import fully_shard
+
+    with fake_tensor_parallel(2) as mesh:
+        model, inputs = llama(CONFIG, batch=BATCH, data_seed=1)
+        fully_shard(model, mesh=mesh)
+        with pytest.raises(remat.RematError, match="already fully_shard-ed"):
+            remat.optimize(model, activation_budget="1MB", example_inputs=inputs,
+                           execution="eager")
+
+
 def test_optimize_plans_a_tensor_parallel_rank_as_plan_tensor_parallel_does():
     """The same model, budget and training through both entry points: the same plan (the
     TP corrections included: collectives recomputable, re-communicated by the plan)."""

@@ -44,6 +44,7 @@ def tensor_layout(model: Any) -> TensorLayout:
     """The model's tensor parallelism (module doc). Raises RematError when its DTensor
     parameters lie on more than one mesh or on a mesh of more than one dimension (a model
     already `fully_shard`-ed over a 2-D mesh: plan it before `fully_shard`)."""
+    _refuse_fully_sharded(model)
     meshes: list = []  # the distinct meshes (equal meshes are often distinct objects)
     placements = {}
     for name, p in model.named_parameters():
@@ -65,6 +66,21 @@ def tensor_layout(model: Any) -> TensorLayout:
             "apply the plan to the parallelized blocks and fully_shard them")
     (mesh,) = meshes
     return TensorLayout(mesh.size(), _sequence_parallel(model), placements)
+
+
+def _refuse_fully_sharded(model: Any) -> None:
+    """FSDP2's parameters are DTensors too, sharded over the data-parallel mesh: they are not
+    tensor parallelism, and remat plans a model before `fully_shard`."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise RematError(
+            "the model is already fully_shard-ed (FSDP2): remat plans it before fully_shard, "
+            "with the sharding stated in Training(data_parallel=..., zero_stage=3) (and, for "
+            "FSDP2 x TP, after parallelize_module); apply the plan to the blocks, then call "
+            "fully_shard")
 
 
 def _sequence_parallel(model: Any) -> bool:
