@@ -65,14 +65,16 @@ def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def pipeline_runtime(modules: list[nn.Module], mine: list[int], schedule: str,
-                     microbatches: int, plan=None):
+                     microbatches: int, plan=None, group=None):
     """This rank's `PipelineStage`s (`mine`: their indices into `modules`) and torch's
     `schedule` over them, with `pipeline_loss`. `plan`: a remat pipeline plan already applied
-    to `modules`, whose runtime it prepares (zero-bubble's weight passes)."""
+    to `modules`, whose runtime it prepares (zero-bubble's weight passes). `group`: the
+    pipeline's process group (the "pp" dimension of a 2-D or 3-D mesh; None: the world)."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
-    stages = [PipelineStage(modules[s], s, len(modules), torch.device("cpu")) for s in mine]
+    stages = [PipelineStage(modules[s], s, len(modules), torch.device("cpu"), group=group)
+              for s in mine]
     if plan is not None:
         plan.prepare_runtime(stages)
     cls = get_schedule_class(schedule)

@@ -45,7 +45,12 @@ def optimize(model: Any, budget: int | str | None = None, *,
     `returns`: what `Plan.module` returns ("output": what the model returns, see there).
     `execution="eager"` plans for per-block selective checkpointing in an eager loop
     (FSDP2, DDP): `model = plan.apply(model)` wraps the blocks (the repeated children, or the
-    modules named in `blocks`) in place; see `remat.planner.eager_plan`. `offload=True` lets
+    modules named in `blocks`) in place; see `remat.planner.eager_plan`. A model
+    tensor-parallelized with DTensor (`parallelize_module`) is planned per TP rank, in
+    execution="eager" only (`remat.planner.tensor_parallel`: a `TensorParallelPlan`), its
+    sharding read from its placements and checked against `Training(tensor_parallel=...,
+    sequence_parallel=...)`; `Training(tensor_parallel=N > 1)` with a model that has no
+    DTensor parameter is refused (parallelize it first). `offload=True` lets
     the plan keep saved values in host memory between the forward and the backward (at most
     `Training.host_memory` bytes), their transfers on copy streams beside the compute over the
     target's host link (`Device.host_link`), costed by what the step waits for them
@@ -76,6 +81,13 @@ def optimize(model: Any, budget: int | str | None = None, *,
         raise ValueError("offload=True plans fixed shapes: its host buffers and transfers are "
                          "sized for the example's; plan without dynamic=, or without offload")
 
+    from remat.planner.tensor_layout import check_tensor_parallel
+
+    if check_tensor_parallel(model, training).parallel:
+        return _plan_tensor_parallel(model, whole, activations, example_inputs, example_kwargs,
+                                     training, target, solver, solver_options, loss_fn,
+                                     returns, execution, blocks, offload, dynamic)
+
     def plan_one(example_inputs, example_kwargs, shape_range=None) -> Plan:
         prepared = prepare(model, example_inputs, example_kwargs=example_kwargs,
                            training=training, target=target, loss_fn=loss_fn, returns=returns,
@@ -99,6 +111,30 @@ def optimize(model: Any, budget: int | str | None = None, *,
         else (example_inputs,)
     return plan_range(model, dynamic, dynamic_dims, args, dict(example_kwargs or {}), plan_one,
                       execution)
+
+
+def _plan_tensor_parallel(model, whole, activations, example_inputs, example_kwargs, training,
+                          target, solver, solver_options, loss_fn, returns, execution, blocks,
+                          offload, dynamic):
+    """A DTensor model: one TP rank's eager plan (`plan_tensor_parallel`); what is not
+    supported for it is refused, with what to do instead."""
+    from remat.errors import RematError
+    from remat.planner.tensor_parallel import plan_tensor_parallel
+
+    if execution != "eager":
+        raise RematError(
+            "a compiled plan of a tensor-parallel (DTensor) model is not supported: plan it "
+            "with remat.optimize(model, ..., execution=\"eager\"), which plans one TP rank, "
+            "and apply it to the parallelized model with plan.apply(model)")
+    if offload or dynamic is not None:
+        raise RematError(
+            "offload=True and dynamic= are not supported for a tensor-parallel (DTensor) "
+            "model: plan it at fixed shapes without offload")
+    return plan_tensor_parallel(model, whole, activation_budget=activations,
+                                example_inputs=example_inputs, example_kwargs=example_kwargs,
+                                training=training, target=target, solver=solver,
+                                solver_options=solver_options, blocks=blocks,
+                                loss_fn=loss_fn, returns=returns)
 
 
 def _one_budget(budget, activation_budget) -> tuple[int | None, int | None]:

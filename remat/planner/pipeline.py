@@ -24,6 +24,8 @@ from typing import Any, Callable, Sequence
 
 from remat.errors import BudgetError, RematError
 from remat.planner.budget import format_size, parse_size
+from remat.planner.pipeline_fsdp import (check_fsdp_in_pipeline, sharded_in_pipeline,
+                                         stage_units, unsharded_training, with_fsdp)
 from remat.planner.pipeline_stage import Candidate, ladder
 from remat.planner.training import Training
 from remat.solvers import SolverOptions
@@ -89,6 +91,9 @@ class PipelinePlan:
     last stage's) for one micro-batch."""
     smallest: dict = field(default_factory=dict)
     """Rank -> the smallest whole-step budget any combination of its candidates fits."""
+    fsdp_units: dict = field(default_factory=dict)
+    """Stage -> its FSDP2 units (`remat.planner.pipeline_fsdp.StageUnits`) when the stages are
+    sharded over data-parallel ranks (`Training(zero_stage=3, data_parallel > 1)`)."""
 
     def static(self, rank: int) -> int:
         return sum(sum(s.static.values()) for s in self.stages if s.rank == rank)
@@ -170,9 +175,17 @@ def plan_pipeline(stages: Sequence[Any], example_inputs: Sequence[Any], *, examp
     from remat.planner.training import state_memory
     import torch
 
+    from remat.planner.tensor_layout import check_tensor_parallel
+
+    for stage in stages:  # Training(tensor_parallel=...) against each stage's layout
+        check_tensor_parallel(stage, training)
     order = schedule_actions(spec.schedule, ranks=spec.ranks or _default_ranks(spec, stages),
                              microbatches=spec.microbatches, stages=len(stages))
+    check_fsdp_in_pipeline(training, order.split_backward)
     budgets = _budgets(budget, order.ranks)
+    units = {k: stage_units(stage, training) for k, stage in enumerate(stages)} \
+        if sharded_in_pipeline(training) else {}
+    passes = unsharded_training(training)  # a micro-batch's passes: no sharding (FSDP2 doc)
     m = spec.microbatches
     if reuse is not None:
         if (reuse.order.split_backward != order.split_backward or len(reuse.stages) != len(stages)
@@ -180,7 +193,7 @@ def plan_pipeline(stages: Sequence[Any], example_inputs: Sequence[Any], *, examp
             raise RematError("plan_pipeline(reuse=...): that plan is for other stages, "
                              "micro-batches or a schedule that splits the backward otherwise")
         plans = [(s.stage, list(s.candidates), s.static) for s in reuse.stages]
-        return _finish(spec, order, plans, budgets, training, reuse.sizes)
+        return _finish(spec, order, plans, budgets, training, reuse.sizes, units)
     inputs, outputs = _stage_inputs(stages, tuple(example_inputs), m)
     last = len(stages) - 1
     plans = []
@@ -204,10 +217,10 @@ def plan_pipeline(stages: Sequence[Any], example_inputs: Sequence[Any], *, examp
             if any(hasattr(p, "placements") for p in stage.parameters()):  # TP inside
                 from remat.planner.tensor_parallel import prepare_tensor_parallel
 
-                prepared = prepare_tensor_parallel(step, args, training=training, target=target,
+                prepared = prepare_tensor_parallel(step, args, training=passes, target=target,
                                                    returns="output")
             else:
-                prepared = prepare(step, args, training=training, target=target,
+                prepared = prepare(step, args, training=passes, target=target,
                                    returns="output")
             candidates = ladder(step, prepared, levels=levels, target=target,
                                 solver_options=solver_options, example_inputs=args,
@@ -223,20 +236,20 @@ def plan_pipeline(stages: Sequence[Any], example_inputs: Sequence[Any], *, examp
         loss = _nbytes(loss_fn(outputs[last], example_target))
     sizes = {k: (_nbytes(outputs[k]), _nbytes(inputs[k][0]) if k else 0,
                  loss if k == last else 0) for k in range(len(stages))}
-    return _finish(spec, order, plans, budgets, training, sizes)
+    return _finish(spec, order, plans, budgets, training, sizes, units)
 
 
-def _finish(spec, order, plans, budgets, training, sizes) -> PipelinePlan:
+def _finish(spec, order, plans, budgets, training, sizes, units) -> PipelinePlan:
     handoffs = {r: order.kept(r, {k: o for k, (o, _, _) in sizes.items()},
                               {k: g for k, (_, g, _) in sizes.items()},
                               sum(loss for _, _, loss in sizes.values()))
                 for r in range(order.ranks)}
     chosen, ranks, margins, smallest = _choose(plans, order, budgets, training,
-                                               spec.microbatches, handoffs)
+                                               spec.microbatches, handoffs, units)
     stage_plans = [StagePlan(k, order.stage_rank[k], chosen[k], tuple(c), static)
                    for k, c, static in plans]
     return PipelinePlan(spec, order, stage_plans, ranks, budgets, training, margins, handoffs,
-                        sizes, smallest)
+                        sizes, smallest, units)
 
 
 def _default_ranks(spec: PipelineSpec, stages: Sequence[Any]) -> int:
@@ -251,7 +264,7 @@ def _budgets(budget, ranks: int) -> dict[int, int]:
     return {r: parse_size(budget) for r in range(ranks)}
 
 
-def _choose(plans, order, budgets, training: Training, m: int, handoffs):
+def _choose(plans, order, budgets, training: Training, m: int, handoffs, units):
     """Per rank, the combination of its stages' candidates with the least recompute FLOPs whose
     composed peak fits (module doc)."""
     chosen: dict[int, Candidate] = {}
@@ -268,6 +281,8 @@ def _choose(plans, order, budgets, training: Training, m: int, handoffs):
         for combo in itertools.product(*(by_stage[k][0] for k in mine)):
             memory = compose(order.actions[rank], {k: c.memory for k, c in zip(mine, combo)},
                              handoffs[rank])
+            memory = with_fsdp(memory, [units[k] for k in mine if k in units],
+                               training.data_parallel, handoffs[rank])
             cost = sum(c.recompute_flops for c in combo) * m
             if least is None or memory.peak < least[1].peak:
                 least = (combo, memory)

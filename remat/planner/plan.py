@@ -245,6 +245,14 @@ def plan_prepared(model: Any, prepared: Prepared, *, budget: int | None,
                   solver: Strategy | str = Strategy.OPTIMAL,
                   solver_options: SolverOptions | None = None) -> Plan:
     """Solve one budget for a prepared step and simulate the result."""
+    from remat.planner.tensor_layout import tensor_layout
+
+    if tensor_layout(model).parallel:
+        raise RematError(
+            "a compiled plan of a tensor-parallel (DTensor) model is not supported: plan it "
+            "for eager training, remat.optimize(model, ..., execution=\"eager\") (or "
+            "remat.planner.tensor_parallel.plan_tensor_parallel), and apply the plan to the "
+            "parallelized model with plan.apply(model)")
     strategy = Strategy(solver)
     solver_options = options_for_this_job(solver_options)
     allowance = prepared.allowance(budget, activation_budget)

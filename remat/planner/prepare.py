@@ -125,6 +125,9 @@ def prepare(model: Any, example_inputs: Sequence[Any] = (), *,
     from remat.fx_passes.tracing.capture import capture
     from remat.fx_passes.tracing.replicate import capture_replicated
 
+    from remat.planner.tensor_layout import check_tensor_parallel
+
+    check_tensor_parallel(model, training)  # before the capture: a mismatch is the user's
     start = time.perf_counter()
     log.info("capturing the training step of %s", type(model).__name__)
     if replicate is None:

@@ -36,6 +36,7 @@ from typing import Any, Sequence
 from remat.errors import RematError
 from remat.planner.budget import parse_size
 from remat.planner.eager_plan import EagerPlan, plan_eager_mode
+from remat.planner.tensor_layout import PARALLELIZE_FIRST, check_tensor_parallel
 from remat.planner.training import Training
 from remat.solvers import SolverOptions, Strategy
 from remat.solvers.problem import Kind, Problem, Reason
@@ -64,6 +65,13 @@ class TensorParallelPlan:
     @property
     def block_policies(self) -> dict:
         return self.plan.block_policies
+
+    def __getattr__(self, name: str):
+        # The rest of an EagerPlan (report, schedule, activation_peak, ...), so that
+        # remat.optimize's answer for a DTensor model reads like any eager plan.
+        if name.startswith("__") or "plan" not in self.__dict__:
+            raise AttributeError(name)
+        return getattr(self.__dict__["plan"], name)
 
     @property
     def peak(self) -> int:
@@ -122,13 +130,17 @@ def plan_tensor_parallel(model: Any, budget: int | str | None = None, *,
                          solver: Strategy | str = Strategy.OPTIMAL,
                          solver_options: SolverOptions | None = None,
                          blocks: Sequence[str] | None = None,
-                         prepared: Any = None) -> TensorParallelPlan:
+                         prepared: Any = None, loss_fn: Any = None,
+                         returns: str = "output") -> TensorParallelPlan:
     """The eager plan of least recompute whose step fits `budget` (whole step, per rank) or
     whose activations fit `activation_budget`, for one rank of `model` parallelized with
     DTensor (module doc). `example_inputs` are one rank's inputs, as the model takes them.
     Data parallelism over other ranks (FSDP2 x TP) is `training`'s (data_parallel,
     zero_stage), applied to the rank's shards. `prepared`: `prepare_tensor_parallel`'s step,
-    to plan it at another budget without capturing it again."""
+    to plan it at another budget without capturing it again. `remat.optimize(model, ...,
+    execution="eager")` comes here for a DTensor model; `training.tensor_parallel` and
+    `training.sequence_parallel`, where stated, are checked against the model
+    (`remat.planner.tensor_layout`)."""
     if (budget is None) == (activation_budget is None):
         raise ValueError("give exactly one of budget= and activation_budget=")
     whole = None if budget is None else parse_size(budget)
@@ -136,8 +148,9 @@ def plan_tensor_parallel(model: Any, budget: int | str | None = None, *,
                                                                     allow_zero=True)
     if prepared is None:
         prepared = prepare_tensor_parallel(model, example_inputs, example_kwargs=example_kwargs,
-                                           training=training, target=target)
-    placements = _placements(model)
+                                           training=training, target=target, loss_fn=loss_fn,
+                                           returns=returns)
+    placements = _placements(model, training)
     plan = plan_eager_mode(model, prepared, budget=whole, activation_budget=activations,
                            target=target, solver=solver, solver_options=solver_options,
                            blocks=blocks, example_inputs=example_inputs,
@@ -148,27 +161,26 @@ def plan_tensor_parallel(model: Any, budget: int | str | None = None, *,
     return out
 
 
-def _placements(model: Any) -> dict[str, str]:
-    placements = {n: str(getattr(p, "placements", ""))
-                  for n, p in model.named_parameters() if hasattr(p, "placements")}
-    if not placements:
+def _placements(model: Any, training: Training = Training()) -> dict[str, str]:
+    layout = check_tensor_parallel(model, training)
+    if not layout.parallel:
         raise RematError("plan_tensor_parallel: the model has no DTensor parameter; "
-                         "parallelize it first (parallelize_module, on the job's mesh or on "
-                         "fake_tensor_parallel(size)), or plan it with remat.optimize")
-    return placements
+                         + PARALLELIZE_FIRST.format(size="N")
+                         + "; a model that is not tensor-parallel: plan it with remat.optimize")
+    return layout.placements
 
 
 def prepare_tensor_parallel(model: Any, example_inputs: Sequence[Any] = (), *,
                             example_kwargs: dict[str, Any] | None = None,
                             training: Training = Training(), target: str = "h100",
-                            returns: str = "output"):
+                            returns: str = "output", loss_fn: Any = None):
     """The rank's step captured and lowered once (`remat.planner.prepare.prepare`), with the
     corrections of the module doc: plan it at any budget with `plan_tensor_parallel`."""
     from remat.planner.prepare import prepare
 
-    _placements(model)
+    _placements(model, training)
     prepared = prepare(model, example_inputs, example_kwargs=example_kwargs, training=training,
-                       target=target, returns=returns)
+                       target=target, returns=returns, loss_fn=loss_fn)
     return _eager_tensor_parallel(prepared, model)
 
 

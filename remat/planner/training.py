@@ -110,6 +110,17 @@ class Training:
     """Bytes of host memory per rank that offloaded activations may hold ("64GB"; pinned
     buffers, one per offloaded tensor, allocated ahead): a bound on what
     ``optimize(..., offload=True)`` moves to the host. None: no bound."""
+    tensor_parallel: int | None = None
+    """Tensor-parallel ranks the model is sharded over (DTensor, `parallelize_module`). The
+    plan is per TP rank and the sharding is read from the parallelized model's placements,
+    never guessed: a model with DTensor parameters must lie on a TP mesh of this size; with
+    `tensor_parallel > 1`, a model without them is refused (parallelize it first, or on
+    `remat.planner.tensor_parallel.fake_tensor_parallel(N)`). None: as the model is
+    (remat.planner.tensor_layout). Such a model is planned in execution="eager" only."""
+    sequence_parallel: bool | None = None
+    """Whether the TP model runs sequence parallelism (SequenceParallel styles on its norms,
+    the residual stream sharded along the sequence): checked against the styles found on the
+    model (remat.planner.tensor_layout). None: as the model is."""
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -135,6 +146,17 @@ class Training:
         if not isinstance(self.reshard_after_forward, bool):
             raise ValueError("reshard_after_forward must be True or False, not "
                              f"{self.reshard_after_forward!r}")
+        if self.tensor_parallel is not None and (
+                isinstance(self.tensor_parallel, bool) or not isinstance(self.tensor_parallel, int)
+                or self.tensor_parallel < 1):
+            raise ValueError("tensor_parallel must be an int >= 1 (or None: as the model is "
+                             f"parallelized), not {self.tensor_parallel!r}")
+        if self.sequence_parallel not in (None, True, False):
+            raise ValueError("sequence_parallel must be True, False or None (as the model is), "
+                             f"not {self.sequence_parallel!r}")
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ValueError("sequence_parallel=True shards the sequence over the "
+                             "tensor-parallel ranks: it needs tensor_parallel > 1")
         if not (isinstance(self.fragmentation, (int, float)) and 0 <= self.fragmentation < 1):
             raise ValueError(f"fragmentation must be a fraction in [0, 1), "
                              f"not {self.fragmentation!r}")
@@ -172,7 +194,8 @@ class Training:
                 "reshard_after_forward": self.reshard_after_forward,
                 "frozen": "<predicate>" if callable(self.frozen) else sorted(self.frozen),
                 "reserve": self.reserve, "fragmentation": self.fragmentation,
-                "host_memory": self.host_memory}
+                "host_memory": self.host_memory, "tensor_parallel": self.tensor_parallel,
+                "sequence_parallel": self.sequence_parallel}
 
 
 def _enum(cls: type[enum.Enum], value: Any, what: str):

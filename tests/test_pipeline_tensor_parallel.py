@@ -1,0 +1,57 @@
+"""Pipeline x tensor parallel (`remat.planner.pipeline` on stages of a DTensor model): the tests'
+Llama (4 layers, dropout on) tensor-parallelized over 2 ranks and cut into 2 pipeline stages,
+planned in this process on a fake process group (examples/llama_3d.py's `plan_job`,
+`Training(tensor_parallel=2)`), run on a (pp, dp, tp) = (2, 1, 2) mesh of 4 gloo ranks under
+GPipe and 1F1B; in the same launch, pipeline x FSDP2 on a (2, 2, 1) mesh under 1F1B
+(`fully_shard(reshard_after_forward=False)` in each stage, remat.planner.pipeline_fsdp). Each
+at budgets that make both stages recompute; the 8-rank 3-D job is examples/llama_3d.py.
+
+Judged per rank against the same job without remat (the first step's gradients bitwise equal,
+the parameters after two AdamW steps within 1e-6) and against the allocator: what the rank
+holds when the step starts exactly as predicted, and its whole-step peak within its budget and
+within 2 % of the prediction (of three readings, the least peak of those with the least
+recorded end: examples/llama_3d.py)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from examples.llama import LLAMA_TEST
+from examples.llama_3d import Job, plan_job, rows, worker
+from tests.ranks import rank_results
+
+CONFIG = replace(LLAMA_TEST, layers=4)
+
+
+def _jobs() -> dict:
+    jobs, free = {}, None
+    for schedule in ("GPipe", "1F1B"):
+        job = Job(pp=2, dp=1, tp=2, schedule=schedule, microbatches=4, batch=8, config=CONFIG)
+        plan, free = plan_job(job, reuse=free)
+        assert all(s.recompute_flops > 0 for s in plan.stages), schedule
+        assert not plan.fsdp_units
+        jobs[f"PP x TP {schedule}"] = (job, plan)
+    # FSDP2 inside the stages (remat.planner.pipeline_fsdp): the 3-D job's third dimension.
+    job = Job(pp=2, dp=2, tp=1, schedule="1F1B", microbatches=4, batch=8, config=CONFIG)
+    plan, _ = plan_job(job)
+    assert all(s.recompute_flops > 0 for s in plan.stages)
+    assert all(u.gathered > 0 for u in plan.fsdp_units.values()) and len(plan.fsdp_units) == 2
+    jobs["PP x FSDP2 1F1B"] = (job, plan)
+    return jobs
+
+
+def _worker(rank: int, init: str, jobs: dict, results: str) -> None:
+    worker(rank, init, jobs, results, readings=3)
+
+
+def test_pipeline_x_tensor_parallel_trains_like_plain_pytorch_within_its_budgets():
+    jobs = _jobs()
+    measured = rank_results(_worker, (jobs,), 4, seconds=300)
+    for row in rows(jobs, measured):
+        print(f"{row['job']} rank {row['rank']} {row['coords']}: budget {row['budget']:,} "
+              f"predicted {row['predicted']:,} allocator {row['allocator']:,} "
+              f"({row['over']:+.2f} %), grads bitwise {row['bitwise']}")
+        assert row["names"] and row["bitwise"], row
+        assert row["worst"] <= 1e-6, row
+        assert row["held"] == row["static"], row
+        assert row["allocator"] <= row["budget"], row
+        assert abs(row["over"]) <= 2, row
