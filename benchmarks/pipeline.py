@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import remat  # noqa: E402
 from examples.llama import LLAMA_TEST, llama  # noqa: E402
-from examples.llama_pipeline import llama_stages, pipeline_loss, pipeline_runtime  # noqa: E402
+from examples.llama_pipeline import (llama_stages, pipeline_loss, pipeline_runtime,  # noqa: E402
+                                     rank_step, receive_buffers)
 
 CONFIG = replace(LLAMA_TEST, layers=4, dropout=0.0, seq=32, hidden=64, mlp=176)
 WORLD = 2
@@ -86,11 +87,7 @@ def run(rank: int, schedule: str, plan, variant: str, microbatches: int) -> dict
                                        plan if variant == "remat" else None)
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-2)
-    first, last = 0 in mine, plan.order.stages - 1 in mine
-
-    def step():
-        runtime.step(*((tokens,) if first else ()), **({"target": targets} if last else {}),
-                     return_outputs=False)
+    step, batch = rank_step(runtime, plan.order.stages, mine, tokens, targets)
 
     for _ in range(2):
         step()
@@ -98,10 +95,7 @@ def run(rank: int, schedule: str, plan, variant: str, microbatches: int) -> dict
         opt.zero_grad(set_to_none=True)
     held = _bytes(params) + _bytes(t for st in opt.state.values() for t in st.values()
                                    if t.dim()) \
-        + sum(_bytes(i.buffer for i in infos if i.buffer is not None)
-              for st in stages for infos in [*st.args_recv_info.values(),
-                                             *getattr(st, "grad_recv_info", {}).values()]) \
-        + (_bytes([tokens]) if first else 0) + (_bytes([targets]) if last else 0)
+        + _bytes(receive_buffers(stages)) + _bytes(batch)
     peaks = []
     for _ in range(2):
         gc.collect()

@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import remat  # noqa: E402
 from examples.llama import LLAMA_TEST, llama  # noqa: E402
-from examples.llama_pipeline import llama_stages, pipeline_loss, pipeline_runtime  # noqa: E402
+from examples.llama_pipeline import (llama_stages, pipeline_loss, pipeline_runtime,  # noqa: E402
+                                     rank_step, receive_buffers)
 from examples.llama_tensor_parallel import parallelize_llama  # noqa: E402
 from remat.planner.pipeline_fsdp import reduce_peak  # noqa: E402
 
@@ -144,11 +145,7 @@ def train_rank(rank: int, job: Job, mesh, plan, measure: bool, readings: int = R
                                        plan if measure else None, group=mesh["pp"].get_group())
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-2)
-    first, last = 0 in mine, plan.order.stages - 1 in mine
-
-    def step():
-        runtime.step(*((tokens,) if first else ()), **({"target": targets} if last else {}),
-                     return_outputs=False)
+    step, batch = rank_step(runtime, plan.order.stages, mine, tokens, targets)
 
     named = [(f"{s}.{n}", p) for s in mine for n, p in modules[s].named_parameters()]
     grads = None
@@ -169,10 +166,7 @@ def train_rank(rank: int, job: Job, mesh, plan, measure: bool, readings: int = R
 
     held = (_bytes(params)
             + _bytes(t for st in opt.state.values() for t in st.values() if _local(t).dim())
-            + sum(_bytes(i.buffer for i in infos if i.buffer is not None)
-                  for st in stages for infos in [*st.args_recv_info.values(),
-                                                 *getattr(st, "grad_recv_info", {}).values()])
-            + (_bytes([tokens]) if first else 0) + (_bytes([targets]) if last else 0))
+            + _bytes(receive_buffers(stages)) + _bytes(batch))
     peaks = []
     # Several readings: a collective's output (an all-reduce's clone, an all-gather's flat
     # buffer) whose last reference gloo's worker thread drops is freed on a thread the

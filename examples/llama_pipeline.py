@@ -81,3 +81,24 @@ def pipeline_runtime(modules: list[nn.Module], mine: list[int], schedule: str,
     runtime = cls(stages if issubclass(cls, PipelineScheduleMulti) else stages[0],
                   microbatches, loss_fn=pipeline_loss)
     return stages, runtime
+
+
+def rank_step(runtime, stages: int, mine: list[int], tokens: torch.Tensor,
+              targets: torch.Tensor):
+    """This rank's call of one pipeline step (the first stage is given the tokens, the last the
+    targets), and the batch tensors it holds for it."""
+    first, last = 0 in mine, stages - 1 in mine
+
+    def step():
+        runtime.step(*((tokens,) if first else ()), **({"target": targets} if last else {}),
+                     return_outputs=False)
+
+    return step, [tokens] * first + [targets] * last
+
+
+def receive_buffers(stages) -> list[torch.Tensor]:
+    """The receive buffers this rank's `PipelineStage`s hold from step to step: activations
+    and, under multi-stage schedules, gradients."""
+    return [i.buffer for st in stages
+            for infos in [*st.args_recv_info.values(), *getattr(st, "grad_recv_info", {}).values()]
+            for i in infos if i.buffer is not None]

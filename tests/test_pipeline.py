@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 import remat
 from examples.llama import LLAMA_TEST, llama
-from examples.llama_pipeline import llama_stages, pipeline_loss, pipeline_runtime
+from examples.llama_pipeline import (llama_stages, pipeline_loss, pipeline_runtime, rank_step,
+                                     receive_buffers)
 from remat.fx_passes.lowering.pipeline_order import schedule_actions
 from remat.solvers.pipeline import (Action, ActionKind, Kept, MicrobatchMemory, Pass, compose,
                                     in_flight)
@@ -215,11 +216,7 @@ def _train(rank: int, schedule: str, plan, measure: bool):
         _record(stage, executed)
     params = [p for s in stages for p in s.submod.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-2)
-    first, last = 0 in mine, plan.order.stages - 1 in mine
-
-    def step():
-        args = (tokens,) if first else ()
-        runtime.step(*args, **({"target": targets} if last else {}), return_outputs=False)
+    step, batch = rank_step(runtime, plan.order.stages, mine, tokens, targets)
 
     for k in range(STEPS):
         torch.manual_seed(1000 * rank + k)  # the same dropout masks in both jobs
@@ -232,11 +229,7 @@ def _train(rank: int, schedule: str, plan, measure: bool):
         return named, None
     held = (storage_bytes(params)
             + storage_bytes(t for st in opt.state.values() for t in st.values())
-            + sum(storage_bytes(i.buffer for i in infos if i.buffer is not None)
-                  for st in stages for infos in st.args_recv_info.values())
-            + sum(storage_bytes(i.buffer for i in infos if i.buffer is not None)
-                  for st in stages for infos in getattr(st, "grad_recv_info", {}).values())
-            + (storage_bytes([tokens]) if first else 0) + (storage_bytes([targets]) if last else 0))
+            + storage_bytes(receive_buffers(stages)) + storage_bytes(batch))
     peaks = []
     # The lesser of two readings (gloo's own buffers come and go by timing), each counting
     # only frees of blocks allocated in it: a zero-bubble stage's recv buffers keep the last
