@@ -278,9 +278,12 @@ def eager_step(prepared, paths: Sequence[str], *, observed=None, policies=None):
     # Checkpoint's recomputations run the graph's ops with eager's bytes; under ZeRO-2/3 the
     # collectives of FSDP2 are inserted among them as in the compiled mode (gathered
     # parameters, full gradients until their reduce-scatter), and the blocks renumbered.
-    problem = eager_problem(joint, op_nodes(captured, joint), captured.device)
+    nodes = op_nodes(captured, joint)
+    problem = eager_problem(joint, nodes, captured.device)
     if captured.shape_range is None:  # the probe saw one shape: a range keeps its bound
-        problem = with_eager_bytes(problem, policies)
+        # and one routing: a size read from the data keeps its worst case (tracing.unbacked)
+        worst = {v for v, node in enumerate(nodes) if "unbacked_val" in node.meta}
+        problem = with_eager_bytes(problem, policies, keep=worst)
     problem = dataclasses.replace(problem, host_bandwidth=joint.host_bandwidth,
                                   host_capacity=joint.host_capacity)
     to_graph = tuple(range(len(problem)))

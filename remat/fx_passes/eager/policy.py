@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import operator
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 import torch
 from torch import fx
@@ -311,20 +311,22 @@ def _kept_input(node: fx.Node) -> bool:
         isinstance(fn, type) and issubclass(fn, torch.nn.modules.dropout._DropoutNd))
 
 
-def with_eager_bytes(problem: Problem, policies: dict[str, BlockPolicy]) -> Problem:
+def with_eager_bytes(problem: Problem, policies: dict[str, BlockPolicy],
+                     keep: Collection[int] = ()) -> Problem:
     """The eager problem with the bytes the probe saw eager PyTorch make for a block's op
     (`BlockPolicy.eager_bytes`) where the joint graph's own storage has other bytes: eager
     can run other shapes than the capture. Transformers drops an all-ones padding mask only
     when it is not tracing (masking_utils' ``_ignore_causal_mask_sdpa``), so the capture
     broadcasts the mask over the batch in every attention ([batch, heads, q, k] where eager
-    makes [1, heads, q, k]: OPT's, T5's). Views, tensors taken out of a tuple op and ops
-    without bytes keep the graph's."""
+    makes [1, heads, q, k]: OPT's, T5's). Views, tensors taken out of a tuple op, ops
+    without bytes and the ops `keep` names (sizes read from the data, whose bound the one
+    routing the probe saw must not replace) keep the graph's."""
     ops = list(problem.ops)
     for policy in policies.values():
         for j, nbytes in policy.eager_bytes:
             op = ops[j]
             if (op.kind in (Kind.VIEW, Kind.TUPLE) or problem.root[j] != j or op.size == 0
-                    or tuple_of(problem, j) is not None or op.size == nbytes):
+                    or tuple_of(problem, j) is not None or op.size == nbytes or j in keep):
                 continue
             ops[j] = replace(op, size=nbytes)
     return problem if ops == list(problem.ops) else replace(problem, ops=tuple(ops))
