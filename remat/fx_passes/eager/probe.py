@@ -115,7 +115,9 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
                     alive[path][k] += 1
                     weakref.finalize(t.untyped_storage(), _note, freed[path], alive[path],
                                      seen[path], k)
-                own = [_storage(t) for t in tensors]
+                # A wrapper subclass (DTensor) has its whole logical size, not the local
+                # tensor's bytes the graph counts: the graph's bytes stand for it.
+                own = [_storage(t) if type(t) is torch.Tensor else None for t in tensors]
                 if len(own) == 1 and own[0] is not None and all(own[0] is not g for g in given):
                     nbytes[path][k] = own[0].nbytes()
 
