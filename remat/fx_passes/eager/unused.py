@@ -193,8 +193,11 @@ def unused_tensors(unused: Unused, order: Sequence[tuple[str, int]],
 
 
 def _storage(t):
-    """The storage of tensor `t`, or None: not a tensor, empty, or a wrapper without one."""
-    if not isinstance(t, torch.Tensor):
+    """The storage of tensor `t`, or None: not a tensor, empty, or a wrapper subclass (a
+    DTensor's storage has its logical size, and its reads happen on its local tensor, below
+    this mode: it would read as made and never read)."""
+    if not isinstance(t, torch.Tensor) or (type(t) is not torch.Tensor
+                                           and not isinstance(t, torch.nn.Parameter)):
         return None
     try:
         storage = t.untyped_storage()
