@@ -167,7 +167,7 @@ def test_optimal_never_worse_than_a_baseline(problem, where):
             assert exact.cost <= base.cost + tolerance(problem, EXACT)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problem=small, points=st.lists(st.floats(0, 1), min_size=2, max_size=4))
 def test_cost_never_increases_with_budget(problem, points):
     high = save_all_peak(problem)
