@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
-from remat.fx_passes.eager.unused import Unused, UnusedTracker
+from remat.fx_passes.eager.unused import Unused, UnusedTracker, plain_storage
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
                                      seen[path], k)
                 # A wrapper subclass (DTensor) has its whole logical size, not the local
                 # tensor's bytes the graph counts: the graph's bytes stand for it.
-                own = [_storage(t) if type(t) is torch.Tensor else None for t in tensors]
+                own = [plain_storage(t) for t in tensors]
                 if len(own) == 1 and own[0] is not None and all(own[0] is not g for g in given):
                     nbytes[path][k] = own[0].nbytes()
 

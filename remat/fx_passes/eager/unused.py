@@ -87,7 +87,7 @@ class UnusedTracker(TorchDispatchMode):
         self.watches = []
 
     def made(self, k: int, output) -> None:
-        for s in map(_storage, tree_flatten(output)[0]):
+        for s in map(plain_storage, tree_flatten(output)[0]):
             record = None if s is None else self.records.get(s)  # (empty: no storage)
             if record is not None and any(record is r for r in self.fresh):
                 record[1] = (True, record[1][1], k)
@@ -96,9 +96,9 @@ class UnusedTracker(TorchDispatchMode):
         return Unused(tuple(self.found), tuple(map(tuple, self.segments)))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        inputs = {s for s in map(_storage, tree_flatten((args, kwargs))[0]) if s is not None}
+        inputs = {s for s in map(plain_storage, tree_flatten((args, kwargs))[0]) if s is not None}
         out = func(*args, **(kwargs or {}))
-        outputs = {s for s in map(_storage, tree_flatten(out)[0]) if s is not None}
+        outputs = {s for s in map(plain_storage, tree_flatten(out)[0]) if s is not None}
         for s in inputs - outputs:  # a view or an in-place write is no read
             record = self.records.get(s)
             if record is not None:
@@ -192,7 +192,7 @@ def unused_tensors(unused: Unused, order: Sequence[tuple[str, int]],
     return tuple(kept)
 
 
-def _storage(t):
+def plain_storage(t):
     """The storage of tensor `t`, or None: not a tensor, empty, or a wrapper subclass (a
     DTensor's storage has its logical size, and its reads happen on its local tensor, below
     this mode: it would read as made and never read)."""
