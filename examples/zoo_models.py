@@ -156,6 +156,17 @@ def dbrx_every_expert(model):
     return model
 
 
+def dbrx(experts: int = 16, top_k: int = 4) -> Callable:
+    """DBRX as its tester configures it (16 experts, top 4), looping over every expert."""
+    return every_expert(decoder("DbrxConfig", "DbrxForCausalLM", dict(
+        vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=512,
+        attn_config={"clip_qkv": 8, "kv_n_heads": 4, "rope_theta": 500000},
+        ffn_config={"ffn_hidden_size": 32, "moe_jitter_eps": 0, "moe_loss_weight": 0.05,
+                    "moe_num_experts": experts, "moe_top_k": top_k,
+                    "ffn_act_fn": {"name": "gelu"}},
+        resid_pdrop=0.0, emb_pdrop=0.0, pad_token_id=0)))
+
+
 def decoder(config_cls: str, model_cls: str, fields: dict, *, batch: int = BATCH) -> Callable:
     """A decoder whose tester writes its own configuration (GPT-2, OPT, BLOOM, GPT-J...)."""
     def build():
@@ -315,12 +326,7 @@ ARCHS: dict[str, tuple[str, Callable]] = {
     "deepseek_v3": ("MoE", moe("DeepseekV3Config", "DeepseekV3ForCausalLM",
                                n_routed_experts=8, n_group=2, topk_group=1,
                                first_k_dense_replace=1)),
-    "dbrx": ("MoE", every_expert(decoder("DbrxConfig", "DbrxForCausalLM", dict(
-        vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=512,
-        attn_config={"clip_qkv": 8, "kv_n_heads": 4, "rope_theta": 500000},
-        ffn_config={"ffn_hidden_size": 32, "moe_jitter_eps": 0, "moe_loss_weight": 0.05,
-                    "moe_num_experts": 16, "moe_top_k": 4, "ffn_act_fn": {"name": "gelu"}},
-        resid_pdrop=0.0, emb_pdrop=0.0, pad_token_id=0)))),
+    "dbrx": ("MoE", dbrx()),
     # state-space models and hybrids
     "mamba": ("SSM", causal_lm("MambaConfig", "MambaForCausalLM")),
     "falcon_mamba": ("SSM", causal_lm("FalconMambaConfig", "FalconMambaForCausalLM")),

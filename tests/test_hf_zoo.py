@@ -4,7 +4,6 @@ mode's range; every row keeps the promise: the allocator within [-2 %, 0] of the
 and the gradients eager PyTorch's.
 `python examples/hf_zoo.py` runs the whole zoo."""
 import pytest
-import torch
 
 from examples.hf_zoo import activation_peak, gradient_bytes, run_arch, training_step
 from examples.zoo_models import ARCHS, build
@@ -36,19 +35,28 @@ def test_activations_are_the_peak_less_the_gradients():
     assert activations == whole - grads and 0 < activations < whole
 
 
+# the families whose rows also search both modes' least budgets (a few seconds each): three
+# structures (causal blocks, an encoder feeding a decoder's cross-attention, routed experts);
+# the whole zoo searches every architecture's
+LEAST = {"decoder", "encoder-decoder", "MoE"}
+
+
 @pytest.mark.parametrize("family", sorted(CI))
 def test_each_family_keeps_the_promise_in_both_modes(family):
-    rows = run_arch(CI[family], SolverOptions(time_limit=2))
+    rows = run_arch(CI[family], SolverOptions(time_limit=2), least=family in LEAST)
     assert [r.mode for r in rows] == ["compiled", "eager"]
     for row in rows:
         assert not row.error, row
         assert row.status, row
         assert row.blocks_peak <= row.budget <= max(row.blocks_peak, row.save_all_peak), row
-        # the least search starts from caching nothing: never above checkpointing every block
-        assert row.least_compiled > 0 and 0 < row.least_eager <= rows[1].blocks_peak, row
-        proven = row.least_eager_proven if row.mode == "eager" else row.least_compiled_proven
-        least = row.least_eager if row.mode == "eager" else row.least_compiled
-        assert not proven or least <= row.predicted, row
+        if family in LEAST:
+            # the least search starts from caching nothing: never above checkpointing every
+            # block
+            assert row.least_compiled > 0 and 0 < row.least_eager <= rows[1].blocks_peak, row
+            proven = (row.least_eager_proven if row.mode == "eager"
+                      else row.least_compiled_proven)
+            least = row.least_eager if row.mode == "eager" else row.least_compiled
+            assert not proven or least <= row.predicted, row
         assert 0.98 * row.predicted <= row.allocator <= row.predicted, row
         # MoE experts accumulate in a different order from step to step on the CPU
         assert row.grad_diff <= (1e-8 if family == "MoE" else 0.0), row

@@ -51,9 +51,9 @@ def max_grad_diff(a, b) -> float:
 
 
 @pytest.mark.parametrize("execution", ["compiled", "eager"])
-def test_a_plan_holds_over_20_steps_while_the_routing_changes(execution):
+def test_a_plan_holds_from_step_to_step_while_the_routing_changes(execution):
     model = mixtral()
-    steps = list(batches(20))
+    steps = list(batches(8))
     assert len({tuple(routed(model, b).tolist()) for b in steps}) > 1  # the routing changes
     save_all = remat.optimize(copy.deepcopy(model), activation_budget=10**12,
                               example_kwargs=steps[0], solver="save_all").activation_peak

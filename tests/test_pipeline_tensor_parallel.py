@@ -1,8 +1,8 @@
 """Pipeline x tensor parallel (`remat.planner.pipeline` on stages of a DTensor model): the tests'
 Llama (4 layers, dropout on) tensor-parallelized over 2 ranks and cut into 2 pipeline stages,
-planned in this process on a fake process group (examples/llama_3d.py's `plan_job`,
+planned on a fake process group (examples/llama_3d.py's `plan_job`,
 `Training(tensor_parallel=2)`), run on a (pp, dp, tp) = (2, 1, 2) mesh of 4 gloo ranks under
-GPipe and 1F1B; in the same launch, pipeline x FSDP2 on a (2, 2, 1) mesh under 1F1B
+1F1B (GPipe's plans of the same stages are tests/test_pipeline.py's); in the same launch, pipeline x FSDP2 on a (2, 2, 1) mesh under 1F1B
 (`fully_shard(reshard_after_forward=False)` in each stage, remat.planner.pipeline_fsdp). Each
 at budgets that make both stages recompute; the 8-rank 3-D job is examples/llama_3d.py.
 
@@ -23,13 +23,12 @@ CONFIG = replace(LLAMA_TEST, layers=4)
 
 
 def _jobs() -> dict:
-    jobs, free = {}, None
-    for schedule in ("GPipe", "1F1B"):
-        job = Job(pp=2, dp=1, tp=2, schedule=schedule, microbatches=4, batch=8, config=CONFIG)
-        plan, free = plan_job(job, reuse=free)
-        assert all(s.recompute_flops > 0 for s in plan.stages), schedule
-        assert not plan.fsdp_units
-        jobs[f"PP x TP {schedule}"] = (job, plan)
+    jobs = {}
+    job = Job(pp=2, dp=1, tp=2, schedule="1F1B", microbatches=4, batch=8, config=CONFIG)
+    plan, _ = plan_job(job)
+    assert all(s.recompute_flops > 0 for s in plan.stages)
+    assert not plan.fsdp_units
+    jobs["PP x TP 1F1B"] = (job, plan)
     # FSDP2 inside the stages (remat.planner.pipeline_fsdp): the 3-D job's third dimension.
     job = Job(pp=2, dp=2, tp=1, schedule="1F1B", microbatches=4, batch=8, config=CONFIG)
     plan, _ = plan_job(job)
