@@ -202,7 +202,8 @@ def _rank(rank: int, init: str, results: str) -> None:
                              for n, g in plain.items())}
         # Each rank plans for itself, the solver's determinism left to remat: in a job of
         # several ranks it plans on deterministic time, so both come out with one plan.
-        own = plan_for(model, inputs, "compiled", SolverOptions(time_limit=60))
+        own = plan_for(model, inputs, "compiled",
+                       SolverOptions(time_limit=60, deterministic_time=5))
         out["own plan"] = {"recomputed": sorted(own.schedule.recomputed),
                            "recompute_at": sorted(own.schedule.recompute_at.items()),
                            "deterministic": own.report().solver.deterministic}
