@@ -333,6 +333,8 @@ class _Call(CallOutcomes):
         if self.pool.skipped:
             self.progress.update(stage="running the baselines skipped")
             hint = self.pool.second_chance(hint, self.budget, self.work())
+            if hint is None or hint.peak > self.budget:
+                hint = self.pool.last_resort(self.budget) or hint
             self.info.update(skipped=dict(self.pool.skipped),
                              **({"hint": hint.strategy} if hint is not None else {}))
         return hint
