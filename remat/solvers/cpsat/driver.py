@@ -331,8 +331,10 @@ class _Call(CallOutcomes):
         """`hint`, or a baseline the pool had no time for that does better in the time left
         (`Pool.second_chance`): where the relaxation and the model could not run."""
         if self.pool.skipped:
-            self.progress.update(stage="running the baselines skipped")
-            hint = self.pool.second_chance(hint, self.budget, self.work())
+            work = self.work()
+            if work.left() > 0:  # else none runs in time: only the last resort, the result's
+                self.progress.update(stage="running the baselines skipped")
+            hint = self.pool.second_chance(hint, self.budget, work)
             if hint is None or hint.peak > self.budget:
                 hint = self.pool.last_resort(self.budget) or hint
             self.info.update(skipped=dict(self.pool.skipped),
