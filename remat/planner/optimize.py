@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 from remat.fx_passes.measuring.devices import device as target_device
 from remat.planner.budget import parse_size
 from remat.planner.eager_plan import plan_eager_mode
-from remat.planner.plan import Plan, plan_prepared
+from remat.planner.plan import Plan, counting_from_now, plan_prepared
 from remat.planner.prepare import prepare
 from remat.planner.shapes import plan_range
 from remat.planner.training import Training
@@ -89,6 +89,7 @@ def optimize(model: Any, budget: int | str | None = None, *,
                                      returns, execution, blocks, offload, dynamic)
 
     def plan_one(example_inputs, example_kwargs, shape_range=None) -> Plan:
+        options = solver_options if execution == "eager" else counting_from_now(solver_options)
         prepared = prepare(model, example_inputs, example_kwargs=example_kwargs,
                            training=training, target=target, loss_fn=loss_fn, returns=returns,
                            shape_range=shape_range)
@@ -101,7 +102,7 @@ def optimize(model: Any, budget: int | str | None = None, *,
                                    blocks=blocks, example_inputs=example_inputs,
                                    example_kwargs=example_kwargs)
         return plan_prepared(model, prepared, budget=whole, activation_budget=activations,
-                             target=target, solver=solver, solver_options=solver_options)
+                             target=target, solver=solver, solver_options=options)
 
     if dynamic is None:
         if dynamic_dims is not None:

@@ -45,7 +45,7 @@ VERSION = 1
 # What an op of `graph` says about the computation; its name and module are labels.
 COMPARED = ("target", "phase", "kind", "shape", "dtype", "bytes", "inputs")
 # SolverOptions' fields that are callbacks or objects, not settings a file can hold.
-_NOT_SAVED = {"hint", "on_solution"}
+_NOT_SAVED = {"hint", "on_solution", "started"}
 
 __all__ = ["FORMAT", "VERSION", "save", "dumps", "plan_dict", "read", "graph_ops",
            "fingerprint", "first_difference", "example_input", "schedule_json"]

@@ -1,6 +1,7 @@
 """Solver controls: explicit, with defaults, never hard-coded inside a strategy."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -14,6 +15,24 @@ SIZED_OPS_PER_SECOND = 1000
 SIZED_LIMIT_CAP = 30.0
 SIZED_GAP = 0.01
 SIZED_GAP_OPS = 2000
+# Where the call that plans began earlier (`SolverOptions.started`: `remat.optimize` captures,
+# profiles and lowers first), a limit chosen by size is the whole call's: the solver gets what
+# is left of it less SIZED_AFTER_SHARE for what follows the solve (the plan's memory, the
+# solver's last evaluations), and never less than SIZED_LEAST_SHARE of it (a slow capture
+# still leaves the solver time to plan). The 70B: 29.9 s for the call, 5 to 10 s of capture.
+SIZED_AFTER_SHARE = 0.05
+SIZED_LEAST_SHARE = 1 / 3
+
+
+def sized_limit(ops: int) -> float:
+    """The time limit chosen for a problem of `ops` ops: SIZED_LIMIT seconds plus a second
+    per SIZED_OPS_PER_SECOND ops, at most SIZED_LIMIT_CAP."""
+    return min(SIZED_LIMIT_CAP, SIZED_LIMIT + ops / SIZED_OPS_PER_SECOND)
+
+
+def limit_left(limit: float, spent: float) -> float:
+    """What the solver gets of a call's `limit` when `spent` seconds of the call are gone."""
+    return max(SIZED_LEAST_SHARE * limit, (1 - SIZED_AFTER_SHARE) * limit - max(spent, 0.0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,6 +66,13 @@ class SolverOptions:
     """Deterministic mode: the seconds the stages plan on, counted deterministically (None: half
     of `time_limit`, `remat.solvers.cpsat.search.DETERMINISTIC_SHARE`). Set it, with a generous
     `time_limit`, for the same plan on every rank of a job however loaded the machines."""
+    started: float | None = field(default=None, compare=False)
+    """When the call that plans began, on `clock` (None: with the solve). Where it is set and
+    `time_limit` is left to the problem's size (`by_size`), that limit is the whole call's: the
+    solver gets what is left of it once the time before the solve is spent (`limit_left`: less a
+    twentieth for what follows the solve, at least a third of it). `remat.optimize` sets it, so
+    that capture, profiling and lowering count. Deterministic mode keeps the whole limit (its
+    plan must not depend on how long the capture took)."""
     clock: Callable[[], float] | None = field(default=None, compare=False)
     """The clock of the call's `remat.solvers.deadline.Deadline` (None: `time.perf_counter`);
     tests replace it to see where a call stops without reading the wall clock."""
@@ -101,12 +127,23 @@ class SolverOptions:
         """Whether a limit is left to `by_size`."""
         return self.time_limit is None or self.relative_gap is None
 
-    def by_size(self, ops: int) -> "SolverOptions":
+    def spent(self) -> float | None:
+        """Seconds since `started` on the options' clock that a limit chosen by size counts
+        (None: none; not started, a given limit, or deterministic mode)."""
+        if self.started is None or self.time_limit is not None or self.deterministic:
+            return None
+        return (self.clock or time.perf_counter)() - self.started
+
+    def by_size(self, ops: int, spent: float | None = None) -> "SolverOptions":
         """These options with the limits the caller left to None chosen for a problem of `ops`
-        ops: what `solve` runs and the report states."""
+        ops: what `solve` runs and the report states. `spent`: the seconds of the call already
+        gone (None: `self.spent()`), which a limit chosen by size counts."""
         if not self.sized:
             return self
-        limit = min(SIZED_LIMIT_CAP, SIZED_LIMIT + ops / SIZED_OPS_PER_SECOND)
+        limit = sized_limit(ops)
+        spent = self.spent() if spent is None else spent
+        if spent is not None:
+            limit = limit_left(limit, spent)
         gap = SIZED_GAP if ops >= SIZED_GAP_OPS else 0.0
         return replace(self, time_limit=limit if self.time_limit is None else self.time_limit,
                        relative_gap=gap if self.relative_gap is None else self.relative_gap)

@@ -8,7 +8,7 @@ from dataclasses import replace
 from types import MappingProxyType
 
 from remat.errors import BudgetError, SolverError
-from remat.solvers.options import SolverOptions
+from remat.solvers.options import SolverOptions, sized_limit
 from remat.solvers.problem import Problem
 from remat.solvers.objective import Objective, with_objective
 from remat.solvers.schedule import Schedule, check_host_memory, evaluate
@@ -36,7 +36,11 @@ def solve(problem: Problem, budget: int, strategy: Strategy | str = Strategy.OPT
         raise ValueError(f"budget must be a non-negative int of bytes, not {budget!r}")
     options = options or SolverOptions()
     limits = _who_chose(options)
-    options = options.by_size(len(problem))
+    spent = options.spent()  # the call's time before the solve, where a sized limit counts it
+    options = options.by_size(len(problem), spent)
+    if spent is not None:
+        limits += (f": {sized_limit(len(problem)):g} s for the whole call, {spent:.1f} s of it "
+                   "spent before the solve")
     start = time.perf_counter()
     costed = with_objective(problem, options.objective)
     if costed is problem:
@@ -62,7 +66,7 @@ def solve(problem: Problem, budget: int, strategy: Strategy | str = Strategy.OPT
         schedule = replace(schedule, info=MappingProxyType({
             **schedule.info, "time_limit": options.time_limit,
             "relative_gap": options.relative_gap,
-            "limits": limits}))
+            "limits": limits, **({"spent_before_solve": spent} if spent is not None else {})}))
     return schedule
 
 

@@ -130,7 +130,10 @@ class _Call(CallOutcomes):
             one_step: list[Bound] = []
             relaxed, relaxed_bound = relaxed_schedule(problem, budget, time_limit=part.limit,
                                                       lowest=self.lowest, deadline=part,
-                                                      one_step=one_step, rich=rich, plans=plans)
+                                                      one_step=one_step, rich=rich, plans=plans,
+                                                      relative_gap=max(
+                                                          self.options.relative_gap,
+                                                          OPTIMAL_TOLERANCE))
             if one_step and math.isfinite(one_step[0].value):  # for the rich space's bound
                 info["one_step_bound"] = one_step[0].value
             if rich and rich[0].value > 0:
@@ -152,7 +155,13 @@ class _Call(CallOutcomes):
             # the least-peak search does (or proves that none fits).
             model = self.build()
             if model is None:
-                return self.nothing_found("no time left to build the model")
+                # A short limit on a loaded machine (a call whose capture took most of it) may
+                # have skipped every baseline: those that fit beat no plan at all.
+                hint = self.second_chance(None)
+                if hint is None or hint.peak > budget:
+                    return self.nothing_found("no time left to build the model")
+                info["from_hint"] = True
+                return self.result(hint, self.best_bound(0.0, relaxed_bound))
             if model.fixed_peak > units.capacity(budget):
                 return self.fail(model)
             work = self.work()
@@ -192,7 +201,9 @@ class _Call(CallOutcomes):
             # The relaxation's plan is often proven this close already (7B: 0.1 % at 2.8 s);
             # the search would spend the rest of the limit not improving it.
             info["stopped"] = (f"the hint is proven within relative_gap "
-                               f"{self.options.relative_gap:g} before the search")
+                               f"{self.options.relative_gap:g} before the search"
+                               if self.options.relative_gap > 0 else
+                               "the hint is proven optimal before the search")
             return self.result(hint, self.best_bound(0.0, step_bound))
         if model is None:
             model = self.build()
@@ -320,8 +331,12 @@ class _Call(CallOutcomes):
         """`hint`, or a baseline the pool had no time for that does better in the time left
         (`Pool.second_chance`): where the relaxation and the model could not run."""
         if self.pool.skipped:
-            self.progress.update(stage="running the baselines skipped")
-            hint = self.pool.second_chance(hint, self.budget, self.work())
+            work = self.work()
+            if work.left() > 0:  # else none runs in time: only the last resort, the result's
+                self.progress.update(stage="running the baselines skipped")
+            hint = self.pool.second_chance(hint, self.budget, work)
+            if hint is None or hint.peak > self.budget:
+                hint = self.pool.last_resort(self.budget) or hint
             self.info.update(skipped=dict(self.pool.skipped),
                              **({"hint": hint.strategy} if hint is not None else {}))
         return hint

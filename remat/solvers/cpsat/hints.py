@@ -113,6 +113,23 @@ class Pool:
             return hint
         return found if found is not None else hint
 
+    def last_resort(self, budget: int) -> Schedule | None:
+        """The first fixed-plan baseline skipped for time that fits `budget` (checkpoint_blocks,
+        one evaluation, fits near the floor), run whatever the time left: where a loaded machine
+        left the call no time for any plan (the 70B beside two busy processes, its solve left
+        10 s after a 20 s capture: every baseline skipped), a plan one evaluation late beats a
+        SolverError."""
+        for strategy in EVALUATIONS:
+            if strategy.value not in self.skipped or strategy not in STRATEGIES:
+                continue
+            try:
+                found = STRATEGIES[strategy](self.problem, budget, self.options)
+            except BudgetError:
+                continue
+            self.skipped[strategy.value] += "; then run past the deadline: nothing else fitted"
+            return found
+        return None
+
     def least_peak(self, deadline: Deadline) -> Schedule | None:
         """The pool's schedule of least peak, each strategy at a budget it always meets."""
         unbounded = sum(op.size + op.temp for op in self.problem.ops)
