@@ -3,8 +3,14 @@
 like the compiled mode's plans: OPTIMAL within OPTIMAL_TOLERANCE of a proven bound, else
 FEASIBLE with that bound and its gap.
 
+First the model checked at a few slots (`eager_slots`, SLOT_STAGE_SHARE of the least-cost
+stage's time): its bound, and where its policy fits everywhere at that bound, the plan, which
+the search over every slot then need not find; else the search starts from the best policy
+found, with the bound as its floor.
+
 One `Deadline` bounds the whole call (the caller's, or `options.time_limit` from the start):
-the model's construction, the least-cost stage, the least-peak-at-that-cost stage, and, where
+the model's construction, the slot bound, the least-cost stage, the least-peak-at-that-cost
+stage, and, where
 nothing fits, the least-peak search that BudgetError's smallest budget comes from. The caller's
 hint (the heuristic `plan_eager`'s policy) starts the search, and is returned where the search
 found nothing cheaper, so the result is never worse than it.
