@@ -13,8 +13,8 @@ slot's check leaves a relaxation (any policy that fits everywhere fits at the ch
 so its least cost bounds the model's, exactly where it is solved to optimality and by
 CP-SAT's proven bound otherwise. Where its policy fits at every slot (`EagerModel.peak_of`),
 that policy is optimal; else the slot where it peaks highest above the capacity joins (one a
-round: adding several made each round harder than the rounds they saved, DBRX's second round
-7.5 s instead of 2.8), a floor at the bound so far is added (more slots cost no less), and the
+round: adding several made the rounds harder than the rounds they saved; Gemma-3 alone, at a
+load of 7: 4.3 s to its eighth round one slot at a time, 9.4 s three at a time), a floor at the bound so far is added (more slots cost no less), and the
 relaxation is solved again. A round's policy that overflows is handed to `repair` (the
 caller's: the heuristic's repair and improvement), whose policy, where it fits, is the plan
 when it meets the bound.
@@ -24,10 +24,11 @@ alone is a conjunction in the model's literals, which a fractional policy escape
 linear relaxation; their sum is at least "the reader runs" (`EagerModel.pairs`), added at the
 slots checked.
 
-On the zoo's eager problems (`benchmarks/eager_gap.py`, alone at 7.5 s on a busy machine):
-Gemma, DBRX and Swin are proven optimal with 2 to 9 slots where the whole model was not in
-90 s (Gemma: 27 s, DBRX: 74 s); Gemma-2, Gemma-3 and Qwen3 come within 0.4 %. Bamba does not:
-from its sixth slot, a round takes longer than the limit.
+On the zoo's eager problems (`benchmarks/eager_gap.py`, alone at 7.5 s on a busy machine,
+docs/solver.md): DBRX's bound meets its optimum in the first round (the whole model proved
+it in 74 s; the plan at it comes from the repair, given about 2 s), Swin
+is proven optimal, Gemma, Gemma-2, Gemma-3 and Qwen3 come within 0.4 %. Bamba does not: from
+its sixth slot, a round takes longer than the limit.
 """
 from __future__ import annotations
 
@@ -234,7 +235,8 @@ def slot_bound(model, capacity: int, options: SolverOptions, deadline: Deadline,
         log.debug("eager slot bound: round %d, %d slots, %s in %.2f s, bound %d, its policy "
                   "peaks at %d of %d", rounds, len(relax.slots), solver.StatusName(status),
                   solver.WallTime(), bound, max(levels, default=0), capacity)
-        if max(levels, default=0) > capacity and repair is not None:
+        if (max(levels, default=0) > capacity and repair is not None
+                and deadline.check("eager: slot bound, repair")):
             fixed = repair(cached)
             if fixed is not None:
                 cached, levels = frozenset(fixed), None
