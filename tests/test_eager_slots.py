@@ -9,7 +9,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
-from remat.errors import BudgetError
 from remat.solvers.cpsat.eager_decisions import TRUE, literal_value
 from remat.solvers.cpsat.eager_model import EagerModel
 from remat.solvers.cpsat.eager_search import eager_units
