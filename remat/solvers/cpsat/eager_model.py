@@ -4,7 +4,6 @@ selective-checkpoint policy caches, solved exactly against `eager_timeline`. See
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
 
 from ortools.sat.python import cp_model
 
@@ -60,10 +59,8 @@ class EagerModel(EagerDecisions):
     first caller's forward to its last caller's end; a kept number and an unused tensor at
     their fixed forward slots and at their block's running recomputation steps after them."""
 
-    def __init__(self, problem: Problem, blocks: EagerBlocks, units: Units,
-                 checked: Iterable[int] | None = None):
+    def __init__(self, problem: Problem, blocks: EagerBlocks, units: Units):
         self.problem, self.blocks, self.units = problem, blocks, units
-        checked = None if checked is None else frozenset(checked)
         ops, nf = problem.ops, problem.num_forward
         m = self.model = cp_model.CpModel()
         size, temp = units.sizes(problem)
@@ -317,10 +314,7 @@ class EagerModel(EagerDecisions):
                 m.Add(current == level + sum(c * x for c, x in change))
                 level = current
             self.decided.append(level)
-            if checked is not None and t not in checked:
-                continue
-            if (change or t in temp_at or t == 0 or self.fixed[t] > self.fixed[t - 1]
-                    or checked is not None):
+            if change or t in temp_at or t == 0 or self.fixed[t] > self.fixed[t - 1]:
                 m.Add(level + self.fixed[t] + sum(c * x for c, x in temp_at.get(t, ()))
                       <= self.peak)
         moving = [(v, lit) for v, lit in self.runs_lit.items() if lit is not TRUE]
