@@ -14,7 +14,8 @@
   where a bound over its space leaves room);
 - `driver`: `optimal` itself, its deadline and its stages;
 - `eager_model`, `eager_search`: the eager mode's own exact planner (which ops each block's
-  selective-checkpoint policy caches, against `remat.solvers.eager`'s timeline).
+  selective-checkpoint policy caches, against `remat.solvers.eager`'s timeline); `eager_slots`
+  its relaxation checked at a few slots, the bound and often the plan.
 """
 from remat.solvers.cpsat.driver import optimal
 from remat.solvers.cpsat.hints import BASELINES, HINT_POOL, _best_baseline

@@ -13,7 +13,7 @@ TRUE = True  # a literal that always holds (an op that always runs, a term with 
 class EagerDecisions:
     """What `EagerModel` offers once built: the attributes it reads are the model's (`cache`,
     `blocks`, `holds`, `ends`, `_none_defs`, `_some_uncached`, `events`, `fixed`, `temp_at`,
-    `active`, `decided`, `slots`, `peak`, `_bools`, `model`)."""
+    `active`, `decided`, `slots`, `peak`, `_bools`, `model`, `runs_lit`, `problem`, `units`)."""
 
     def decision(self, value) -> frozenset[int]:
         """The cached ops of a solution (`value`: the solver's Value)."""
@@ -49,6 +49,13 @@ class EagerDecisions:
         live = self.levels(values)
         return max((b for b, x in zip(live, self.active)
                     if x is TRUE or literal_value(values, x)), default=0)
+
+    def units_cost(self, cached) -> int:
+        """The model's objective (cost units) for the policy caching `cached`."""
+        values = self.assignment(cached)
+        ops, units = self.problem.ops, self.units
+        return sum(units.cost_of(ops[v].cost) * literal_value(values, x)
+                   for v, x in self.runs_lit.items() if x is not TRUE)
 
     def hint(self, cached) -> None:
         m = self.model

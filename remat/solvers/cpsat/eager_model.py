@@ -293,6 +293,7 @@ class EagerModel(EagerDecisions):
                     m.Add(at[k] >= sum(lits) - (len(lits) - 1))
         # A storage that a recomputation reads is held there, by the original or the copy:
         # implied, but the LP sees it only in sum (each term alone is a conjunction).
+        self.pairs = pairs
         for index, reads in pairs:
             for k, lit in reads:
                 either = [self._held_at(index, k), self._held_at(index + 1, k)]

@@ -3,8 +3,14 @@
 like the compiled mode's plans: OPTIMAL within OPTIMAL_TOLERANCE of a proven bound, else
 FEASIBLE with that bound and its gap.
 
+First the model checked at a few slots (`eager_slots`, SLOT_STAGE_SHARE of the least-cost
+stage's time): its bound, and where its policy fits everywhere at that bound, the plan, which
+the search over every slot then need not find; else the search starts from the best policy
+found, with the bound as its floor.
+
 One `Deadline` bounds the whole call (the caller's, or `options.time_limit` from the start):
-the model's construction, the least-cost stage, the least-peak-at-that-cost stage, and, where
+the model's construction, the slot bound, the least-cost stage, the least-peak-at-that-cost
+stage, and, where
 nothing fits, the least-peak search that BudgetError's smallest budget comes from. The caller's
 hint (the heuristic `plan_eager`'s policy) starts the search, and is returned where the search
 found nothing cheaper, so the result is never worse than it.
@@ -22,10 +28,12 @@ from ortools.sat.python import cp_model
 from remat.errors import BudgetError, SolverError
 from remat.solvers.cpsat.driver import OPTIMAL_TOLERANCE
 from remat.solvers.cpsat.eager_model import EagerModel
+from remat.solvers.cpsat.eager_slots import slot_bound
 from remat.solvers.cpsat.search import cp_solver
 from remat.solvers.cpsat.units import MAX_UNITS, Units
 from remat.solvers.deadline import Deadline
 from remat.solvers.eager import EagerBlocks, eager_schedule
+from remat.solvers.eager_heuristic import plan_eager
 from remat.solvers.objective import with_objective
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Problem
@@ -36,6 +44,11 @@ log = logging.getLogger(__name__)
 STRATEGY = "eager_optimal"
 # The share of the time limit kept for lowering the peak at the least cost found.
 PEAK_STAGE_SHARE = 0.1
+# The share of the least-cost stage's time that the slot relaxation may take first
+# (`eager_slots`); where it proves its policy optimal, the search over every slot is skipped.
+SLOT_STAGE_SHARE = 0.8
+# The share of the slot stage's time left that repairing one relaxed policy may take.
+REPAIR_SHARE = 0.7
 # CP-SAT's full-problem workers, first first (the portfolio keeps as many as there are workers).
 SUBSOLVERS = ("max_lp", "default_lp", "quick_restart", "core")
 
@@ -113,24 +126,68 @@ def _optimal_eager(problem: Problem, blocks: EagerBlocks, budget: int, options: 
     if model.fixed_peak > capacity:  # what no policy moves exceeds the budget already
         return _least(problem, blocks, budget, options, deadline, info)
 
-    # --- Stage 1: least cost under the capacity.
-    deadline.enter("eager: least cost")
     m.Add(model.peak <= capacity)
     m.Minimize(model.cost)
-    if start is not None:
-        model.hint(start.info["cached"])
     reserve = PEAK_STAGE_SHARE * deadline.limit
-    status, solver = _solve(model, options, deadline, deadline.left() - reserve, "least cost")
-    info["stage1_time"] = solver.WallTime()
-    bound = solver.BestObjectiveBound() * units.cost if units.exact_bytes else 0.0
-    bound = max(0.0, bound) + model.fixed_cost if math.isfinite(bound) else model.fixed_cost
-    if status == cp_model.INFEASIBLE:
-        return _least(problem, blocks, budget, options, deadline, info)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return _result(problem, blocks, start, bound, budget, deadline, info,
-                       solver.StatusName(status))
-    cached = model.decision(solver.Value)
-    best = round(solver.ObjectiveValue())
+
+    # --- Stage 0: the model checked at a few slots, grown where its policy overflows: a
+    # bound, and where its policy fits everywhere, the least-cost policy (`eager_slots`).
+    relaxed = None
+    if units.exact_bytes:  # its bound is the model's, which holds for exact bytes only
+        deadline.enter("eager: slot bound")
+        part = deadline.within(SLOT_STAGE_SHARE * max(0.0, deadline.left() - reserve))
+
+        def repair(cached):
+            """A relaxed policy that overflows, made to fit by the heuristic: what it and the
+            best policy known both cache, improved (caching more while it fits), and the
+            relaxed policy repaired (caching less until it fits), then improved."""
+            known = frozenset(start.info["cached"]) if start is not None else frozenset()
+            try:
+                return plan_eager(costed, blocks, budget, [known & cached, cached],
+                                  part.within(REPAIR_SHARE * part.left())).info["cached"]
+            except BudgetError:
+                return None
+
+        relaxed = slot_bound(model, capacity, options, part,
+                             starts=() if start is None else [start.info["cached"]],
+                             solve=lambda solver, cp, stage: _run(solver, cp, part, stage),
+                             repair=repair)
+        info.update(slot_bound=relaxed.bound * units.cost + model.fixed_cost,
+                    slots_checked=len(relaxed.slots), slot_rounds=relaxed.rounds)
+        if math.isinf(relaxed.bound):  # no policy fits even at those slots
+            return _least(problem, blocks, budget, options, deadline, info)
+    floor = 0.0 if relaxed is None else relaxed.bound
+    if relaxed is not None and relaxed.cached is not None:
+        found = eager_schedule(costed, blocks, relaxed.cached, budget=budget)
+        if start is None or found.cost < start.cost:
+            start = found
+
+    # --- Stage 1: least cost under the capacity, unless the slots proved it.
+    if relaxed is not None and relaxed.optimal:
+        info.update(bound_from="slot bound", stage1_time=0.0)
+        cached, best = relaxed.cached, model.units_cost(relaxed.cached)
+        bound = floor * units.cost + model.fixed_cost
+    else:
+        deadline.enter("eager: least cost")
+        if floor > 0:  # the search stops where a policy meets it
+            m.Add(model.cost >= math.ceil(floor - 1e-6))
+        if start is not None:
+            model.hint(start.info["cached"])
+        status, solver = _solve(model, options, deadline, deadline.left() - reserve,
+                                "least cost")
+        info["stage1_time"] = solver.WallTime()
+        bound = solver.BestObjectiveBound() if units.exact_bytes else 0.0
+        if floor > (bound if math.isfinite(bound) else 0.0):
+            bound, info["bound_from"] = floor, "slot bound"
+        bound = max(0.0, bound) * units.cost + model.fixed_cost if math.isfinite(bound) \
+            else model.fixed_cost
+        if status == cp_model.INFEASIBLE:
+            return _least(problem, blocks, budget, options, deadline, info)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return _result(problem, blocks, start, bound, budget, deadline, info,
+                           solver.StatusName(status))
+        cached = model.decision(solver.Value)
+        best = round(solver.ObjectiveValue())
 
     # --- Stage 2: least peak at that cost.
     if deadline.left() > 0.05:
@@ -189,12 +246,16 @@ def _solve(model: EagerModel, options: SolverOptions, deadline: Deadline, second
     solver.parameters.linearization_level = 2
     solver.parameters.subsolvers.extend(SUBSOLVERS)
     deadline.limit_solver(solver.parameters, max(seconds, 0.0))
+    return _run(solver, model.model, deadline, stage), solver
+
+
+def _run(solver, model: cp_model.CpModel, deadline: Deadline, stage: str):
     with deadline.guard(solver, stage):
-        status = solver.Solve(model.model)
+        status = solver.Solve(model)
     if status == cp_model.MODEL_INVALID:  # a bug of the model or its hint, never the input's
-        raise SolverError(f"eager: CP-SAT refused the model ({model.model.Validate()}); "
+        raise SolverError(f"eager: CP-SAT refused the model ({model.Validate()}); "
                           "this is a bug: please report it")
-    return status, solver
+    return status
 
 
 def _result(problem: Problem, blocks: EagerBlocks, schedule: Schedule | None, bound: float,
