@@ -15,7 +15,7 @@ from remat.solvers.cpsat.eager_search import eager_units, least_eager_peak, opti
 from remat.solvers.deadline import Deadline
 from remat.solvers.eager import EagerBlocks, eager_schedule
 from remat.solvers.eager_heuristic import cheapest_prefix, plan_eager
-from remat.solvers.eager_brute import eager_brute_force, eager_smallest_peak
+from remat.solvers.eager_brute import budget_between, eager_brute_force
 from remat.solvers.options import SolverOptions
 from remat.solvers.problem import Kind
 from remat.solvers.schedule import Status
@@ -75,9 +75,7 @@ def checked(problem, blocks, schedule, budget):
 @given(seed=st.integers(0, 2 ** 32 - 1), where=st.floats(0.0, 1.0))
 def test_the_optimum_is_brute_force_and_never_worse_than_the_heuristic(seed, where):
     problem, blocks = random_eager(seed, max_forward=11, max_backward=8, max_cacheable=11)
-    low = eager_smallest_peak(problem, blocks)
-    high = eager_schedule(problem, blocks, blocks.cacheable).peak
-    budget = low + int(where * max(0, high - low))
+    low, budget = budget_between(problem, blocks, where)
     oracle = eager_brute_force(problem, blocks, budget)
     seed = cheapest_prefix(problem, blocks, budget)
     if eager_schedule(problem, blocks, ()).peak <= budget:  # the bisection starts from a fit

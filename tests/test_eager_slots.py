@@ -14,7 +14,7 @@ from remat.solvers.cpsat.eager_model import EagerModel
 from remat.solvers.cpsat.eager_search import eager_units
 from remat.solvers.cpsat.eager_slots import SlotRelaxation, overflowing
 from remat.solvers.eager import eager_schedule
-from remat.solvers.eager_brute import eager_brute_force, eager_smallest_peak
+from remat.solvers.eager_brute import budget_between, eager_brute_force
 from remat.solvers.options import SolverOptions
 from remat.solvers.synthetic_eager import random_eager
 
@@ -37,9 +37,7 @@ def least_cost(relax: SlotRelaxation) -> float | None:
 @given(seed=st.integers(0, 2 ** 32 - 1), where=st.floats(0.0, 1.0))
 def test_the_slot_bound_holds_and_is_exact_at_every_slot(seed, where):
     problem, blocks = random_eager(seed, max_forward=10, max_backward=7, max_cacheable=10)
-    low = eager_smallest_peak(problem, blocks)
-    high = eager_schedule(problem, blocks, blocks.cacheable).peak
-    budget = low + int(where * max(0, high - low))
+    low, budget = budget_between(problem, blocks, where)
     oracle = eager_brute_force(problem, blocks, budget)
     model = EagerModel(problem, blocks, eager_units(problem, blocks, OPTIONS))
     assert model.units.exact_bytes

@@ -47,3 +47,11 @@ def eager_brute_force(problem: Problem, blocks: EagerBlocks, budget: int) -> Sch
 def eager_smallest_peak(problem: Problem, blocks: EagerBlocks) -> int:
     """The least eager peak of any policy."""
     return min(s.peak for s in eager_policies(problem, blocks))
+
+
+def budget_between(problem: Problem, blocks: EagerBlocks, where: float) -> tuple[int, int]:
+    """The least eager peak of any policy, and a budget `where` (0 to 1) of the way from it to
+    caching everything's peak: the tests' draw of a budget that some policy meets."""
+    low = eager_smallest_peak(problem, blocks)
+    high = eager_schedule(problem, blocks, blocks.cacheable).peak
+    return low, low + int(where * max(0, high - low))

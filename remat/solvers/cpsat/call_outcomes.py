@@ -28,13 +28,13 @@ class CallOutcomes:
 
     def close_enough(self, hint: Schedule | None, bound: float) -> bool:
         """Whether `hint` fits and its true cost is proven within `options.relative_gap` of
-        `bound`, or optimal (within OPTIMAL_TOLERANCE): the search may stop there, as CP-SAT does
-        at that gap. (bert at 60 % of its save-all peak: the relaxation's plan met its bound,
-        and the search ran 8 s more to find nothing at a gap of 0.)"""
-        if hint is None or hint.peak > self.budget:
+        `bound`: the search may stop there, as CP-SAT does at that gap. Never at a gap of 0,
+        even where the hint meets the bound: the search then still finds the least peak among
+        the plans of that cost, which the stage after it proves."""
+        if hint is None or hint.peak > self.budget or self.options.relative_gap <= 0:
             return False
         cost = full_cost(self.problem, hint)
-        return cost - bound <= max(self.options.relative_gap, OPTIMAL_TOLERANCE) * cost
+        return cost - bound <= self.options.relative_gap * cost
 
     def result(self, schedule: Schedule, bound: float) -> Schedule:
         """`schedule` with its true status: OPTIMAL within OPTIMAL_TOLERANCE of `bound`."""

@@ -201,9 +201,7 @@ class _Call(CallOutcomes):
             # The relaxation's plan is often proven this close already (7B: 0.1 % at 2.8 s);
             # the search would spend the rest of the limit not improving it.
             info["stopped"] = (f"the hint is proven within relative_gap "
-                               f"{self.options.relative_gap:g} before the search"
-                               if self.options.relative_gap > 0 else
-                               "the hint is proven optimal before the search")
+                               f"{self.options.relative_gap:g} before the search")
             return self.result(hint, self.best_bound(0.0, step_bound))
         if model is None:
             model = self.build()
