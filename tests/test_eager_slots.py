@@ -153,10 +153,17 @@ def test_the_rounds_from_a_policy_that_fits_bound_the_optimum(seed, where):
     found = slot_bound(model, model.units.capacity(budget), OPTIONS, deadline,
                        starts=[] if start is None else [start],
                        solve=solve, repair=repair)
+    # With no time for a round, a start that fits (here caching nothing, where that fits) is
+    # what it returns (or caching all it decides, where that fits), optimal only if it is.
+    start = () if eager_schedule(problem, blocks, ()).peak <= budget else None
+    spent = slot_bound(model, model.units.capacity(budget), OPTIONS, Deadline(0),
+                       starts=[] if start is None else [start], solve=solve, repair=repair)
     units = model.units
-    assert found.bound * units.cost + model.fixed_cost <= oracle.cost * (1 + 1e-9) + 1e-12
-    if found.cached is not None:
-        again = eager_schedule(problem, blocks, found.cached)
-        assert again.peak <= budget
-        if found.optimal:
-            assert again.cost == pytest.approx(oracle.cost, rel=1e-6, abs=1e-9)
+    for result in (found, spent):
+        assert result.bound * units.cost + model.fixed_cost <= oracle.cost * (1 + 1e-9) + 1e-12
+        if result.cached is not None:
+            again = eager_schedule(problem, blocks, result.cached)
+            assert again.peak <= budget
+            if result.optimal:
+                assert again.cost == pytest.approx(oracle.cost, rel=1e-6, abs=1e-9)
+    assert spent.rounds == 0 and (start is None or spent.cached is not None)
