@@ -131,6 +131,7 @@ def test_the_rounds_from_a_policy_that_fits_bound_the_optimum(seed, where):
     budget = low + int(where * max(0, high - low))
     oracle = eager_brute_force(problem, blocks, budget)
     model = EagerModel(problem, blocks, eager_units(problem, blocks, OPTIONS))
+
     def heuristic(seeds):
         try:
             return plan_eager(problem, blocks, budget, seeds).info["cached"]
@@ -138,10 +139,8 @@ def test_the_rounds_from_a_policy_that_fits_bound_the_optimum(seed, where):
             return None
 
     start = heuristic([(), blocks.cacheable])
-    repairs = []
 
     def repair(cached):
-        repairs.append(cached)
         return heuristic([cached])
 
     deadline = Deadline(20)
