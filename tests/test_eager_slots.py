@@ -9,12 +9,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
+from remat.errors import BudgetError
 from remat.solvers.cpsat.eager_decisions import TRUE, literal_value
 from remat.solvers.cpsat.eager_model import EagerModel
 from remat.solvers.cpsat.eager_search import eager_units
-from remat.solvers.cpsat.eager_slots import SlotRelaxation, overflowing
+from remat.solvers.cpsat.eager_slots import SlotRelaxation, overflowing, slot_bound, tightest
+from remat.solvers.deadline import Deadline
 from remat.solvers.eager import eager_schedule
 from remat.solvers.eager_brute import budget_between, eager_brute_force
+from remat.solvers.eager_heuristic import plan_eager
 from remat.solvers.options import SolverOptions
 from remat.solvers.synthetic_eager import random_eager
 
@@ -105,3 +108,57 @@ def test_overflowing_takes_the_highest_run_first():
     assert overflowing(levels, 3, 1) == [5]
     assert overflowing(levels, 3, 2) == [5, 6]
     assert overflowing(levels, 10, 1) == []
+
+
+def test_tightest_takes_the_highest_slot_of_each_run_near_the_capacity():
+    levels = [1, 97, 99, 98, 1, 100, 1, 97, 96, 2]  # within 3 % of 100: runs 1-3, 5 and 7
+    assert tightest(levels, 100, 2) == [5, 2]
+    assert tightest(levels, 100, 5) == [5, 2, 7]
+    assert tightest([1, 2], 100, 3) == []
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2 ** 32 - 1), where=st.floats(0.0, 1.0))
+def test_the_rounds_from_a_policy_that_fits_bound_the_optimum(seed, where):
+    """The rows generated from a start that fits (its tightest slots first) and the heuristic's
+    repair: the bound never exceeds brute force's optimum, and a policy called optimal costs
+    the optimum and fits."""
+    problem, blocks = random_eager(seed, max_forward=10, max_backward=7, max_cacheable=10)
+    _, budget = budget_between(problem, blocks, where)
+    oracle = eager_brute_force(problem, blocks, budget)
+    model = EagerModel(problem, blocks, eager_units(problem, blocks, OPTIONS))
+
+    def heuristic(seeds):
+        try:
+            return plan_eager(problem, blocks, budget, seeds).info["cached"]
+        except BudgetError:  # near the least peak, the heuristic may find nothing that fits
+            return None
+
+    start = heuristic([(), blocks.cacheable])
+
+    def repair(cached):
+        return heuristic([cached])
+
+    deadline = Deadline(20)
+
+    def solve(solver, m, stage):
+        with deadline.guard(solver, stage):
+            return solver.Solve(m)
+
+    found = slot_bound(model, model.units.capacity(budget), OPTIONS, deadline,
+                       starts=[] if start is None else [start],
+                       solve=solve, repair=repair)
+    # With no time for a round, a start that fits (here caching nothing, where that fits) is
+    # what it returns (or caching all it decides, where that fits), optimal only if it is.
+    start = () if eager_schedule(problem, blocks, ()).peak <= budget else None
+    spent = slot_bound(model, model.units.capacity(budget), OPTIONS, Deadline(0),
+                       starts=[] if start is None else [start], solve=solve, repair=repair)
+    units = model.units
+    for result in (found, spent):
+        assert result.bound * units.cost + model.fixed_cost <= oracle.cost * (1 + 1e-9) + 1e-12
+        if result.cached is not None:
+            again = eager_schedule(problem, blocks, result.cached)
+            assert again.peak <= budget
+            if result.optimal:
+                assert again.cost == pytest.approx(oracle.cost, rel=1e-6, abs=1e-9)
+    assert spent.rounds == 0 and (start is None or spent.cached is not None)

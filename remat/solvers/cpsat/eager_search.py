@@ -150,7 +150,8 @@ def _optimal_eager(problem: Problem, blocks: EagerBlocks, budget: int, options: 
 
         relaxed = slot_bound(model, capacity, options, part,
                              starts=() if start is None else [start.info["cached"]],
-                             solve=lambda solver, cp, stage: _run(solver, cp, part, stage),
+                             solve=lambda solver, cp, stage: _run(_lp_first(solver), cp, part,
+                                                                  stage),
                              repair=repair)
         info.update(slot_bound=relaxed.bound * units.cost + model.fixed_cost,
                     slots_checked=len(relaxed.slots), slot_rounds=relaxed.rounds)
@@ -238,15 +239,20 @@ def least_eager_peak(problem: Problem, blocks: EagerBlocks, options: SolverOptio
 
 def _solve(model: EagerModel, options: SolverOptions, deadline: Deadline, seconds: float,
            stage: str):
-    solver = cp_solver(options, deadline, seconds)
-    # The model is 0-1 and linear, and its bound comes from the LP, which needs the links
-    # "held if cached" that presolve turns into clauses: only linearization level 2 keeps
-    # them. With 2 to 4 workers the default portfolio runs no such worker (tiny Llama: no
-    # bound past 41 % of the cost in 10 s; with max_lp first, proven in 0.8 s).
-    solver.parameters.linearization_level = 2
-    solver.parameters.subsolvers.extend(SUBSOLVERS)
+    solver = _lp_first(cp_solver(options, deadline, seconds))
     deadline.limit_solver(solver.parameters, max(seconds, 0.0))
     return _run(solver, model.model, deadline, stage), solver
+
+
+def _lp_first(solver):
+    """The model is 0-1 and linear, and its bound comes from the LP, which needs the links
+    "held if cached" that presolve turns into clauses: only linearization level 2 keeps
+    them. With 2 to 4 workers the default portfolio runs no such worker (tiny Llama: no
+    bound past 41 % of the cost in 10 s; with max_lp first, proven in 0.8 s). So does the
+    slot relaxation (Bamba's seventh slot: 19 s to prove without, 1.8 s with)."""
+    solver.parameters.linearization_level = 2
+    solver.parameters.subsolvers.extend(SUBSOLVERS)
+    return solver
 
 
 def _run(solver, model: cp_model.CpModel, deadline: Deadline, stage: str):

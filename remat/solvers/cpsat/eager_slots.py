@@ -17,7 +17,12 @@ round: adding several made the rounds harder than the rounds they saved; Gemma-3
 load of 7: 4.3 s to its eighth round one slot at a time, 9.4 s three at a time), a floor at the bound so far is added (more slots cost no less), and the
 relaxation is solved again. A round's policy that overflows is handed to `repair` (the
 caller's: the heuristic's repair and improvement), whose policy, where it fits, is the plan
-when it meets the bound.
+when it meets the bound; a repair that finds nothing cheaper than the best policy known is
+not tried again. A start that fits (the heuristic's policy) is the best policy known from the
+outset, and its tightest slots (`tightest`) start the relaxation: the cheapest policy tends to
+be tight there too (DBRX: its relaxed policy then fits in the first round, the optimum, with
+no repair). The rounds are solved LP-first, as the whole model is (`eager_search._lp_first`:
+Bamba's seventh slot took 19 s to prove without, 1.8 s with).
 
 A storage that a recomputation reads is held until then by its original or by its copy: each
 alone is a conjunction in the model's literals, which a fractional policy escapes in the
@@ -25,10 +30,11 @@ linear relaxation; their sum is at least "the reader runs" (`EagerModel.pairs`),
 slots checked.
 
 On the zoo's eager problems (`benchmarks/eager_gap.py`, alone at 7.5 s on a busy machine,
-docs/solver.md): DBRX's bound meets its optimum in the first round (the whole model proved
-it in 74 s; the plan at it comes from the repair, given about 2 s), Swin
-is proven optimal, Gemma, Gemma-2, Gemma-3 and Qwen3 come within 0.4 %. Bamba does not: from
-its sixth slot, a round takes longer than the limit.
+docs/solver.md): DBRX is proven optimal in the first round (the whole model proved it in
+74 s), Swin is proven optimal, Gemma, Gemma-2, Gemma-3 and Qwen3 come within 0.4 %. Bamba
+does not: its bound climbs a round at a time down one recomputation of its Mamba scan (the
+relaxed policy escapes a checked slot by caching that slot's op, and overflows at the next),
+1 to 6 s a round from the sixth slot: 7 % in 7.5 s, 0.16 % after 16 s.
 """
 from __future__ import annotations
 
@@ -49,6 +55,10 @@ log = logging.getLogger(__name__)
 SLOTS_PER_ROUND = 1
 # The relative gap to which each round is solved (its bound is CP-SAT's proven one whatever).
 ROUND_GAP = 0.002
+# The slots a start that fits adds (`tightest`): the peaks of its highest runs of slots within
+# TIGHT_MARGIN of the capacity (Bamba: its relaxed policy fit after 17 s with 4, 30 s with 8).
+TIGHT_SLOTS = 4
+TIGHT_MARGIN = 0.03
 
 
 @dataclass
@@ -199,6 +209,20 @@ def overflowing(levels: list[int], capacity: int, count: int) -> list[int]:
     return run[::max(1, len(run) // count)][:count]
 
 
+def tightest(levels: list[int], capacity: int, count: int) -> list[int]:
+    """The highest slot of each of the `count` highest runs of slots within TIGHT_MARGIN of
+    `capacity`, from the levels of a policy that fits."""
+    runs: list[list[int]] = []
+    for t, level in enumerate(levels):
+        if level >= (1 - TIGHT_MARGIN) * capacity:
+            if runs and runs[-1][-1] == t - 1:
+                runs[-1].append(t)
+            else:
+                runs.append([t])
+    peaks = [max(run, key=lambda t: levels[t]) for run in runs]
+    return sorted(peaks, key=lambda t: -levels[t])[:count]
+
+
 def slot_bound(model, capacity: int, options: SolverOptions, deadline: Deadline,
                starts=(), solve=None, repair=None) -> SlotBound:
     """Row generation over the slots until a relaxed policy fits, the best policy found meets
@@ -209,11 +233,18 @@ def slot_bound(model, capacity: int, options: SolverOptions, deadline: Deadline,
     made from a relaxed one that does not, or None (the heuristic's repair)."""
     relax = SlotRelaxation(model, capacity)
     starts = [frozenset(model.decidable), *map(frozenset, starts)]
+    best, best_cost = None, math.inf
     for cached in starts:
-        for t in overflowing(slot_levels(model, cached), capacity, 1):
+        levels = slot_levels(model, cached)
+        added = overflowing(levels, capacity, 1)
+        if not added:  # it fits: where it is tightest, the cheapest policy tends to be too
+            added = tightest(levels, capacity, TIGHT_SLOTS)
+            if model.units_cost(cached) < best_cost:
+                best, best_cost = cached, model.units_cost(cached)
+        for t in added:
             relax.add_slot(t)
     relax.hint(starts[-1])
-    bound, rounds, best, best_cost = 0.0, 0, None, math.inf
+    bound, rounds, repairing = 0.0, 0, repair is not None
 
     def done(optimal: bool = False) -> SlotBound:
         return SlotBound(bound, best, optimal or best_cost <= bound, tuple(relax.slots),
@@ -235,28 +266,34 @@ def slot_bound(model, capacity: int, options: SolverOptions, deadline: Deadline,
         log.debug("eager slot bound: round %d, %d slots, %s in %.2f s, bound %d, its policy "
                   "peaks at %d of %d", rounds, len(relax.slots), solver.StatusName(status),
                   solver.WallTime(), bound, max(levels, default=0), capacity)
-        if (max(levels, default=0) > capacity and repair is not None
+        relaxed, relaxed_levels = cached, levels
+        if (max(levels, default=0) > capacity and repairing
                 and deadline.check("eager: slot bound, repair")):
             fixed = repair(cached)
             if fixed is not None:
                 cached, levels = frozenset(fixed), None
+            # A repair that finds nothing cheaper than the best policy known is not tried
+            # again: it costs a second or more a round (Bamba: 1.2 s, and never cheaper
+            # than the heuristic's policy, while its bound took ten rounds).
+            repairing = fixed is not None and model.units_cost(fixed) < best_cost
         if levels is None or max(levels, default=0) <= capacity:
             cost = model.units_cost(cached)
             if cost < best_cost:
                 best, best_cost = cached, cost
-            # The end where the relaxed policy fits, or the best one meets the bound (to
-            # the options' relative gap, as CP-SAT's own search stops).
-            if levels is not None or best_cost <= bound * (1 + (options.relative_gap or 0)):
+            if levels is not None:  # the relaxed policy fits
                 return done()
+        # The best policy known meets the bound (to the options' relative gap, as CP-SAT's
+        # own search stops).
+        if best_cost <= bound * (1 + (options.relative_gap or 0)):
+            return done()
         if status != cp_model.OPTIMAL:
             break  # cut by the deadline: what it proved stands
-        levels = slot_levels(model, relax.decision(solver.Value))
-        added = [t for t in overflowing(levels, capacity, SLOTS_PER_ROUND)
+        added = [t for t in overflowing(relaxed_levels, capacity, SLOTS_PER_ROUND)
                  if t not in relax.slots]
         if not added:  # cannot happen: the relaxed policy fits where checked
             break
         for t in added:
             relax.add_slot(t)
         relax.m.Add(relax.cost >= math.ceil(bound - 1e-6))  # more slots cost no less
-        relax.hint(relax.decision(solver.Value))
+        relax.hint(relaxed)
     return done()
