@@ -91,9 +91,10 @@ def job_stages(job: Job, mesh, data_seed: int = 1):
     return llama_stages(model, job.pp), tokens, targets
 
 
-def plan_job(job: Job, levels: int = 3, reuse=None):
+def plan_job(job: Job, levels: int = 3, reuse=None, solver_options=None):
     """remat's plan for every pipeline rank, made in this process on a fake process group, and
-    the plan without a budget (its candidates serve `reuse` for another schedule)."""
+    the plan without a budget (its candidates serve `reuse` for another schedule);
+    `solver_options` for the stages' eager plans (None: the defaults)."""
     from remat.planner.pipeline import PipelineSpec, plan_pipeline
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -102,7 +103,7 @@ def plan_job(job: Job, levels: int = 3, reuse=None):
         stages, tokens, targets = job_stages(job, job_mesh(job))
         mb = job.batch // job.microbatches
         args = dict(example_target=targets[:mb], loss_fn=pipeline_loss, levels=levels,
-                    training=job.training(),
+                    training=job.training(), solver_options=solver_options,
                     spec=PipelineSpec(schedule=job.schedule, microbatches=job.microbatches))
         free = plan_pipeline(stages, (tokens[:mb],), budget=10**12, reuse=reuse, **args)
         budget = [int((free.smallest[r] + free.peak(r) / 0.99) // 2) for r in range(job.pp)]

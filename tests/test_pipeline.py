@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import remat
+from remat.solvers import SolverOptions
 from examples.llama import LLAMA_TEST, llama
 from examples.llama_pipeline import (llama_stages, pipeline_loss, pipeline_runtime, rank_step,
                                      receive_buffers)
@@ -164,7 +165,8 @@ def _plans() -> dict:
         _, stages, tokens, targets = _stages(schedule, count)
         mb = BATCH // MICROBATCHES
         args = dict(example_target=targets[:mb], loss_fn=pipeline_loss, training=training,
-                    spec=PipelineSpec(schedule=schedule, microbatches=MICROBATCHES), levels=3)
+                    spec=PipelineSpec(schedule=schedule, microbatches=MICROBATCHES), levels=3,
+                    solver_options=SolverOptions(relative_gap=0.01))  # each rank's run is judged
         reuse = whole_backward if count == WORLD else None
         free = plan_pipeline(stages, (tokens[:mb],), budget=10**12, reuse=reuse, **args)
         if count == WORLD:
