@@ -54,3 +54,36 @@ def test_optimize_counts_its_capture_in_the_default_limit(monkeypatch):
                               "of it spent before the solve")
     assert f"({info['limits']})" in plan.report().render()
     assert plan.solver_options.started is None  # a later re-plan counts from its own start
+
+
+def test_an_eager_plan_counts_its_capture_and_states_its_limits(monkeypatch):
+    """execution="eager" as compiled: the capture's 4 s (injected clock) are the call's, and
+    the report states the limit the eager search ran under and who chose it."""
+    now = [1000.0]
+    real_prepare = optimize_module.prepare
+
+    def slow_prepare(*args, **kwargs):
+        now[0] += 4.0
+        return real_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(optimize_module, "prepare", slow_prepare)
+    model, inputs = gpt(GPTConfig(block_size=32, vocab_size=128, n_layer=2, n_head=2,
+                                  n_embd=32, dropout=0.0), batch=2)
+    plan = optimize(model, activation_budget="1GB", example_inputs=inputs, execution="eager",
+                    training=Training(reserve=0, fragmentation=0.0),
+                    solver_options=SolverOptions(clock=lambda: now[0], workers=2))
+    whole = sized_limit(len(plan.eager_problem))
+    info = plan.schedule.info
+    assert info["spent_before_solve"] == pytest.approx(4.0)
+    assert info["time_limit"] == pytest.approx((1 - SIZED_AFTER_SHARE) * whole - 4.0)
+    assert info["limits"].startswith(f"chosen by problem size: {whole:g} s for the whole call")
+    assert f"({info['limits']})" in plan.report().render()
+    # A given limit is stated as given and is the solver's alone.
+    given = optimize(model, activation_budget="1GB", example_inputs=inputs, execution="eager",
+                     training=Training(reserve=0, fragmentation=0.0),
+                     solver_options=SolverOptions(time_limit=5.0, relative_gap=0.0,
+                                                  clock=lambda: now[0], workers=2))
+    assert given.schedule.info["time_limit"] == 5.0
+    assert given.schedule.info["limits"] == "given"
+    assert "spent_before_solve" not in given.schedule.info
+    assert plan.solver_options.started is None  # a later re-plan counts from its own start

@@ -35,6 +35,7 @@ from remat.solvers.deadline import Deadline
 from remat.solvers.eager import eager_schedule
 from remat.solvers.eager_heuristic import cheapest_prefix, plan_eager, with_offloads
 from remat.solvers.objective import with_objective
+from remat.solvers.options import sized_and_stated
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +162,9 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
     strategy = Strategy(solver)
     allowance = prepared.allowance(budget, activation_budget)
     budget_left = max(allowance, 0)
-    # Limits the caller left to None are chosen by the eager problem's size, as for compiled.
-    options = options_for_this_job(solver_options).by_size(len(problem))
+    # Limits the caller left to None are chosen by the eager problem's size, as for compiled,
+    # counting the capture and the probe where the call started its clock (remat.optimize).
+    options, stated = sized_and_stated(options_for_this_job(solver_options), len(problem))
     # One deadline for the eager solve: the compiled seed, the heuristic, the exact search.
     deadline = Deadline(options.time_limit, clock=options.clock or time.perf_counter)
     seeds: list[frozenset[int]] = [frozenset(), structure.cacheable]
@@ -215,12 +217,16 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
                               smallest=schedule.peak)
     except BudgetError as e:
         raise budget_error_in_user_terms(prepared, e, budget=budget, strategy=strategy) from None
+    # The report states the limits the solve ran under, and who chose them.
+    schedule = dataclasses.replace(schedule, info=MappingProxyType({**schedule.info, **stated}))
     # schedule.peak is the eager timeline's (eager_schedule), so the terms are the eager step's.
     memory = prepared.step_memory(schedule, budget)
     log.info("eager plan: %d blocks, activation peak %s, recompute %.3g FLOPs", len(policies),
              format_size(schedule.peak), schedule.recompute_flops)
     return EagerPlan(model=model, prepared=prepared, schedule=schedule, memory=memory,
-                     target=target, solver=strategy, solver_options=solver_options,
+                     target=target, solver=strategy,
+                     solver_options=None if solver_options is None
+                     else dataclasses.replace(solver_options, started=None),
                      activation_budget=activation_budget, policies=policies,
                      structure=structure, eager_problem=problem, to_graph=to_graph)
 

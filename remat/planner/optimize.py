@@ -89,7 +89,8 @@ def optimize(model: Any, budget: int | str | None = None, *,
                                      returns, execution, blocks, offload, dynamic)
 
     def plan_one(example_inputs, example_kwargs, shape_range=None) -> Plan:
-        options = solver_options if execution == "eager" else counting_from_now(solver_options)
+        # A limit chosen by size is the whole call's: capture, profile and lowering count.
+        options = counting_from_now(solver_options)
         prepared = prepare(model, example_inputs, example_kwargs=example_kwargs,
                            training=training, target=target, loss_fn=loss_fn, returns=returns,
                            shape_range=shape_range)
@@ -98,7 +99,7 @@ def optimize(model: Any, budget: int | str | None = None, *,
                                                training.host_memory)
         if execution == "eager":
             return plan_eager_mode(model, prepared, budget=whole, activation_budget=activations,
-                                   target=target, solver=solver, solver_options=solver_options,
+                                   target=target, solver=solver, solver_options=options,
                                    blocks=blocks, example_inputs=example_inputs,
                                    example_kwargs=example_kwargs)
         return plan_prepared(model, prepared, budget=whole, activation_budget=activations,

@@ -149,4 +149,34 @@ class SolverOptions:
                        relative_gap=gap if self.relative_gap is None else self.relative_gap)
 
 
+def sized_and_stated(options: SolverOptions, ops: int) -> tuple[SolverOptions, dict]:
+    """`options` with their limits chosen for a problem of `ops` ops (`by_size`, counting the
+    call's time before the solve where it is started), and what a schedule's info states of
+    them for the report: "time_limit", "relative_gap", "limits" (who chose them) and, where the
+    sized limit counted it, "spent_before_solve"."""
+    spent = options.spent()
+    sized = options.by_size(ops, spent)
+    stated = {"time_limit": sized.time_limit, "relative_gap": sized.relative_gap,
+              "limits": who_chose_limits(options, ops, spent)}
+    if spent is not None:
+        stated["spent_before_solve"] = spent
+    return sized, stated
+
+
+def who_chose_limits(options: SolverOptions, ops: int, spent: float | None) -> str:
+    """Who chose the time limit and relative gap of `options` (before `by_size`), as the report
+    states it: "given", or chosen by the size of a problem of `ops` ops, with the whole call's
+    limit and the `spent` seconds of it gone before the solve where the sized limit counts
+    them."""
+    sized = [name for name, value in (("time limit", options.time_limit),
+                                      ("relative gap", options.relative_gap)) if value is None]
+    if not sized:
+        return "given"
+    said = "chosen by problem size" if len(sized) == 2 else f"{sized[0]} chosen by problem size"
+    if spent is not None:
+        said += (f": {sized_limit(ops):g} s for the whole call, {spent:.1f} s of it spent "
+                 "before the solve")
+    return said
+
+
 MODELS = ("single", "rich", "auto")

@@ -8,7 +8,7 @@ from dataclasses import replace
 from types import MappingProxyType
 
 from remat.errors import BudgetError, SolverError
-from remat.solvers.options import SolverOptions, sized_limit
+from remat.solvers.options import SolverOptions, sized_and_stated
 from remat.solvers.problem import Problem
 from remat.solvers.objective import Objective, with_objective
 from remat.solvers.schedule import Schedule, check_host_memory, evaluate
@@ -35,12 +35,8 @@ def solve(problem: Problem, budget: int, strategy: Strategy | str = Strategy.OPT
     if not isinstance(budget, int) or budget < 0:
         raise ValueError(f"budget must be a non-negative int of bytes, not {budget!r}")
     options = options or SolverOptions()
-    limits = _who_chose(options)
-    spent = options.spent()  # the call's time before the solve, where a sized limit counts it
-    options = options.by_size(len(problem), spent)
-    if spent is not None:
-        limits += (f": {sized_limit(len(problem)):g} s for the whole call, {spent:.1f} s of it "
-                   "spent before the solve")
+    # Limits left to None chosen by size, counting the call's time before the solve.
+    options, stated = sized_and_stated(options, len(problem))
     start = time.perf_counter()
     costed = with_objective(problem, options.objective)
     if costed is problem:
@@ -63,31 +59,6 @@ def solve(problem: Problem, budget: int, strategy: Strategy | str = Strategy.OPT
     if not schedule.solve_time:
         schedule = replace(schedule, solve_time=time.perf_counter() - start)
     if fn in LIMITED:  # the report states the limits the call ran under, and who chose them
-        schedule = replace(schedule, info=MappingProxyType({
-            **schedule.info, "time_limit": options.time_limit,
-            "relative_gap": options.relative_gap,
-            "limits": limits, **({"spent_before_solve": spent} if spent is not None else {})}))
+        schedule = replace(schedule, info=MappingProxyType({**schedule.info, **stated}))
     return schedule
 
-
-def _who_chose(options: SolverOptions) -> str:
-    """Who chose the time limit and relative gap: the caller, or the problem's size."""
-    sized = [name for name, value in (("time limit", options.time_limit),
-                                      ("relative gap", options.relative_gap)) if value is None]
-    if not sized:
-        return "given"
-    return "chosen by problem size" if len(sized) == 2 else f"{sized[0]} chosen by problem size"
-
-
-def _in_problem_units(problem: Problem, schedule: Schedule, objective: str) -> Schedule:
-    """A schedule solved under another objective, costed in `problem`'s seconds. Its bound is
-    scaled to keep the objective's gap: what is proven is proven of the objective's cost."""
-    bound = None
-    if schedule.bound is not None and schedule.cost > 0:
-        bound = schedule.bound / schedule.cost
-    evaluated = evaluate(problem, schedule, info={
-        **schedule.info, "objective": Objective.of(objective).value,
-        "objective_cost": schedule.cost, "objective_bound": schedule.bound})
-    if bound is not None:
-        evaluated = replace(evaluated, bound=bound * evaluated.cost)
-    return evaluated

@@ -9,6 +9,7 @@ from ortools.sat.python import cp_model
 
 from remat.solvers.cpsat.eager_decisions import TRUE, EagerDecisions, check_structure, negated
 from remat.solvers.cpsat.units import Profile, Units
+from remat.solvers.deadline import Deadline, ticker
 from remat.solvers.eager import EagerBlocks, block_runs
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
 
@@ -59,8 +60,12 @@ class EagerModel(EagerDecisions):
     first caller's forward to its last caller's end; a kept number and an unused tensor at
     their fixed forward slots and at their block's running recomputation steps after them."""
 
-    def __init__(self, problem: Problem, blocks: EagerBlocks, units: Units):
+    def __init__(self, problem: Problem, blocks: EagerBlocks, units: Units,
+                 deadline: Deadline | None = None):
+        """OutOfTime when `deadline` passes while the model is built (DBRX's: 1.5 to 4.5 s
+        under a load of 7, where the limit was 3.5 s)."""
         self.problem, self.blocks, self.units = problem, blocks, units
+        tick = ticker(deadline, "eager: building the model")
         ops, nf = problem.ops, problem.num_forward
         m = self.model = cp_model.CpModel()
         size, temp = units.sizes(problem)
@@ -165,6 +170,7 @@ class EagerModel(EagerDecisions):
         pairs: list[tuple[int, list]] = []  # (original's hold, its copy's next) and the reads
         readers, pinned = problem.storage_readers, problem.pinned
         for i, op in enumerate(ops):
+            tick()
             if problem.root[i] != i or op.size == 0:
                 continue
             t = tuple_of(problem, i)
@@ -270,6 +276,7 @@ class EagerModel(EagerDecisions):
 
         self.ends: list[list[tuple[int, object]]] = []  # per hold: (candidate end, literal)
         for h in holds:
+            tick()
             fixed_end = max([h.start] + [k for k, lits in h.terms if not lits])
             moving = sorted({k for k, lits in h.terms if lits and k > fixed_end})
             if h.presence is TRUE:
@@ -308,6 +315,7 @@ class EagerModel(EagerDecisions):
         self.events, self.temp_at, self.decided = events, temp_at, []
         level = 0
         for t in range(self.slots):
+            tick()
             change = events.get(t)
             if change:
                 current = m.NewIntVar(0, total, f"decided[{t}]")

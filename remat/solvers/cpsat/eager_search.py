@@ -31,7 +31,7 @@ from remat.solvers.cpsat.eager_model import EagerModel
 from remat.solvers.cpsat.eager_slots import slot_bound
 from remat.solvers.cpsat.search import cp_solver
 from remat.solvers.cpsat.units import MAX_UNITS, Units
-from remat.solvers.deadline import Deadline
+from remat.solvers.deadline import Deadline, OutOfTime
 from remat.solvers.eager import EagerBlocks, eager_schedule
 from remat.solvers.eager_heuristic import plan_eager
 from remat.solvers.objective import with_objective
@@ -49,6 +49,10 @@ PEAK_STAGE_SHARE = 0.1
 SLOT_STAGE_SHARE = 0.8
 # The share of the slot stage's time left that repairing one relaxed policy may take.
 REPAIR_SHARE = 0.7
+# A CP-SAT solve of the whole model takes time to load it whatever its limit (DBRX: 0.6 s at a
+# 1 ms limit under a load of 7, its Python build 4.5 s then): a stage starts only with at least
+# this share of the model's build time left, which scales with the model and the load alike.
+SOLVE_SETUP_SHARE = 0.25
 # CP-SAT's full-problem workers, first first (the portfolio keeps as many as there are workers).
 SUBSOLVERS = ("max_lp", "default_lp", "quick_restart", "core")
 
@@ -119,7 +123,12 @@ def _optimal_eager(problem: Problem, blocks: EagerBlocks, budget: int, options: 
         start = None  # a policy that does not fit starts nothing
     if not deadline.check("eager: the model"):
         return _result(problem, blocks, start, 0.0, budget, deadline, info, "no time to build")
-    model = EagerModel(costed, blocks, units)
+    building = deadline.elapsed()
+    try:
+        model = EagerModel(costed, blocks, units, deadline)
+    except OutOfTime:
+        return _result(problem, blocks, start, 0.0, budget, deadline, info, "no time to build")
+    setup = SOLVE_SETUP_SHARE * (deadline.elapsed() - building)
     info.update(cache_units=len(model.cache), slots=model.slots,
                 variables=len(model.model.Proto().variables))
     m, capacity = model.model, units.capacity(budget)
@@ -133,9 +142,11 @@ def _optimal_eager(problem: Problem, blocks: EagerBlocks, budget: int, options: 
     # --- Stage 0: the model checked at a few slots, grown where its policy overflows: a
     # bound, and where its policy fits everywhere, the least-cost policy (`eager_slots`).
     relaxed = None
-    if units.exact_bytes:  # its bound is the model's, which holds for exact bytes only
+    part = deadline.within(SLOT_STAGE_SHARE * max(0.0, deadline.left() - reserve))
+    # Its bound is the model's, which holds for exact bytes only; its first evaluations of
+    # the model take about as long as loading it into CP-SAT (DBRX: 1 s under a load of 6).
+    if units.exact_bytes and part.left() >= setup:
         deadline.enter("eager: slot bound")
-        part = deadline.within(SLOT_STAGE_SHARE * max(0.0, deadline.left() - reserve))
 
         def repair(cached):
             """A relaxed policy that overflows, made to fit by the heuristic: what it and the
@@ -168,6 +179,12 @@ def _optimal_eager(problem: Problem, blocks: EagerBlocks, budget: int, options: 
         info.update(bound_from="slot bound", stage1_time=0.0)
         cached, best = relaxed.cached, model.units_cost(relaxed.cached)
         bound = floor * units.cost + model.fixed_cost
+    elif deadline.left() - reserve < setup:  # CP-SAT would only load the model by then
+        deadline.stop("eager: least cost", "no time left to load the model")
+        if floor > 0:
+            info["bound_from"] = "slot bound"
+        return _result(problem, blocks, start, floor * units.cost + model.fixed_cost, budget,
+                       deadline, info, "no time for the least-cost search")
     else:
         deadline.enter("eager: least cost")
         if floor > 0:  # the search stops where a policy meets it
@@ -191,7 +208,7 @@ def _optimal_eager(problem: Problem, blocks: EagerBlocks, budget: int, options: 
         best = round(solver.ObjectiveValue())
 
     # --- Stage 2: least peak at that cost.
-    if deadline.left() > 0.05:
+    if deadline.left() > max(0.05, setup):
         deadline.enter("eager: least peak at that cost")
         m.Add(model.cost <= best)
         m.Minimize(model.peak)
@@ -225,7 +242,10 @@ def least_eager_peak(problem: Problem, blocks: EagerBlocks, options: SolverOptio
     first = eager_schedule(problem, blocks, start)
     if not deadline.check("eager: least peak"):
         return first, 0
-    model = EagerModel(problem, blocks, units)
+    try:
+        model = EagerModel(problem, blocks, units, deadline)
+    except OutOfTime:
+        return first, 0
     model.model.Minimize(model.peak)
     model.hint(first.info["cached"])
     status, solver = _solve(model, options, deadline, deadline.left(), "least peak")
