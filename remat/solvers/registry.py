@@ -62,3 +62,17 @@ def solve(problem: Problem, budget: int, strategy: Strategy | str = Strategy.OPT
         schedule = replace(schedule, info=MappingProxyType({**schedule.info, **stated}))
     return schedule
 
+
+
+def _in_problem_units(problem: Problem, schedule: Schedule, objective: str) -> Schedule:
+    """A schedule solved under another objective, costed in `problem`'s seconds. Its bound is
+    scaled to keep the objective's gap: what is proven is proven of the objective's cost."""
+    bound = None
+    if schedule.bound is not None and schedule.cost > 0:
+        bound = schedule.bound / schedule.cost
+    evaluated = evaluate(problem, schedule, info={
+        **schedule.info, "objective": Objective.of(objective).value,
+        "objective_cost": schedule.cost, "objective_bound": schedule.bound})
+    if bound is not None:
+        evaluated = replace(evaluated, bound=bound * evaluated.cost)
+    return evaluated
