@@ -165,7 +165,7 @@ def test_the_plan_does_not_read_the_clock_in_deterministic_mode():
 
     plans = []
     for clock in (frozen, Running()):
-        options = SolverOptions(time_limit=1e7, deterministic=True, deterministic_time=2.0,
+        options = SolverOptions(time_limit=1e7, deterministic=True, deterministic_time=0.5,
                                 relative_gap=0, model="single", clock=clock)
         result = solve(problem, budget, Strategy.OPTIMAL, options)
         assert result.info["deterministic"] is True

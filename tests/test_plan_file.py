@@ -203,7 +203,7 @@ def _rank(rank: int, init: str, results: str) -> None:
         # Each rank plans for itself, the solver's determinism left to remat: in a job of
         # several ranks it plans on deterministic time, so both come out with one plan.
         own = plan_for(model, inputs, "compiled",
-                       SolverOptions(time_limit=60, deterministic_time=5))
+                       SolverOptions(time_limit=60, deterministic_time=1))
         out["own plan"] = {"recomputed": sorted(own.schedule.recomputed),
                            "recompute_at": sorted(own.schedule.recompute_at.items()),
                            "deterministic": own.report().solver.deterministic}
