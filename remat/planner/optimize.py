@@ -135,7 +135,7 @@ def _plan_tensor_parallel(model, whole, activations, example_inputs, example_kwa
     return plan_tensor_parallel(model, whole, activation_budget=activations,
                                 example_inputs=example_inputs, example_kwargs=example_kwargs,
                                 training=training, target=target, solver=solver,
-                                solver_options=solver_options, blocks=blocks,
+                                solver_options=counting_from_now(solver_options), blocks=blocks,
                                 loss_fn=loss_fn, returns=returns)
 
 
