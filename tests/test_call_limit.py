@@ -30,9 +30,9 @@ def test_a_sized_limit_counts_the_time_the_call_spent():
     assert SolverOptions().by_size(5000).time_limit == whole
 
 
-def test_optimize_counts_its_capture_in_the_default_limit(monkeypatch):
-    """The capture "takes" 4 s on the injected clock, which stands still while the solver runs:
-    the solve's limit is the call's less those 4 s, and the report says so."""
+def a_capture_of_4_seconds(monkeypatch):
+    """An injected clock (a list holding now), on which `remat.optimize`'s capture "takes" 4 s
+    and which stands still while the solver runs; a tiny GPT and its inputs."""
     now = [1000.0]
     real_prepare = optimize_module.prepare
 
@@ -43,6 +43,13 @@ def test_optimize_counts_its_capture_in_the_default_limit(monkeypatch):
     monkeypatch.setattr(optimize_module, "prepare", slow_prepare)
     model, inputs = gpt(GPTConfig(block_size=32, vocab_size=128, n_layer=2, n_head=2,
                                   n_embd=32, dropout=0.0), batch=2)
+    return now, model, inputs
+
+
+def test_optimize_counts_its_capture_in_the_default_limit(monkeypatch):
+    """The capture "takes" 4 s on the injected clock, which stands still while the solver runs:
+    the solve's limit is the call's less those 4 s, and the report says so."""
+    now, model, inputs = a_capture_of_4_seconds(monkeypatch)
     plan = optimize(model, activation_budget="1GB", example_inputs=inputs,
                     training=Training(reserve=0, fragmentation=0.0),
                     solver_options=SolverOptions(clock=lambda: now[0], workers=2))
@@ -59,16 +66,7 @@ def test_optimize_counts_its_capture_in_the_default_limit(monkeypatch):
 def test_an_eager_plan_counts_its_capture_and_states_its_limits(monkeypatch):
     """execution="eager" as compiled: the capture's 4 s (injected clock) are the call's, and
     the report states the limit the eager search ran under and who chose it."""
-    now = [1000.0]
-    real_prepare = optimize_module.prepare
-
-    def slow_prepare(*args, **kwargs):
-        now[0] += 4.0
-        return real_prepare(*args, **kwargs)
-
-    monkeypatch.setattr(optimize_module, "prepare", slow_prepare)
-    model, inputs = gpt(GPTConfig(block_size=32, vocab_size=128, n_layer=2, n_head=2,
-                                  n_embd=32, dropout=0.0), batch=2)
+    now, model, inputs = a_capture_of_4_seconds(monkeypatch)
     plan = optimize(model, activation_budget="1GB", example_inputs=inputs, execution="eager",
                     training=Training(reserve=0, fragmentation=0.0),
                     solver_options=SolverOptions(clock=lambda: now[0], workers=2))
