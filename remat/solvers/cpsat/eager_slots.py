@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
+from remat.solvers.cpsat.eager_conditions import HeldConditions
 from remat.solvers.cpsat.eager_decisions import TRUE, literal_value
 from remat.solvers.cpsat.search import cp_solver
 from remat.solvers.deadline import Deadline
@@ -91,6 +92,7 @@ class SlotRelaxation:
         self._vars: dict[int, cp_model.IntVar] = {}
         self.cache = {unit: self._lit(x) for unit, x in model.cache.items()}
         self._held: dict[tuple[int, int], cp_model.IntVar] = {}
+        self._conditions = HeldConditions(model, self._lit, m)
         self.slots: list[int] = []
         moving = [(v, lit) for v, lit in model.runs_lit.items() if lit is not TRUE]
         ops, units = model.problem.ops, model.units
@@ -139,9 +141,8 @@ class SlotRelaxation:
         key = (i, later[0])  # the model's literal "held to later[0] or after" covers t
         if key not in self._held:
             y = self._held[key] = self.m.NewBoolVar(f"held[{i},{later[0]}]")
-            for k, lits in h.terms:
-                if k >= t and lits:
-                    self.m.Add(y >= sum(self._lit(x) for x in lits) - (len(lits) - 1))
+            for lits in self._conditions.of(i, t):
+                self.m.Add(y >= sum(lits) - (len(lits) - 1))
         return self._held[key]
 
     def level_terms(self, t: int) -> list[tuple[int, object]]:
