@@ -37,8 +37,9 @@ docs/solver.md): DBRX is proven optimal in the first round (the whole model prov
 74 s), Swin is proven optimal, Gemma, Gemma-2, Gemma-3 and Qwen3 come within 0.4 %. Bamba
 does not: its bound climbs a round at a time down one recomputation of its Mamba scan (the
 relaxed policy escapes a checked slot by caching that slot's op, and overflows at the next),
-and the round that adds the ninth slot (520) takes 5 to 17 s alone, the linear relaxation
-there being at 25e6 units where the optimum is 28.7e6: 7 to 10 % in 10 s, 0.2 % after 20 s.
+and the round that adds the ninth slot (520) takes 3 to 17 s alone, the linear relaxation
+there being at 25e6 units where its optimum is 28.7e6: 7 to 10 % in 10 s; 0.2 % once that
+round is done (after 12 to 27 s, from run to run).
 """
 from __future__ import annotations
 
