@@ -22,19 +22,27 @@ class EagerDecisions:
     def assignment(self, cached) -> dict[int, int]:
         """Every boolean of the model for the policy caching `cached`, at its least value: the
         timeline's own holds (a complete hint)."""
+        values = self._decided(cached)
+        lit = lambda x: 1 if x is TRUE else literal_value(values, x)  # noqa: E731
+        for x, none, runs in self._none_defs:
+            values[x.Index()] = int(lit(none) and not lit(runs))
+        if getattr(self, "_latest_first", None) is None:  # the latest term that holds wins
+            self._latest_first = [sorted(h.terms, key=lambda term: -term[0]) for h in self.holds]
+        for h, ends, terms in zip(self.holds, self.ends, self._latest_first):
+            reached = next((k for k, lits in terms if all(lit(x) for x in lits)), -1)
+            for k, x in ends:
+                values[x.Index()] = int(lit(h.presence) and reached >= k)
+        return values
+
+    def _decided(self, cached) -> dict[int, int]:
+        """The cache units' booleans for the policy caching `cached`, and whether each
+        multi-output call runs: all that the cost reads."""
         cached = set(cached) & self.blocks.cacheable  # as block_runs reads a policy
         values: dict[int, int] = {}
         for unit, x in self.cache.items():
             values[x.Index()] = int(bool(cached.intersection(unit)))
         for runs, lits in self._some_uncached:  # a multi-output call runs unless all cached
             values[runs.Index()] = int(not all(values[x.Index()] for x in lits))
-        lit = lambda x: 1 if x is TRUE else literal_value(values, x)  # noqa: E731
-        for x, none, runs in self._none_defs:
-            values[x.Index()] = int(lit(none) and not lit(runs))
-        for h, ends in zip(self.holds, self.ends):
-            reached = max([k for k, lits in h.terms if all(lit(x) for x in lits)], default=-1)
-            for k, x in ends:
-                values[x.Index()] = int(lit(h.presence) and reached >= k)
         return values
 
     def levels(self, values: dict[int, int]) -> list[int]:
@@ -52,7 +60,7 @@ class EagerDecisions:
 
     def units_cost(self, cached) -> int:
         """The model's objective (cost units) for the policy caching `cached`."""
-        values = self.assignment(cached)
+        values = self._decided(cached)
         ops, units = self.problem.ops, self.units
         return sum(units.cost_of(ops[v].cost) * literal_value(values, x)
                    for v, x in self.runs_lit.items() if x is not TRUE)

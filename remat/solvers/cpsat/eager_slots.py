@@ -8,7 +8,10 @@ limit on a busy machine, and whose linear relaxation proved little (DBRX: 57 % g
 optimum found only after 74 s). At one slot t, the same bytes are a knapsack over the cache
 units: what no decision moves (`EagerModel.fixed`), the recomputation steps' temps that run,
 and per storage held across t, its size times one boolean bounded below by every condition
-(a conjunction of the model's literals) that holds it to t or later. Dropping every other
+(a conjunction of the model's literals) that holds it to t or later, in few rows
+(`eager_conditions`: Bamba's relaxation at five slots has 1,200 constraints where it had
+48,000, and reaches the policy that fits in 20 to 27 s at a load of 7 where it took 44 s).
+Dropping every other
 slot's check leaves a relaxation (any policy that fits everywhere fits at the chosen slots),
 so its least cost bounds the model's, exactly where it is solved to optimality and by
 CP-SAT's proven bound otherwise. Where its policy fits at every slot (`EagerModel.peak_of`),
@@ -34,7 +37,9 @@ docs/solver.md): DBRX is proven optimal in the first round (the whole model prov
 74 s), Swin is proven optimal, Gemma, Gemma-2, Gemma-3 and Qwen3 come within 0.4 %. Bamba
 does not: its bound climbs a round at a time down one recomputation of its Mamba scan (the
 relaxed policy escapes a checked slot by caching that slot's op, and overflows at the next),
-1 to 6 s a round from the sixth slot: 7 % in 7.5 s, 0.16 % after 16 s.
+and the round that adds the ninth slot (520) takes 3 to 17 s alone, the linear relaxation
+there being at 25e6 units where its optimum is 28.7e6: 7 to 10 % in 10 s; 0.2 % once that
+round is done (after 12 to 27 s, from run to run).
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
+from remat.solvers.cpsat.eager_conditions import HeldConditions
 from remat.solvers.cpsat.eager_decisions import TRUE, literal_value
 from remat.solvers.cpsat.search import cp_solver
 from remat.solvers.deadline import Deadline
@@ -91,6 +97,7 @@ class SlotRelaxation:
         self._vars: dict[int, cp_model.IntVar] = {}
         self.cache = {unit: self._lit(x) for unit, x in model.cache.items()}
         self._held: dict[tuple[int, int], cp_model.IntVar] = {}
+        self._conditions = HeldConditions(model, self._lit, m)
         self.slots: list[int] = []
         moving = [(v, lit) for v, lit in model.runs_lit.items() if lit is not TRUE]
         ops, units = model.problem.ops, model.units
@@ -139,9 +146,8 @@ class SlotRelaxation:
         key = (i, later[0])  # the model's literal "held to later[0] or after" covers t
         if key not in self._held:
             y = self._held[key] = self.m.NewBoolVar(f"held[{i},{later[0]}]")
-            for k, lits in h.terms:
-                if k >= t and lits:
-                    self.m.Add(y >= sum(self._lit(x) for x in lits) - (len(lits) - 1))
+            for lits in self._conditions.of(i, t):
+                self.m.Add(y >= sum(lits) - (len(lits) - 1))
         return self._held[key]
 
     def level_terms(self, t: int) -> list[tuple[int, object]]:
@@ -281,6 +287,14 @@ def slot_bound(model, capacity: int, options: SolverOptions, deadline: Deadline,
             if cost < best_cost:
                 best, best_cost = cached, cost
             if levels is not None:  # the relaxed policy fits
+                if best_cost > bound and status == cp_model.OPTIMAL:
+                    # Stopped at the round gap: the rest of the way is short from its policy
+                    # (BERT: 171 units of 23e6 left, 0.9 s of the search over every slot).
+                    relax.hint(cached)
+                    solver = cp_solver(options, deadline, deadline.left())
+                    if solve(solver, relax.m, "slot bound, closing") in (cp_model.OPTIMAL,
+                                                                          cp_model.FEASIBLE):
+                        bound = max(bound, solver.BestObjectiveBound())
                 return done()
         # The best policy known meets the bound (to the options' relative gap, as CP-SAT's
         # own search stops).
