@@ -17,7 +17,8 @@ import bisect
 
 from ortools.sat.python import cp_model
 
-from remat.solvers.cpsat.units import Axis, Profile, Units, provide_what_is_needed
+from remat.solvers.cpsat.units import (Axis, Profile, Units, in_model_space,
+                                       provide_what_is_needed)
 from remat.solvers.deadline import Deadline, ticker
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
 from remat.solvers.schedule import Schedule
@@ -236,9 +237,10 @@ class FreeModel:
         """Hint every decision variable from `schedule` (a baseline's, or an earlier stage's)."""
         m = self.model
         m.ClearHints()
+        schedule = in_model_space(self.problem, schedule, self.rec)
+        if schedule is None:
+            return  # not a schedule of this model's space
         recomputed = schedule.recomputed
-        if not recomputed <= self.rec.keys():
-            return  # not a schedule of this model's space (a zero-byte recomputation, say)
         at = {v: self.axis.base(b) + v for v, b in schedule.recompute_at.items()}
         for v, x in self.rec.items():
             m.AddHint(x, v in recomputed)

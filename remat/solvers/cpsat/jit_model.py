@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ortools.sat.python import cp_model
 
-from remat.solvers.cpsat.units import Units, provide_what_is_needed
+from remat.solvers.cpsat.units import Units, in_model_space, provide_what_is_needed
 from remat.solvers.deadline import Deadline, ticker
 from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
 from remat.solvers.schedule import Schedule, make_schedule
@@ -299,9 +299,10 @@ class JitModel:
         earlier stage's): a complete hint, so that CP-SAT starts from a solution."""
         m = self.model
         m.ClearHints()
+        schedule = in_model_space(self.problem, schedule, self.rec)
+        if schedule is None:
+            return  # not a schedule of this model's space
         recomputed = set(schedule.recomputed)
-        if not recomputed <= self.rec.keys():
-            return
         jit = make_schedule(self.problem, recomputed)
         at = dict(jit.recompute_at)
         values: dict[int, int] = {}

@@ -3,6 +3,7 @@ assigned by `simulate`'s latest-copy rule and ends tight, so that CP-SAT starts 
 solution (the single model's plan in "auto", a baseline's in "rich")."""
 from __future__ import annotations
 
+from remat.solvers.cpsat.units import in_model_space
 from remat.solvers.problem import tuple_of
 from remat.solvers.schedule import Schedule
 from remat.solvers.simulate import StepKind, copies_of, holds, step_order
@@ -13,6 +14,9 @@ def hint(model, schedule: Schedule) -> bool:
     tight); False, hinting nothing, when the schedule is outside the model's space."""
     m, problem = model.model, model.problem
     m.ClearHints()
+    schedule = in_model_space(problem, schedule, model.further)
+    if schedule is None:
+        return False
     positions = copy_positions(schedule)
     chosen: dict[int, dict[int, int]] = {}  # the model's copy index of each position
     for v, copies in model.further.items():
@@ -33,12 +37,17 @@ def hint(model, schedule: Schedule) -> bool:
                 m.AddHint(c.pos, chosen[v].get(k, c.low))
             if c.free:
                 m.AddHint(c.backward, on and chosen[v][k] >= problem.num_forward)
+        if v in model.moved:  # the most of its copies' `backward` literals
+            m.AddHint(model.moved[v], any(c.free and k in chosen[v] and chosen[v][k] >=
+                                          problem.num_forward for k, c in enumerate(copies)))
+    first_after: dict[int, int] = {}  # the first step after tuple op t, as hinted
     for t, first in model._first.items():
         here = [(x, chosen[v].get(k) == t + 1, v) for x, v, k in model._here[t]]
         for x, on, _ in here:
             m.AddHint(x, on)
-        m.AddHint(first, min([model.op_time(t + 1)]
-                             + [model.rec_time(t + 1, v) for _, on, v in here if on]))
+        first_after[t] = min([model.op_time(t + 1)]
+                             + [model.rec_time(t + 1, v) for _, on, v in here if on])
+        m.AddHint(first, first_after[t])
     for u, c in model.load.items():
         m.AddHint(c.active, u in schedule.offload_at)
         m.AddHint(c.pos, schedule.offload_at.get(u, problem.num_forward))
@@ -74,6 +83,11 @@ def hint(model, schedule: Schedule) -> bool:
             for t in c.reads:
                 assigned[index[key[t]]] = k
             end = max([slot[t] for t in c.reads] + [made])
+            bare = t_of is not None and (u in model.further or not problem.storage_readers[u])
+            if c.kind is StepKind.FORWARD and bare:
+                # A bare getitem's forward copy lives to the step after its tuple op's
+                # (the model's rule, `RichModel._first_after`); hinted shorter, the hint failed.
+                end = max(end, first_after[t_of])
             if c.until >= 0 and u in model.load:  # held while its copy to host runs
                 rel = next((i for i, kind in order[c.until + 1:]
                             if kind in (StepKind.FORWARD, StepKind.BACKWARD)),

@@ -93,6 +93,7 @@ class RichModel:
 
         self.further: dict[int, list[_Copy]] = {}
         self._first: dict[int, cp_model.IntVar] = {}
+        self.moved: dict[int, cp_model.IntVar] = {}  # v's first backward run is a free one
         self._here: dict[int, list] = {}
         for v in range(nf):
             tick()
@@ -278,7 +279,7 @@ class RichModel:
         if not any(c.free for c in copies):
             m.Add(sum(c.active for c in copies) <= max_copies)
             return None
-        moved = m.NewBoolVar(f"r{v}")
+        moved = self.moved[v] = m.NewBoolVar(f"r{v}")
         m.AddMaxEquality(moved, [c.backward for c in copies])
         m.Add(sum(c.active for c in copies) <= max_copies + moved)
         return moved
