@@ -198,7 +198,7 @@ def _steps_in_turn(problem: Problem, tried: list[int], solve: Callable, deadline
         pending = unproven
     joint = _spread(problem, tried)
     if len(joint) > 1 and deadline.left() > 2 * build * len(joint):
-        relaxation = Relaxation(problem, joint, rich, deadline)
+        relaxation = Relaxation(problem, joint, rich, deadline, in_order=True)
         value, exact = solve(relaxation, deadline.left())
         if value > best.value:
             best = found[0] = Bound(value, tuple(joint), exact)

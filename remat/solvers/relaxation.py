@@ -30,9 +30,13 @@ class Relaxation:
     (recomputing twice, within the forward, offloading where the problem has a host link)."""
 
     def __init__(self, problem: Problem, steps: Sequence[int], rich: bool = False,
-                 deadline: Deadline | None = None):
+                 deadline: Deadline | None = None, in_order: bool = False):
         """OutOfTime when `deadline` passes while it is built; in deterministic mode the
-        build is charged to it (`modelled`)."""
+        build is charged to it (`modelled`). `in_order`: joint steps over the single space
+        keep its order (`_in_order`), for the bounds proven alone (`recompute_bound`,
+        `joint_bound`: mamba at 60 %, every step joined); the plan-reading turns, which must
+        end within their share of the limit, leave its rows out (they gained nothing there
+        in the runs measured)."""
         nf = problem.num_forward
         self.deadline = deadline or Deadline(math.inf)
         self.deadline.charge(modelled("relaxation step", len(problem)) * len(steps))
@@ -144,7 +148,7 @@ class Relaxation:
             for u in after:
                 for s in forward(inputs[u]):
                     m.Add(keep[s] + after[s] + (off[s] if s in off else 0) >= after[u])
-            if joint and not rich:
+            if joint and not rich and in_order:
                 self._order.append(after)
             self.keep[b], earlier = keep, after
         if not joint:  # the step's own recomputations after it are all there is to pay

@@ -217,7 +217,7 @@ def joint_bound(problem: Problem, budget: int, steps, *, rich: bool,
     the richer execution model, `Relaxation`'s `rich`): the steps a plan was read off, proven
     again over another space. Math.inf when no schedule fits; 0 when out of time."""
     try:
-        relaxation = Relaxation(problem, steps, rich, deadline)
+        relaxation = Relaxation(problem, steps, rich, deadline, in_order=True)
         nf, fixed = problem.num_forward, fixed_bytes(problem)
         rooms = {b: budget - fixed[b - nf] for b in relaxation.keep}
         value, exact = relaxation.least_cost(rooms, lambda op: op.cost, deadline.left(), workers,
