@@ -33,7 +33,7 @@ linear relaxation; their sum is at least "the reader runs" (`EagerModel.pairs`),
 slots checked.
 
 On the zoo's eager problems (`benchmarks/eager_gap.py`, alone at 7.5 s on a busy machine,
-docs/solver.md): DBRX is proven optimal in the first round (the whole model proved it in
+docs/solver-measurements.md): DBRX is proven optimal in the first round (the whole model proved it in
 74 s), Swin is proven optimal, Gemma, Gemma-2, Gemma-3 and Qwen3 come within 0.4 %. Bamba
 does not: its bound climbs a round at a time down one recomputation of its Mamba scan (the
 relaxed policy escapes a checked slot by caching that slot's op, and overflows at the next),
