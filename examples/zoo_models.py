@@ -156,10 +156,11 @@ def dbrx_every_expert(model):
     return model
 
 
-def dbrx(experts: int = 16, top_k: int = 4) -> Callable:
-    """DBRX as its tester configures it (16 experts, top 4), looping over every expert."""
+def dbrx(experts: int = 16, top_k: int = 4, layers: int = 2) -> Callable:
+    """DBRX as its tester configures it (16 experts, top 4, 2 layers), looping over every
+    expert."""
     return every_expert(decoder("DbrxConfig", "DbrxForCausalLM", dict(
-        vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=512,
+        vocab_size=VOCAB, d_model=32, n_layers=layers, n_heads=4, max_seq_len=512,
         attn_config={"clip_qkv": 8, "kv_n_heads": 4, "rope_theta": 500000},
         ffn_config={"ffn_hidden_size": 32, "moe_jitter_eps": 0, "moe_loss_weight": 0.05,
                     "moe_num_experts": experts, "moe_top_k": top_k,

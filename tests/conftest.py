@@ -13,3 +13,11 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("suite", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
+
+# Under pytest-xdist each worker takes one core's share: torch's intra-op threads default to
+# every core, and with two workers on two cores (and CI's neighbours) their spinning threads
+# oversubscribe the machine.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch  # noqa: E402
+
+    torch.set_num_threads(1)

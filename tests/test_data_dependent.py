@@ -190,9 +190,11 @@ def test_dbrx_plans_and_trains_in_both_modes(monkeypatch):
     from examples import zoo_models
     from examples.hf_zoo import run_arch
 
-    # The zoo's DBRX with 4 experts (top 2) where it has 16 (top 4): a quarter of the experts'
-    # loop to trace; `python examples/hf_zoo.py --archs dbrx` plans the zoo's own
-    monkeypatch.setitem(zoo_models.ARCHS, "dbrx", ("MoE", zoo_models.dbrx(experts=4, top_k=2)))
+    # The zoo's DBRX with 4 experts (top 2) where it has 16 (top 4), and one layer of its two:
+    # an eighth of the experts' loop to trace; `python examples/hf_zoo.py --archs dbrx` plans
+    # the zoo's own
+    monkeypatch.setitem(zoo_models.ARCHS, "dbrx",
+                        ("MoE", zoo_models.dbrx(experts=4, top_k=2, layers=1)))
     rows = run_arch("dbrx", SolverOptions(time_limit=2), least=False)
     assert [r.mode for r in rows] == ["compiled", "eager"]
     for row in rows:

@@ -291,7 +291,7 @@ def test_eager_plans_batches_with_and_without_padding():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2,
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1,
                                        n_head=2, use_cache=False)).train()
     eager = copy.deepcopy(model)
 
