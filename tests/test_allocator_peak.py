@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 
 import pytest
 import torch
@@ -73,6 +74,17 @@ def swiglu():
 
 
 FACTORIES = {"conv_net": conv_net, "swiglu": swiglu}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def every_core():
+    """oneDNN's convolution backward takes scratch per thread, which these tests measure: with
+    the suite's one thread per xdist worker (conftest.py) it takes none. They run as a user's
+    process does, on every core (at least two)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, os.cpu_count() or 2))
+    yield
+    torch.set_num_threads(before)
 
 
 @functools.cache
