@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from remat.solvers.cpsat.eager_decisions import TRUE, literal_value
+from remat.solvers.cpsat.eager_decisions import literal_value
 from remat.solvers.cpsat.eager_model import EagerModel
 from remat.solvers.cpsat.eager_search import eager_units
 from remat.solvers.cpsat.eager_slots import SlotRelaxation
