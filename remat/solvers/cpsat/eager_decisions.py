@@ -4,6 +4,8 @@ builds on `EagerDecisions`): a policy's values for every boolean of the model, a
 the model assumes of `EagerBlocks`."""
 from __future__ import annotations
 
+from functools import cached_property
+
 from remat.solvers.eager import EagerBlocks
 from remat.solvers.problem import Kind, Problem
 
@@ -26,13 +28,16 @@ class EagerDecisions:
         lit = lambda x: 1 if x is TRUE else literal_value(values, x)  # noqa: E731
         for x, none, runs in self._none_defs:
             values[x.Index()] = int(lit(none) and not lit(runs))
-        if getattr(self, "_latest_first", None) is None:  # the latest term that holds wins
-            self._latest_first = [sorted(h.terms, key=lambda term: -term[0]) for h in self.holds]
         for h, ends, terms in zip(self.holds, self.ends, self._latest_first):
             reached = next((k for k, lits in terms if all(lit(x) for x in lits)), -1)
             for k, x in ends:
                 values[x.Index()] = int(lit(h.presence) and reached >= k)
         return values
+
+    @cached_property
+    def _latest_first(self) -> list[list]:
+        """Each hold's terms, latest slot first: the first that holds is how far it is held."""
+        return [sorted(h.terms, key=lambda term: -term[0]) for h in self.holds]
 
     def _decided(self, cached) -> dict[int, int]:
         """The cache units' booleans for the policy caching `cached`, and whether each
