@@ -230,10 +230,11 @@ def joint_bound(problem: Problem, budget: int, steps, *, rich: bool,
 def _from_tightest(problem: Problem, budget: int, tightest: int, workers: int,
                    deadline: Deadline, rich: list | None, found: list,
                    one_step: list) -> tuple[Schedule | None, Bound]:
-    """The relaxation at `tightest` alone (its plan repaired; its bound, which holds over the
-    rich space too), then with the step where that plan binds (over the rich space where `rich`
-    asks, which receives its bound): the plan of least cost that fits, and the one step's bound,
-    both told to `found` (plan, bound) as they come, the bound to `one_step` too.
+    """The relaxation at `tightest` alone (its bound holds over the rich space too), then with
+    the step where its plan binds (over the rich space where `rich` asks, which receives its
+    bound): the plan of least cost that fits (the joint one as read, else the joint and the
+    lone plans repaired), and the one step's bound, both told to `found` (plan, bound) as they
+    come, the bound to `one_step` too.
     The 70B: 0.1946 s proven at the log-softmax's backward in a second; with the step in the
     last block's backward where its plan peaks, a plan at 0.1957 s that fits as read."""
     nf, fixed = problem.num_forward, fixed_bytes(problem)
@@ -245,46 +246,60 @@ def _from_tightest(problem: Problem, budget: int, tightest: int, workers: int,
     one_step[:] = [proven]
     if value == math.inf:
         return None, proven
-    best, read = _fitted(problem, budget, relaxation, deadline)
-    found[0] = best
-    binding = binding_step(problem, read) if read is not None and read.peak > budget else None
-    logger.debug("step %d alone: bound %.6g, plan %s, repaired %s; binds at %s", tightest, value,
-                 read and read.cost, best and best.cost, binding)
+    alone = _read(problem, budget, relaxation, deadline)
+    binding = binding_step(problem, alone) if alone is not None and alone.peak > budget else None
+    logger.debug("step %d alone: bound %.6g, plan %s; binds at %s", tightest, value,
+                 alone and alone.cost, binding)
+    if alone is not None and alone.peak <= budget:
+        found[0] = alone
+        return alone, proven
     if binding is None or binding == tightest or not deadline.check("reading a plan off the "
                                                                      "relaxation"):
+        best = found[0] = alone and repair(problem, alone, budget, deadline)
         return best, proven
+    # The joint solve before this plan's repair, which took 3 s of the 70B's 20 under load and
+    # is needed only where the joint plan does not fit as read (or the solve is cut).
     steps = sorted([tightest, binding])
     part = deadline.within(TIGHTEST_SHARE * deadline.left())
-    relaxation = Relaxation(problem, steps, rich is not None, deadline=part)
-    value, exact = relaxation.least_cost({b: budget - fixed[b - nf] for b in steps},
-                                         lambda op: op.cost, part.left(), workers,
-                                         gap=PLAN_GAP)
+    try:
+        relaxation = Relaxation(problem, steps, rich is not None, deadline=part)
+        value, exact = relaxation.least_cost({b: budget - fixed[b - nf] for b in steps},
+                                             lambda op: op.cost, part.left(), workers,
+                                             gap=PLAN_GAP)
+    except OutOfTime:  # its part spent in the build: the plan alone, repaired, with the rest
+        value, exact, relaxation = 0.0, False, None
     if rich is not None and value > 0 and (not rich or value > rich[0].value):
         rich[:] = [Bound(value, tuple(steps), exact)]
-    joined, read = _fitted(problem, budget, relaxation, deadline)
+    read = relaxation and _read(problem, budget, relaxation, deadline)
+    best = found[0] = read if read is not None and read.peak <= budget else None
+    if best is not None and best.cost <= value * (1 + PLAN_GAP):
+        logger.debug("steps %s: bound %.6g, plan %s", steps, value, read.cost)
+        return best, proven
+    # Cut short: the joint plan (nearer the budget) and the lone one repaired, the cheapest kept.
+    for plan in (read, alone):
+        if plan is None or deadline.left() <= 0:
+            continue
+        repaired = plan if plan.peak <= budget else repair(problem, plan, budget, deadline)
+        if repaired is not None and (best is None or repaired.cost < best.cost):
+            best = found[0] = repaired
     logger.debug("steps %s: bound %.6g, plan %s, repaired %s", steps, value, read and read.cost,
-                 joined and joined.cost)
-    if joined is not None and (best is None or joined.cost < best.cost):
-        best = found[0] = joined
+                 best and best.cost)
     return best, proven
 
 
-def _fitted(problem: Problem, budget: int, relaxation: Relaxation,
-            deadline: Deadline) -> tuple[Schedule | None, Schedule | None]:
-    """The plan of `relaxation`'s solution repaired where it peaks above `budget` (None: none,
-    or no repair found), and the plan as read."""
+def _read(problem: Problem, budget: int, relaxation: Relaxation,
+          deadline: Deadline) -> Schedule | None:
+    """The plan of `relaxation`'s solution as read, fitting `budget` or not (None: no solution,
+    or a decision the execution model cannot run)."""
     recomputed = relaxation.recomputed()
     if recomputed is None:
-        return None, None
+        return None
     deadline.charge(modelled("evaluation", len(problem)))
     try:
-        schedule = make_schedule(problem, drop_unneeded(problem, recomputed),
-                                 strategy="relaxation", budget=budget)
-    except ValueError:  # a decision the execution model cannot run (a tuple's getitem)
-        return None, None
-    if schedule.peak <= budget:
-        return schedule, schedule
-    return repair(problem, schedule, budget, deadline), schedule
+        return make_schedule(problem, drop_unneeded(problem, recomputed),
+                             strategy="relaxation", budget=budget)
+    except ValueError:  # e.g. a tuple's getitem
+        return None
 
 
 def _tightest_step(problem: Problem) -> int:
