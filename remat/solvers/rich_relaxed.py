@@ -1,8 +1,8 @@
 """A plan over the rich space read off the single space's relaxation (`Relaxation`), for the
 calls that search the rich space ("auto", "rich"): each plan read is given second backward runs
-where it peaks (`repair_again.settle`), then repaired with them (`repair`'s cover and trim, each
-plan settled), and the step where the settled plan binds joins the relaxation, until a settled
-plan fits as read, the steps repeat, or the deadline.
+where it peaks (`repair_again.settle`), and the step where the settled plan binds joins the
+relaxation, until a settled plan fits, the steps repeat, or the deadline; where none fits, the
+plans read are repaired (`repair`'s cover and trim, each plan settled).
 
 Why not the single call's plans (`relaxed`): a plan that fits only with a second run peaks, as
 the single space sees it, where the recomputed value is held to its far reader; so that call
@@ -47,6 +47,7 @@ def rich_relaxed_plan(problem: Problem, budget: int, steps: Iterable[int], deadl
         return None
     best: Schedule | None = None
     fixed = fixed_bytes(problem)
+    read: list[Schedule] = []  # the plans read that did not fit with second runs alone
 
     def settled(schedule: Schedule) -> Schedule:
         return settle(problem, schedule, budget, deadline)
@@ -70,20 +71,24 @@ def rich_relaxed_plan(problem: Problem, budget: int, steps: Iterable[int], deadl
             except ValueError:  # a decision the execution model cannot run
                 break
             again = settled(plan)
-            fitted = again if again.peak <= budget else repair(problem, plan, budget,
-                                                               deadline, settled)
             logger.debug("rich plan over %s: bound %.6g, plan %.6g peaking %d over, with "
-                         "second runs %.6g peaking %d over, repaired %s", steps, value,
-                         plan.cost, plan.peak - budget, again.cost, again.peak - budget,
-                         fitted and fitted.cost)
-            if fitted is not None and (best is None or fitted.cost < best.cost):
-                best = fitted
+                         "second runs %.6g peaking %d over", steps, value, plan.cost,
+                         plan.peak - budget, again.cost, again.peak - budget)
             if again.peak <= budget:
-                break  # the relaxation's own plan, with second runs: more steps cost more
+                best = again  # the relaxation's own plan, with second runs: more steps cost more
+                break
+            read.append(plan)
             binding = binding_step(problem, again)
             if binding is None or binding in steps:
                 break
             steps = sorted(steps + [binding])
+        # None fitted with second runs alone: covered (recomputing more), the last read first,
+        # which knows the most steps.
+        for plan in reversed(read if best is None else ()):
+            fitted = repair(problem, plan, budget, deadline, settled)
+            logger.debug("rich plan repaired: %s", fitted and fitted.cost)
+            if fitted is not None and (best is None or fitted.cost < best.cost):
+                best = fitted
     except OutOfTime:
         pass
     return best
