@@ -42,7 +42,8 @@ def rich_relaxed_plan(problem: Problem, budget: int, steps: Iterable[int], deadl
     """The cheapest plan of the rich space found this way that fits `budget` (None: none in
     time), starting from the relaxation over `steps` (none: the first backward step)."""
     nf = problem.num_forward
-    steps = sorted(set(steps) or ({nf} if nf < len(problem.ops) else set()))
+    steps = sorted({b for b in steps if nf <= b < len(problem.ops)}
+                   or ({nf} if nf < len(problem.ops) else set()))
     if not steps:
         return None
     best: Schedule | None = None
