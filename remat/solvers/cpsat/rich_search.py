@@ -3,7 +3,9 @@
 Both start with the one-recomputation model (its own stages; `SINGLE_SHARE` of the limit under
 "auto", `RICH_SINGLE_SHARE` under "rich"), whose plan the rich model starts from and which is
 returned when the rich model cannot do better in the time left: a richer model never returns
-less than the single one. Then a bound proven over the rich space (`recompute_bound(rich=True)`);
+less than the single one. Unless that plan meets a bound over the rich space already, a plan of
+the rich space read off the relaxation with second runs where it peaks (`rich_relaxed`, in
+RICH_PLAN_SHARE of the limit) replaces it where it costs less. Then a bound proven over the rich space (`recompute_bound(rich=True)`);
 when the single plan's cost meets it, that plan is the rich optimum too and is returned; else
 the rest of the limit goes to the rich model (`RichModel`), whose answer is taken only when it
 costs less ("auto" searches it only where the single plan is proven in its own space; "rich"
