@@ -5,10 +5,10 @@ Both start with the one-recomputation model (its own stages; `SINGLE_SHARE` of t
 returned when the rich model cannot do better in the time left: a richer model never returns
 less than the single one. Unless that plan meets a bound over the rich space already, a plan of
 the rich space read off the relaxation with second runs where it peaks (`rich_relaxed`, in
-RICH_PLAN_SHARE of the limit) replaces it where it costs less. Then a bound proven over the rich space (`recompute_bound(rich=True)`);
-when the single plan's cost meets it, that plan is the rich optimum too and is returned; else
-the rest of the limit goes to the rich model (`RichModel`), whose answer is taken only when it
-costs less ("auto" searches it only where the single plan is proven in its own space; "rich"
+RICH_PLAN_SHARE of the limit) replaces it where it costs less. Then a bound proven over the
+rich space (`recompute_bound(rich=True)`); when the plan's cost meets it, that plan is the
+rich optimum too and is returned; else the rest of the limit goes to the rich model
+(`RichModel`), whose answer is taken only when it costs less ("auto" searches it only where the single plan is proven in its own space; "rich"
 always). With a host link, the answer then goes through the offload search (`offload_search`:
 keep in host memory what the plan recomputes, where the transfers hide), which scales where the
 rich model is not built, in `OFFLOAD_SHARE` of the limit kept for it; its result is taken only
