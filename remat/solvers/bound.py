@@ -116,9 +116,11 @@ def recompute_bound(problem: Problem, budget: int, *, time_limit: float = 10.0,
 
 
 def peak_bound(problem: Problem, *, time_limit: float = 10.0, steps: Iterable[int] = (),
-               workers: int = 0, deadline: Deadline | None = None) -> Bound:
+               workers: int = 0, deadline: Deadline | None = None, rich: bool = False) -> Bound:
     """A lower bound on the simulated activation peak of every schedule, in bytes (within
-    `time_limit` seconds of `deadline`, or of now)."""
+    `time_limit` seconds of `deadline`, or of now). `rich`: of every schedule of the richer
+    execution model too (`Relaxation`'s `rich`); the single one's joint steps, one decision a
+    value, do not bound it there (tests/test_rich_floor.py)."""
     deadline = _part(deadline, time_limit)
     if not deadline.check("proving a peak bound"):
         return Bound(0.0, (), False)
@@ -129,7 +131,7 @@ def peak_bound(problem: Problem, *, time_limit: float = 10.0, steps: Iterable[in
         return relaxation.least_peak({b: fixed[b - nf] for b in relaxation.keep}, seconds,
                                      workers)
 
-    return _best(problem, _steps(problem, fixed, steps), least_peak, deadline)
+    return _best(problem, _steps(problem, fixed, steps), least_peak, deadline, rich=rich)
 
 
 def _part(deadline: Deadline | None, seconds: float) -> Deadline:

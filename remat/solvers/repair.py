@@ -4,10 +4,12 @@ the room that recomputations take when their own backward runs."""
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 from remat.solvers.baselines import unit_cost
 from remat.solvers.deadline import Deadline, modelled
 from remat.solvers.problem import Kind, Problem
+from remat.solvers.repair_again import position_of
 from remat.solvers.schedule import Schedule, drop_unneeded, make_schedule, recomputable
 from remat.solvers.simulate import StepKind, holds, step_order, timeline_of
 
@@ -23,23 +25,33 @@ REPAIR_TURNS = 12
 TRIM_SHARE = 0.1
 
 
+# A rich-space move applied to each plan the cover or the trim makes (`repair_again.settle`:
+# second recomputations where the plan peaks), or none (the single space).
+Settle = Callable[[Schedule], Schedule]
+
+
+def _as_is(schedule: Schedule) -> Schedule:
+    return schedule
+
+
 def repair(problem: Problem, schedule: Schedule, budget: int,
-           deadline: Deadline) -> Schedule | None:
+           deadline: Deadline, settle: Settle = _as_is) -> Schedule | None:
     """`schedule` made to fit (`_cover`), then without the recomputations it added that fitting
     turned out not to need, most costly first (`_trim`): each turn covers REPAIR_OVERSHOOT times
     the excess, greedily, and a later turn may free what an earlier one did (the 70B's plan over
-    its two steps: 0.1988 s covered, 0.1969 trimmed)."""
-    fitted = _cover(problem, schedule, budget, deadline)
+    its two steps: 0.1988 s covered, 0.1969 trimmed). `settle` (the rich space's) goes over
+    every plan made, the first too."""
+    fitted = _cover(problem, schedule, budget, deadline, settle)
     if fitted is None or fitted is schedule:
         return fitted
     # A share of the time left: the evaluations are slow on large graphs under load (the
     # 70B's 27 values: 10 s at a load of 9), where a joint relaxation may be worth more.
     return _trim(problem, fitted, set(schedule.recomputed), budget,
-                 deadline.within(TRIM_SHARE * deadline.left()))
+                 deadline.within(TRIM_SHARE * deadline.left()), settle)
 
 
 def _trim(problem: Problem, schedule: Schedule, kept: set[int], budget: int,
-          deadline: Deadline) -> Schedule:
+          deadline: Deadline, settle: Settle) -> Schedule:
     """`schedule` (which fits) without each recomputation not in `kept` that it can do
     without, most costly first, until the deadline."""
     evaluation = modelled("evaluation", len(problem))
@@ -55,13 +67,14 @@ def _trim(problem: Problem, schedule: Schedule, kept: set[int], budget: int,
                                   strategy=schedule.strategy, budget=budget)
         except ValueError:  # e.g. a getitem saved while its tuple op stays recomputed
             continue
+        trial = settle(trial)
         if trial.peak <= budget and trial.cost < schedule.cost and kept <= trial.recomputed:
             schedule = trial
     return schedule
 
 
 def _cover(problem: Problem, schedule: Schedule, budget: int,
-           deadline: Deadline) -> Schedule | None:
+           deadline: Deadline, settle: Settle) -> Schedule | None:
     """`schedule` made to fit by recomputing more where it peaks (None: it did not fit, for want
     of candidates, turns or time). At the peak step, a saved value live there whose every need
     (its backward readers, the recomputations that read it) comes after the step frees its
@@ -75,6 +88,7 @@ def _cover(problem: Problem, schedule: Schedule, budget: int,
     candidates = set(recomputable(problem))
     evaluation = modelled("evaluation", len(problem))
     one = False  # the last batch did not lower the peak: try the best value alone
+    schedule = settle(schedule)
     for _ in range(REPAIR_TURNS):
         if schedule.peak <= budget:
             return schedule
@@ -84,8 +98,7 @@ def _cover(problem: Problem, schedule: Schedule, budget: int,
         held = holds(problem, schedule, order)
         steps = timeline_of(problem, order, held).steps
         t = max(range(len(steps)), key=lambda i: steps[i].live)
-        b = order[t][0] if order[t][1] is not StepKind.FORWARD else None
-        b = schedule.recompute_at.get(b, b) if b is not None else None
+        b = position_of(order, t) if order[t][1] is not StepKind.FORWARD else None
         if b is None or b < nf:
             return None
         live = {v for v, _, made, last in held if made <= t <= last}
@@ -141,6 +154,7 @@ def _cover(problem: Problem, schedule: Schedule, budget: int,
                                   strategy="relaxation", budget=budget)
         except ValueError:
             return None
+        trial = settle(trial)
         logger.debug("repair at step %d: %d over, recomputing %d more -> %d over, cost %.6g",
                      b, schedule.peak - budget, len(chosen), trial.peak - budget, trial.cost)
         if trial.peak >= schedule.peak:

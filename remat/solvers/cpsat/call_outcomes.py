@@ -70,7 +70,8 @@ class CallOutcomes:
 
     def too_small(self) -> BudgetError:
         return too_small(self.problem, self.budget, self.least, self.least_proven, self.options,
-                         self.work())
+                         self.work(), rich=(self.options.model != "single"
+                                            and self.options.free_positions))
 
     def fail(self, model) -> Schedule:
         """Where the model (or a bound) finds nothing that fits: the least-peak schedule, which
