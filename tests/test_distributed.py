@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
-import tempfile
 from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import remat
 from remat.fx_passes.eager.apply import apply_eager
@@ -29,6 +26,7 @@ from remat.planner.prepare import prepare
 from remat.solvers import SolverOptions
 from tests.allocator import allocator_peak, storage_bytes
 from examples.llama import LLAMA_TEST, tiny_llama
+from tests.ranks import rank_results
 
 CONFIG = LLAMA_TEST
 WORLD = 2
@@ -162,11 +160,7 @@ def _plan(sharding: dict):
 def test_eager_plan_under_fsdp2_and_ddp_trains_like_plain_pytorch_within_its_budget():
     plans = {kind: _plan(sharding) for kind, sharding in JOBS.items()}
     policies = {kind: plan.block_policies for kind, (plan, _) in plans.items()}
-    with tempfile.TemporaryDirectory() as tmp:
-        results = os.path.join(tmp, "result")
-        mp.spawn(_worker, args=(f"file://{tmp}/rendezvous", policies, results),
-                 nprocs=WORLD, join=True)
-        measured = [torch.load(f"{results}.{rank}") for rank in range(WORLD)]
+    measured = rank_results(_worker, (policies,), WORLD, seconds=600)
     for rank, outs in enumerate(measured):
         for kind, out in outs.items():
             plan, budget = plans[kind]

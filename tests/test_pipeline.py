@@ -159,7 +159,10 @@ def _plans() -> dict:
     from remat.planner.pipeline import PipelineSpec, _smallest_budget, plan_pipeline
 
     training = remat.Training(reserve=0, fragmentation=0.01)
-    plans, whole_backward = {}, None
+    # Each stage's candidates are made once for the schedules that split the backward alike
+    # (`reuse`): GPipe's serve 1F1B, InterleavedZeroBubble's serve ZBVZeroBubble (the same 4
+    # stages, rank 1 running the other two of them); the budgets and plans are each schedule's.
+    plans, candidates = {}, {}
     for schedule in SCHEDULES:
         count = WORLD if schedule in ("GPipe", "1F1B") else 2 * WORLD
         _, stages, tokens, targets = _stages(schedule, count)
@@ -167,10 +170,10 @@ def _plans() -> dict:
         args = dict(example_target=targets[:mb], loss_fn=pipeline_loss, training=training,
                     spec=PipelineSpec(schedule=schedule, microbatches=MICROBATCHES), levels=3,
                     solver_options=SolverOptions(relative_gap=0.01))  # each rank's run is judged
-        reuse = whole_backward if count == WORLD else None
-        free = plan_pipeline(stages, (tokens[:mb],), budget=10**12, reuse=reuse, **args)
+        free = plan_pipeline(stages, (tokens[:mb],), budget=10**12, reuse=candidates.get(count),
+                             **args)
+        candidates.setdefault(count, free)
         if count == WORLD:
-            whole_backward = free
             budget = []
             for rank in range(WORLD):
                 middle = {s.stage: next(c for c in s.candidates if c.name.startswith("remat (one"))

@@ -18,7 +18,7 @@ from dataclasses import replace
 from examples.llama import LLAMA_TEST
 from examples.llama_3d import Job, plan_job, rows, worker
 from remat.solvers import SolverOptions
-from tests.ranks import rank_results
+from tests.ranks import PRELOAD, rank_results
 
 CONFIG = replace(LLAMA_TEST, layers=4)
 # The stages' eager plans proven within 1 %: what is judged is how each rank runs its plan
@@ -47,9 +47,11 @@ def _jobs_apart() -> dict:
     caches per mesh layout), so that a later fake-group job in the same process fails
     ("Could not resolve the process group registered under the name 7", or an all-gather of
     the wrong size): tests/test_tensor_parallel.py plans in this pytest process too."""
-    import multiprocessing
+    import multiprocessing.forkserver
 
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
+    # A fork of tests/ranks.py's forkserver: a clean process, its imports already made.
+    multiprocessing.forkserver.set_forkserver_preload(PRELOAD)
+    with multiprocessing.get_context("forkserver").Pool(1) as pool:
         return pool.apply(_jobs)
 
 

@@ -179,8 +179,9 @@ def test_schedules_pickle_and_plans_point_to_files(plans):
 
 
 def _rank(rank: int, init: str, results: str) -> None:
-    """One rank: rank 0 plans, every rank trains one step with the plan it has (rank 1 the
-    one it received); then a rank whose model differs, and a rank 0 without a plan."""
+    """One rank: each rank plans for itself; rank 0 sends that compiled plan, then an eager
+    one, and every rank trains one step with the plan it has (rank 1 the one it received);
+    then a rank whose model differs, and a rank 0 without a plan."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
@@ -188,10 +189,20 @@ def _rank(rank: int, init: str, results: str) -> None:
         torch.set_num_threads(1)
         out = {}
         model, inputs = fresh()
+        # Each rank plans for itself, the solver's determinism left to remat: in a job of
+        # several ranks it plans on deterministic time, so both come out with one plan. Rank
+        # 0's is also the compiled plan it sends (one plan less to solve on the ranks).
+        own = plan_for(model, inputs, "compiled",
+                       SolverOptions(time_limit=60, deterministic_time=1))
+        out["own plan"] = {"recomputed": sorted(own.schedule.recomputed),
+                           "recompute_at": sorted(own.schedule.recompute_at.items()),
+                           "deterministic": own.report().solver.deterministic}
         plan = None
         for execution in ("compiled", "eager"):
-            plan = remat.broadcast_plan(plan_for(model, inputs, execution) if rank == 0
-                                        else None, model=model)
+            mine = None
+            if rank == 0:
+                mine = own if execution == "compiled" else plan_for(model, inputs, execution)
+            plan = remat.broadcast_plan(mine, model=model)
             plain_loss, plain = gradients(model, inputs)
             loss, planned = gradients(model, inputs, plan)
             out[execution] = {
@@ -200,13 +211,6 @@ def _rank(rank: int, init: str, results: str) -> None:
                 "loss": (loss, plain_loss),
                 "worst": max(((planned[n] - g).norm() / g.norm()).item()
                              for n, g in plain.items())}
-        # Each rank plans for itself, the solver's determinism left to remat: in a job of
-        # several ranks it plans on deterministic time, so both come out with one plan.
-        own = plan_for(model, inputs, "compiled",
-                       SolverOptions(time_limit=60, deterministic_time=1))
-        out["own plan"] = {"recomputed": sorted(own.schedule.recomputed),
-                           "recompute_at": sorted(own.schedule.recompute_at.items()),
-                           "deterministic": own.report().solver.deterministic}
         other, _ = fresh(replace(CONFIG, hidden=48))
         try:
             remat.broadcast_plan(plan if rank == 0 else None,

@@ -13,11 +13,11 @@ import json
 import socket
 
 import pytest
-import torch.multiprocessing as mp
 
 import remat
 from remat.planner.training import Training
 from tests.fsdp_worker import llama_model, run
+from tests.ranks import spawn_ranks
 
 WORLD = 2
 
@@ -31,7 +31,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    mp.spawn(run, args=(WORLD, free_port(), str(out)), nprocs=WORLD, join=True)
+    spawn_ranks(run, (WORLD, free_port(), str(out)), WORLD, seconds=600)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
