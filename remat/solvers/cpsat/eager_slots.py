@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from remat.solvers.cpsat.eager_conditions import HeldConditions
+from remat.solvers.cpsat.eager_count import CountRows, count_weights
 from remat.solvers.cpsat.eager_decisions import TRUE, literal_value
 from remat.solvers.cpsat.search import cp_solver
 from remat.solvers.deadline import Deadline
@@ -99,10 +100,15 @@ class SlotRelaxation:
         self._held: dict[tuple[int, int], cp_model.IntVar] = {}
         self._conditions = HeldConditions(model, self._lit, m)
         self.slots: list[int] = []
+        self.hinted: set[int] | None = None  # the policy the solves start from (`hint`)
         moving = [(v, lit) for v, lit in model.runs_lit.items() if lit is not TRUE]
         ops, units = model.problem.ops, model.units
-        self.cost = cp_model.LinearExpr.WeightedSum(
-            [self._lit(lit) for _, lit in moving], [units.cost_of(ops[v].cost) for v, _ in moving])
+        costs = [units.cost_of(ops[v].cost) for v, _ in moving]
+        running = [self._lit(lit) for _, lit in moving]
+        self.cost = cp_model.LinearExpr.WeightedSum(running, costs)
+        # The recomputations that run, weighted by whole quanta of their costs (`eager_count`).
+        self.quantum, weights = count_weights(costs)
+        self.count = cp_model.LinearExpr.WeightedSum(running, weights)
         m.Minimize(self.cost)
 
     def _var(self, index: int) -> cp_model.IntVar:
@@ -180,7 +186,7 @@ class SlotRelaxation:
 
     def hint(self, cached) -> None:
         self.m.ClearHints()
-        cached = set(cached)
+        self.hinted = cached = set(cached)
         for unit, x in self.cache.items():
             self.m.AddHint(x, int(bool(cached.intersection(unit))))
 
@@ -251,11 +257,28 @@ def slot_bound(model, capacity: int, options: SolverOptions, deadline: Deadline,
             relax.add_slot(t)
     relax.hint(starts[-1])
     bound, rounds, repairing = 0.0, 0, repair is not None
+    counts = CountRows(relax, options, solve) if relax.quantum else None
 
     def done(optimal: bool = False) -> SlotBound:
         return SlotBound(bound, best, optimal or best_cost <= bound, tuple(relax.slots),
                          rounds)
 
+    def met(at_least: float) -> bool:
+        """The best policy known meets the bound (to the options' relative gap, as CP-SAT's
+        own search stops)."""
+        return best_cost <= at_least * (1 + (options.relative_gap or 0))
+
+    if counts is not None:
+        # The count rounds first (`eager_count`): Bamba's bound within 0.2 % after three, in
+        # 3 s at a load of 5, where the cost rounds took 20 s and more to get there.
+        bound, rounds = counts.rounds(deadline, lambda cached: slot_levels(model, cached),
+                                      capacity, met)
+        if math.isinf(bound):  # no policy fits at these slots: none fits at all
+            return SlotBound(math.inf, None, False, tuple(relax.slots), rounds)
+        if met(bound) or not deadline.check("eager: slot bound"):
+            return done()
+        relax.m.Add(relax.cost >= math.ceil(bound - 1e-6))
+        relax.hint(best if best is not None else starts[-1])
     while deadline.check("eager: slot bound"):
         rounds += 1
         solver = cp_solver(options, deadline, deadline.left())
@@ -296,9 +319,7 @@ def slot_bound(model, capacity: int, options: SolverOptions, deadline: Deadline,
                                                                           cp_model.FEASIBLE):
                         bound = max(bound, solver.BestObjectiveBound())
                 return done()
-        # The best policy known meets the bound (to the options' relative gap, as CP-SAT's
-        # own search stops).
-        if best_cost <= bound * (1 + (options.relative_gap or 0)):
+        if met(bound):
             return done()
         if status != cp_model.OPTIMAL:
             break  # cut by the deadline: what it proved stands
