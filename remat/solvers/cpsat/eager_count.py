@@ -28,10 +28,11 @@ log = logging.getLogger(__name__)
 
 # The weights are at most this many quanta (`count_weights`).
 MAX_COUNT_WEIGHT = 16
-# The slots that join at each count round: the count's policy's highest above the capacity
-# (Bamba at a load of 5: its bound within 0.2 % in three rounds with 3, none in 10 s with 1 or
-# 2, whose rounds were as long).
-COUNT_SLOTS_PER_ROUND = 3
+# The slots that join at each count round: the count's policy's highest above the capacity.
+# Bamba's first count policy overflows at five: with all of them, the count is 28 in two rounds
+# (0.17 % at 10 s, three runs of three at a load of 6 to 7.5); with 3 a round, in three, and the
+# third was cut (7.1 % in the same three runs); 1 or 2 a round took longer still.
+COUNT_SLOTS_PER_ROUND = 8
 
 
 def count_weights(costs: list[int]) -> tuple[int, list[int]]:
