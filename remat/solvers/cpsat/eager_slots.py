@@ -72,8 +72,8 @@ TIGHT_MARGIN = 0.03
 class SlotBound:
     """What the relaxation proved and found: `bound` in cost units (the model's objective,
     without `EagerModel.fixed_cost`), `cached` the last relaxed policy that fits at every slot
-    (None: none did), `optimal` whether that policy's cost is the bound (the relaxation was
-    solved to optimality), and the slots it checked."""
+    (None: none did), `optimal` whether that policy's cost meets the bound, to the options'
+    relative gap (the search over every slot need not run), and the slots it checked."""
 
     bound: float
     cached: frozenset[int] | None
@@ -260,8 +260,10 @@ def slot_bound(model, capacity: int, options: SolverOptions, deadline: Deadline,
     counts = CountRows(relax, options, solve) if relax.quantum else None
 
     def done(optimal: bool = False) -> SlotBound:
-        return SlotBound(bound, best, optimal or best_cost <= bound, tuple(relax.slots),
-                         rounds)
+        # Met to the options' gap, as CP-SAT's own search stops: DBRX's relaxed policy came
+        # within 44 units of 77e6 above the count rounds' bound, and the search over every
+        # slot then took 6 s to say so under load.
+        return SlotBound(bound, best, optimal or met(bound), tuple(relax.slots), rounds)
 
     def met(at_least: float) -> bool:
         """The best policy known meets the bound (to the options' relative gap, as CP-SAT's
