@@ -35,32 +35,44 @@ class HeldConditions:
         self._none_start = {x.Index(): start for (start, _), x in model._none.items()}
         self._chains: dict[int, list] = {}  # start slot c -> "some slot from c to c + j runs"
         self.some_running: dict[int, tuple[int, int]] = {}  # its boolean's index -> (c, e)
+        # Literals' indices read once: `of` runs per storage and slot (Bamba: 0.7 of 9 s in
+        # CP-SAT's Index calls before).
+        self._active_ref = [None if x is TRUE else x.Index() for x in model.active]
+        self._term_refs: dict[int, list] = {}
+
+    def _terms(self, i: int) -> list[tuple]:
+        """Hold i's terms with conditions: (slot, literals, their indices, those as a set)."""
+        if i not in self._term_refs:
+            terms = []
+            for k, lits in self.full.holds[i].terms:
+                if lits:
+                    refs = tuple(x.Index() for x in lits)
+                    terms.append((k, lits, refs, frozenset(refs)))
+            self._term_refs[i] = terms
+        return self._term_refs[i]
 
     def of(self, i: int, t: int) -> list[list]:
-        terms = [(k, lits) for k, lits in self.full.holds[i].terms if k >= t and lits]
-        lone = {lits[0].Index() for _, lits in terms if len(lits) == 1}
+        terms = [term for term in self._terms(i) if term[0] >= t]
+        lone = {refs[0] for _, _, refs, _ in terms if len(refs) == 1}
         seen, kept = set(), []
-        for k, lits in terms:
-            key = frozenset(x.Index() for x in lits)
-            if key in seen or (len(lits) > 1 and lone.intersection(key)):
+        for k, lits, refs, key in terms:
+            if key in seen or (len(refs) > 1 and lone.intersection(key)):
                 continue  # the same condition again, or implied by a lone literal's
             seen.add(key)
-            kept.append((k, lits))
+            kept.append((k, lits, refs))
         earliest: dict[tuple[int, int], tuple[int, list]] = {}
         running: dict[int, tuple[object, set[int]]] = {}
         out = []
-        for k, lits in kept:
+        for k, lits, refs in kept:
             if len(lits) == 2:
-                a, b = lits
-                for x, n in ((a, b), (b, a)):
-                    if n.Index() in self._none_start:
-                        key = (x.Index(), self._none_start[n.Index()])
+                for x, rx, rn in ((lits[0], refs[0], refs[1]), (lits[1], refs[1], refs[0])):
+                    if rn in self._none_start:
+                        key = (rx, self._none_start[rn])
                         if key not in earliest or k < earliest[key][0]:
                             earliest[key] = (k, lits)
                         break
-                    active = self.full.active[k]
-                    if active is not TRUE and n.Index() == active.Index():
-                        running.setdefault(x.Index(), (x, set()))[1].add(k)
+                    if rn == self._active_ref[k]:
+                        running.setdefault(rx, (x, set()))[1].add(k)
                         break
                 else:
                     out.append([self._lit(x) for x in lits])

@@ -25,19 +25,25 @@ class EagerDecisions:
         """Every boolean of the model for the policy caching `cached`, at its least value: the
         timeline's own holds (a complete hint)."""
         values = self._decided(cached)
-        lit = lambda x: 1 if x is TRUE else literal_value(values, x)  # noqa: E731
-        for x, none, runs in self._none_defs:
-            values[x.Index()] = int(lit(none) and not lit(runs))
-        for h, ends, terms in zip(self.holds, self.ends, self._latest_first):
-            reached = next((k for k, lits in terms if all(lit(x) for x in lits)), -1)
+        for x, none, runs in self._refs.none_defs:
+            values[x] = int(_value(values, none) and not _value(values, runs))
+        for presence, terms, ends in self._refs.holds:
+            reached = next((k for k, refs in terms if all(_value(values, r) for r in refs)), -1)
+            held = _value(values, presence)
             for k, x in ends:
-                values[x.Index()] = int(lit(h.presence) and reached >= k)
+                values[x] = int(held and reached >= k)
         return values
 
     @cached_property
     def _latest_first(self) -> list[list]:
         """Each hold's terms, latest slot first: the first that holds is how far it is held."""
         return [sorted(h.terms, key=lambda term: -term[0]) for h in self.holds]
+
+    @cached_property
+    def _refs(self) -> "_Refs":
+        """The literals that `assignment` and `levels` read, as indices, read once (Bamba: their
+        Index calls were 0.5 s a round of the slot bound under load)."""
+        return _Refs(self)
 
     def _decided(self, cached) -> dict[int, int]:
         """The cache units' booleans for the policy caching `cached`, and whether each
@@ -52,9 +58,18 @@ class EagerDecisions:
 
     def levels(self, values: dict[int, int]) -> list[int]:
         """The bytes (units) live at each slot under `values` (assignment's)."""
-        return [level + self.fixed[t] + sum(c * literal_value(values, x)
-                                            for c, x in self.temp_at.get(t, ()))
-                for t, level in enumerate(running_levels(self.events, values, self.slots))]
+        temps = self._refs.temps
+        return [level + self.fixed[t] + sum(c * _value(values, r) for c, r in temps[t])
+                for t, level in enumerate(self._running(values))]
+
+    def _running(self, values: dict[int, int]) -> list[int]:
+        """The running sum of the model's events (bytes held from each slot on) under
+        `values`, slot by slot."""
+        level, out = 0, []
+        for events in self._refs.events:
+            level += sum(c * _value(values, r) for c, r in events)
+            out.append(level)
+        return out
 
     def peak_of(self, cached) -> int:
         """The peak (units) of the policy caching `cached`, over the slots that run."""
@@ -78,19 +93,11 @@ class EagerDecisions:
             m.AddHint(self._bools[index], value)
         live = self.levels(values)
         hinted = set()
-        for x, level in zip(self.decided, running_levels(self.events, values, self.slots)):
+        for x, level in zip(self.decided, self._running(values)):
             if not isinstance(x, int) and x.Index() not in hinted:  # one variable per change
                 hinted.add(x.Index())
                 m.AddHint(x, level)
         m.AddHint(self.peak, max(live, default=0))
-
-
-def running_levels(events, values, slots) -> list[int]:
-    level, out = 0, []
-    for t in range(slots):
-        level += sum(c * literal_value(values, x) for c, x in events.get(t, ()))
-        out.append(level)
-    return out
 
 
 def literal_value(values: dict[int, int], x) -> int:
@@ -121,3 +128,31 @@ def check_structure(problem: Problem, blocks: EagerBlocks) -> None:
         if last < v:
             raise ValueError(f"EagerBlocks.forward_life holds {problem.ops[v].name!r} to an "
                              "op before it")
+
+
+def _ref(x) -> int | None:
+    return None if x is TRUE else x.Index()
+
+
+def _value(values: dict[int, int], ref: int | None) -> int:
+    """`literal_value` of the literal whose index is `ref` (None: TRUE)."""
+    if ref is None:
+        return 1
+    return values[ref] if ref >= 0 else 1 - values[-ref - 1]
+
+
+class _Refs:
+    """A model's literals as indices (`_ref`): the "none" definitions, each hold's presence,
+    terms (latest first) and ends, and the events and temps per slot."""
+
+    def __init__(self, model: EagerDecisions):
+        self.none_defs = [(x.Index(), _ref(none), _ref(runs))
+                          for x, none, runs in model._none_defs]
+        self.holds = [(_ref(h.presence),
+                       [(k, tuple(_ref(x) for x in lits)) for k, lits in terms],
+                       [(k, x.Index()) for k, x in ends])
+                      for h, ends, terms in zip(model.holds, model.ends, model._latest_first)]
+        self.events = [[(c, _ref(x)) for c, x in model.events.get(t, ())]
+                       for t in range(model.slots)]
+        self.temps = [[(c, _ref(x)) for c, x in model.temp_at.get(t, ())]
+                      for t in range(model.slots)]

@@ -34,12 +34,12 @@ slots checked.
 
 On the zoo's eager problems (`benchmarks/eager_gap.py`, alone at 7.5 s on a busy machine,
 docs/solver-measurements.md): DBRX is proven optimal in the first round (the whole model proved it in
-74 s), Swin is proven optimal, Gemma, Gemma-2, Gemma-3 and Qwen3 come within 0.4 %. Bamba
-does not: its bound climbs a round at a time down one recomputation of its Mamba scan (the
-relaxed policy escapes a checked slot by caching that slot's op, and overflows at the next),
-and the round that adds the ninth slot (520) takes 3 to 17 s alone, the linear relaxation
-there being at 25e6 units where its optimum is 28.7e6: 7 to 10 % in 10 s; 0.2 % once that
-round is done (after 12 to 27 s, from run to run).
+74 s), Swin is proven optimal, Gemma, Gemma-2, Gemma-3 and Qwen3 come within 0.4 %. Bamba's
+cost rounds climbed a round at a time down one recomputation of its Mamba scan, and the round
+that adds the ninth slot (520) took 3 to 17 s alone, the linear relaxation there being at 25e6
+units where its optimum is 28.7e6: 7 to 10 % in 10 s. The count rounds (`eager_count`), run
+first, prove that 28 of its kernel launches run in two rounds, and the least cost's root bound
+under that row is within 0.2 % of its plan: 0.14 to 0.17 % at 10 s at a load of 5 to 7.
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from remat.solvers.cpsat.eager_conditions import HeldConditions
+from remat.solvers.cpsat.eager_count import CountRows, count_weights
 from remat.solvers.cpsat.eager_decisions import TRUE, literal_value
 from remat.solvers.cpsat.search import cp_solver
 from remat.solvers.deadline import Deadline
@@ -71,8 +72,8 @@ TIGHT_MARGIN = 0.03
 class SlotBound:
     """What the relaxation proved and found: `bound` in cost units (the model's objective,
     without `EagerModel.fixed_cost`), `cached` the last relaxed policy that fits at every slot
-    (None: none did), `optimal` whether that policy's cost is the bound (the relaxation was
-    solved to optimality), and the slots it checked."""
+    (None: none did), `optimal` whether that policy's cost meets the bound, to the options'
+    relative gap (the search over every slot need not run), and the slots it checked."""
 
     bound: float
     cached: frozenset[int] | None
@@ -99,10 +100,15 @@ class SlotRelaxation:
         self._held: dict[tuple[int, int], cp_model.IntVar] = {}
         self._conditions = HeldConditions(model, self._lit, m)
         self.slots: list[int] = []
+        self.hinted: set[int] | None = None  # the policy the solves start from (`hint`)
         moving = [(v, lit) for v, lit in model.runs_lit.items() if lit is not TRUE]
         ops, units = model.problem.ops, model.units
-        self.cost = cp_model.LinearExpr.WeightedSum(
-            [self._lit(lit) for _, lit in moving], [units.cost_of(ops[v].cost) for v, _ in moving])
+        costs = [units.cost_of(ops[v].cost) for v, _ in moving]
+        running = [self._lit(lit) for _, lit in moving]
+        self.cost = cp_model.LinearExpr.WeightedSum(running, costs)
+        # The recomputations that run, weighted by whole quanta of their costs (`eager_count`).
+        self.quantum, weights = count_weights(costs)
+        self.count = cp_model.LinearExpr.WeightedSum(running, weights)
         m.Minimize(self.cost)
 
     def _var(self, index: int) -> cp_model.IntVar:
@@ -180,7 +186,7 @@ class SlotRelaxation:
 
     def hint(self, cached) -> None:
         self.m.ClearHints()
-        cached = set(cached)
+        self.hinted = cached = set(cached)
         for unit, x in self.cache.items():
             self.m.AddHint(x, int(bool(cached.intersection(unit))))
 
@@ -251,11 +257,30 @@ def slot_bound(model, capacity: int, options: SolverOptions, deadline: Deadline,
             relax.add_slot(t)
     relax.hint(starts[-1])
     bound, rounds, repairing = 0.0, 0, repair is not None
+    counts = CountRows(relax, options, solve) if relax.quantum else None
 
     def done(optimal: bool = False) -> SlotBound:
-        return SlotBound(bound, best, optimal or best_cost <= bound, tuple(relax.slots),
-                         rounds)
+        # Met to the options' gap, as CP-SAT's own search stops: DBRX's relaxed policy came
+        # within 44 units of 77e6 above the count rounds' bound, and the search over every
+        # slot then took 6 s to say so under load.
+        return SlotBound(bound, best, optimal or met(bound), tuple(relax.slots), rounds)
 
+    def met(at_least: float) -> bool:
+        """The best policy known meets the bound (to the options' relative gap, as CP-SAT's
+        own search stops)."""
+        return best_cost <= at_least * (1 + (options.relative_gap or 0))
+
+    if counts is not None:
+        # The count rounds first (`eager_count`): Bamba's bound within 0.2 % after three, in
+        # 3 s at a load of 5, where the cost rounds took 20 s and more to get there.
+        bound, rounds = counts.rounds(deadline, lambda cached: slot_levels(model, cached),
+                                      capacity, met)
+        if math.isinf(bound):  # no policy fits at these slots: none fits at all
+            return SlotBound(math.inf, None, False, tuple(relax.slots), rounds)
+        if met(bound) or not deadline.check("eager: slot bound"):
+            return done()
+        relax.m.Add(relax.cost >= math.ceil(bound - 1e-6))
+        relax.hint(best if best is not None else starts[-1])
     while deadline.check("eager: slot bound"):
         rounds += 1
         solver = cp_solver(options, deadline, deadline.left())
@@ -296,9 +321,7 @@ def slot_bound(model, capacity: int, options: SolverOptions, deadline: Deadline,
                                                                           cp_model.FEASIBLE):
                         bound = max(bound, solver.BestObjectiveBound())
                 return done()
-        # The best policy known meets the bound (to the options' relative gap, as CP-SAT's
-        # own search stops).
-        if best_cost <= bound * (1 + (options.relative_gap or 0)):
+        if met(bound):
             return done()
         if status != cp_model.OPTIMAL:
             break  # cut by the deadline: what it proved stands
