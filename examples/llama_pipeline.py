@@ -98,7 +98,8 @@ def rank_step(runtime, stages: int, mine: list[int], tokens: torch.Tensor,
 
 def receive_buffers(stages) -> list[torch.Tensor]:
     """The receive buffers this rank's `PipelineStage`s hold from step to step: activations
-    and, under multi-stage schedules, gradients."""
+    and, under multi-stage schedules, gradients. (torch 2.11 lists the first stage's model
+    inputs as placeholders with no buffer, `_RootArgPlaceholder`.)"""
     return [i.buffer for st in stages
             for infos in [*st.args_recv_info.values(), *getattr(st, "grad_recv_info", {}).values()]
-            for i in infos if i.buffer is not None]
+            for i in infos if getattr(i, "buffer", None) is not None]
