@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from remat.solvers.deadline import Deadline
-from remat.solvers.problem import Op, Phase, Problem
+from remat.solvers.problem import Problem
 from remat.solvers.repair import repair
 from remat.solvers.repair_again import settle
 from remat.solvers.rich_brute import rich_brute_force, rich_smallest_peak
@@ -15,24 +15,14 @@ from remat.solvers.rich_relaxed import rich_relaxed_plan
 from remat.solvers.schedule import drop_unneeded, make_schedule, recomputable
 from remat.solvers.simulate import simulate
 from remat.solvers.synthetic import random_problem
+from tests.test_rich_solver import long_skip
 
-F, B = Phase.FORWARD, Phase.BACKWARD
 
-
-def far_reader(skip: int = 10, layer: int = 2, grad: int = 5) -> Problem:
-    """x (cheap, `skip` bytes) is read by the forward's first and last ops and by the
-    backward's first and last: recomputed for g3, it is held to g0 (tests/test_rich_solver.py's
-    long skip)."""
-    ops = [Op("x", F, (), size=skip, cost=1.0),
-           Op("a1", F, (0,), size=layer, cost=10.0),
-           Op("a2", F, (1,), size=layer, cost=10.0),
-           Op("a3", F, (2,), size=layer, cost=10.0),
-           Op("c", F, (3, 0), size=1, cost=1.0, is_output=True),
-           Op("g3", B, (4, 3, 0), size=grad, cost=1.0),
-           Op("g2", B, (5, 2), size=grad, cost=1.0),
-           Op("g1", B, (6, 1), size=grad, cost=1.0),
-           Op("g0", B, (7, 0), size=grad, cost=1.0, is_output=True)]
-    return Problem(ops, name="far_reader")
+def far_reader() -> Problem:
+    """x (cheap, 10 bytes) is read by the forward's first and last ops and by the backward's
+    first and last: recomputed for g3, it is held to g0 (tests/test_rich_solver.py's long
+    skip, layers of 2 bytes, gradients of 5)."""
+    return long_skip(skip=10, layer=2, grad=5)
 
 
 def test_a_value_held_to_a_far_reader_is_run_again_before_it():
