@@ -9,7 +9,7 @@ at budgets that make both stages recompute; the 8-rank 3-D job is examples/llama
 Judged per rank against the same job without remat (the first step's gradients bitwise equal,
 the parameters after two AdamW steps within 1e-6) and against the allocator: what the rank
 holds when the step starts exactly as predicted, and its whole-step peak within its budget and
-within 2 % of the prediction (of five readings, the least peak of those with the least
+within 2 % of the prediction (of ten readings, the least peak of those with the least
 recorded end: examples/llama_3d.py)."""
 from __future__ import annotations
 
@@ -55,8 +55,15 @@ def _jobs_apart() -> dict:
         return pool.apply(_jobs)
 
 
+# Each reading may count send buffers that gloo's thread frees, unseen by the profiler, live to
+# the step's end (docs/parallelism.md); a rank's reading is clean when one of its readings saw
+# every free. With 5 readings 3 of 9 runs (2 cores, load 1 to 2) had none clean on the second
+# stage (+2.15 % and +3.23 %, 8 and 12 KB over); with 10, 8 of 8 did (about 8 s more).
+READINGS = 10
+
+
 def _worker(rank: int, init: str, jobs: dict, results: str) -> None:
-    worker(rank, init, jobs, results, readings=5)
+    worker(rank, init, jobs, results, readings=READINGS)
 
 
 def test_pipeline_x_tensor_parallel_trains_like_plain_pytorch_within_its_budgets():
