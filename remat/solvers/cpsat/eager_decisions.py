@@ -35,11 +35,6 @@ class EagerDecisions:
         return values
 
     @cached_property
-    def _latest_first(self) -> list[list]:
-        """Each hold's terms, latest slot first: the first that holds is how far it is held."""
-        return [sorted(h.terms, key=lambda term: -term[0]) for h in self.holds]
-
-    @cached_property
     def _refs(self) -> "_Refs":
         """The literals that `assignment` and `levels` read, as indices, read once (Bamba: their
         Index calls were 0.5 s a round of the slot bound under load)."""
@@ -101,10 +96,7 @@ class EagerDecisions:
 
 
 def literal_value(values: dict[int, int], x) -> int:
-    if x is TRUE:
-        return 1
-    index = x.Index()
-    return values[index] if index >= 0 else 1 - values[-index - 1]
+    return _value(values, _ref(x))
 
 
 def negated(x):
@@ -143,15 +135,17 @@ def _value(values: dict[int, int], ref: int | None) -> int:
 
 class _Refs:
     """A model's literals as indices (`_ref`): the "none" definitions, each hold's presence,
-    terms (latest first) and ends, and the events and temps per slot."""
+    terms (latest slot first: the first that holds is how far it is held) and ends, and the
+    events and temps per slot."""
 
     def __init__(self, model: EagerDecisions):
         self.none_defs = [(x.Index(), _ref(none), _ref(runs))
                           for x, none, runs in model._none_defs]
         self.holds = [(_ref(h.presence),
-                       [(k, tuple(_ref(x) for x in lits)) for k, lits in terms],
+                       [(k, tuple(_ref(x) for x in lits))
+                        for k, lits in sorted(h.terms, key=lambda term: -term[0])],
                        [(k, x.Index()) for k, x in ends])
-                      for h, ends, terms in zip(model.holds, model.ends, model._latest_first)]
+                      for h, ends in zip(model.holds, model.ends)]
         self.events = [[(c, _ref(x)) for c, x in model.events.get(t, ())]
                        for t in range(model.slots)]
         self.temps = [[(c, _ref(x)) for c, x in model.temp_at.get(t, ())]
