@@ -27,7 +27,7 @@ from remat.solvers.repair import repair
 from remat.solvers.schedule import Schedule, drop_unneeded, make_schedule
 from remat.solvers.simulate import simulate
 
-__all__ = ["binding_step", "joint_bound", "relaxed_schedule"]
+__all__ = ["binding_step", "joint_bound", "read_plan", "relaxed_schedule"]
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +156,6 @@ def _read_plans(problem: Problem, budget: int, workers: int, lowest: list | None
         if (not shrink and len(steps) == 1 and one_step is not None
                 and (not one_step or value > one_step[0].value)):
             one_step[:] = [Bound(value, tuple(steps), exact)]
-        recomputed = relaxation.recomputed()
         if value == math.inf and shrink:
             # Shrunk past what some step can hold: bisect below (bert at half its save-all
             # peak, where the overshoot passed the only shrinks whose plans fit).
@@ -165,13 +164,9 @@ def _read_plans(problem: Problem, budget: int, workers: int, lowest: list | None
                 break
             shrink = (low + ceiling) // 2
             continue
-        if value == math.inf or recomputed is None:
-            break
-        deadline.charge(evaluation)
-        try:
-            schedule = make_schedule(problem, drop_unneeded(problem, recomputed),
-                                     strategy="relaxation", budget=budget)
-        except ValueError:  # a decision the execution model cannot run (a tuple's getitem)
+        schedule = None if value == math.inf else read_plan(problem, budget, relaxation,
+                                                            deadline)
+        if schedule is None:
             break
         overhead = built - began + now() - solved
         logger.debug("relaxation over %d steps, rooms less %d: bound %.6g, plan %.6g s peaking "
@@ -246,7 +241,7 @@ def _from_tightest(problem: Problem, budget: int, tightest: int, workers: int,
     one_step[:] = [proven]
     if value == math.inf:
         return None, proven
-    alone = _read(problem, budget, relaxation, deadline)
+    alone = read_plan(problem, budget, relaxation, deadline)
     binding = binding_step(problem, alone) if alone is not None and alone.peak > budget else None
     logger.debug("step %d alone: bound %.6g, plan %s; binds at %s", tightest, value,
                  alone and alone.cost, binding)
@@ -270,7 +265,7 @@ def _from_tightest(problem: Problem, budget: int, tightest: int, workers: int,
         value, exact, relaxation = 0.0, False, None
     if rich is not None and value > 0 and (not rich or value > rich[0].value):
         rich[:] = [Bound(value, tuple(steps), exact)]
-    read = relaxation and _read(problem, budget, relaxation, deadline)
+    read = relaxation and read_plan(problem, budget, relaxation, deadline)
     best = found[0] = read if read is not None and read.peak <= budget else None
     if best is not None and best.cost <= value * (1 + PLAN_GAP):
         logger.debug("steps %s: bound %.6g, plan %s", steps, value, read.cost)
@@ -287,7 +282,7 @@ def _from_tightest(problem: Problem, budget: int, tightest: int, workers: int,
     return best, proven
 
 
-def _read(problem: Problem, budget: int, relaxation: Relaxation,
+def read_plan(problem: Problem, budget: int, relaxation: Relaxation,
           deadline: Deadline) -> Schedule | None:
     """The plan of `relaxation`'s solution as read, fitting `budget` or not (None: no solution,
     or a decision the execution model cannot run)."""

@@ -20,13 +20,13 @@ import math
 from typing import Iterable
 
 from remat.solvers.bound import fixed_bytes
-from remat.solvers.deadline import Deadline, OutOfTime, modelled
+from remat.solvers.deadline import Deadline, OutOfTime
 from remat.solvers.problem import Problem
 from remat.solvers.relaxation import Relaxation
-from remat.solvers.relaxed import GAP, binding_step
+from remat.solvers.relaxed import GAP, binding_step, read_plan
 from remat.solvers.repair import repair
 from remat.solvers.repair_again import settle
-from remat.solvers.schedule import Schedule, drop_unneeded, make_schedule
+from remat.solvers.schedule import Schedule
 
 __all__ = ["rich_relaxed_plan"]
 
@@ -62,14 +62,9 @@ def rich_relaxed_plan(problem: Problem, budget: int, steps: Iterable[int], deadl
                 break
             value, _ = relaxation.least_cost(rooms, lambda op: op.cost, deadline.left(),
                                              workers, gap=GAP)
-            recomputed = relaxation.recomputed()
-            if value == math.inf or recomputed is None:
-                break
-            deadline.charge(modelled("evaluation", len(problem)))
-            try:
-                plan = make_schedule(problem, drop_unneeded(problem, recomputed),
-                                     strategy="relaxation", budget=budget)
-            except ValueError:  # a decision the execution model cannot run
+            plan = None if value == math.inf else read_plan(problem, budget, relaxation,
+                                                            deadline)
+            if plan is None:
                 break
             again = settled(plan)
             logger.debug("rich plan over %s: bound %.6g, plan %.6g peaking %d over, with "
