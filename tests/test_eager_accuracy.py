@@ -420,6 +420,26 @@ def test_a_tensor_that_no_op_reads_is_held_by_its_python_variable():
     _applied_within_prediction(plan, model, x, y)
 
 
+def test_a_saved_eager_plan_keeps_what_the_probe_found(tmp_path):
+    """What the probe alone sees (tensors no op reads, inputs the blocks never read) is saved
+    with an eager plan: loaded on a fresh model, without a probe, the plan predicts the same
+    peak and the applied step stays within it (the loaded plan predicted less before)."""
+    import remat
+
+    torch.manual_seed(0)
+    model = Stages()
+    x, y = torch.randn(64, 32), torch.randn(64, 32)
+    plan = _eager_plan(model, x, y, times_save_all=2)
+    assert plan.structure.unused_tensors
+    path = tmp_path / "stages.json"
+    plan.save(path)
+    loaded = remat.load_plan(path, copy.deepcopy(model))
+    assert loaded.structure.unused_tensors == plan.structure.unused_tensors
+    assert loaded.structure.unread_inputs == plan.structure.unread_inputs
+    assert loaded.activation_peak == plan.activation_peak
+    _applied_within_prediction(loaded, copy.deepcopy(model), x, y)
+
+
 def test_the_probe_watches_blocks_whose_ops_return_empty_tensors():
     """BatchNorm in training returns an empty reserve tensor, which has no storage to watch
     (ResNet's eager row failed in the probe once it watched every op)."""

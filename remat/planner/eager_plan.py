@@ -272,15 +272,17 @@ def _offloaded(problem, costed, structure, budget: int, seeds, schedule, failed,
         {**offloading.info, "model": "eager heuristic, with offloads"}))
 
 
-def eager_step(prepared, paths: Sequence[str], *, observed=None, policies=None):
+def eager_step(prepared, paths: Sequence[str], *, observed=None, policies=None, probed=None):
     """(structure, policies, eager problem, its ops' joint-graph ops) of the eager step whose
     blocks are `paths`: their policies `observed` by a probe, derived from the joint graph, or
-    given (a saved plan's, `remat.planner.plan_file`)."""
+    given (a saved plan's, `remat.planner.plan_file`, with what its probe found: `probed`,
+    `eager_blocks`'s, in the joint graph's numbering)."""
     from remat.fx_passes.eager.policy import eager_blocks, eager_problem, with_eager_bytes
     from remat.fx_passes.lowering.lower import op_nodes
 
     captured, joint = prepared.captured, prepared.sharded.graph
-    structure, policies = eager_blocks(captured, joint, paths, observed, policies=policies)
+    structure, policies = eager_blocks(captured, joint, paths, observed, policies=policies,
+                                       probed=probed)
     # Checkpoint's recomputations run the graph's ops with eager's bytes; under ZeRO-2/3 the
     # collectives of FSDP2 are inserted among them as in the compiled mode (gathered
     # parameters, full gradients until their reduce-scatter), and the blocks renumbered.

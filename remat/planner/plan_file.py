@@ -16,6 +16,8 @@ A plan file is one JSON object, versioned like the problem files of
      "schedule": {"strategy": ..., "status": ..., "peak": ..., "recomputed": [op, ...],
                   "recompute_at": [[op, op], ...], "again": [...], "offload_at": [...], ...},
      "blocks": {"layers.0": BlockPolicy's fields, ...},       (eager plans: their policies)
+     "probed": {"unread_inputs": [...], "unused_tensors": [...]},  (eager plans: what the probe
+                                                found that the graph does not show)
      "graph": [{"name", "target", "phase", "kind", "shape", "dtype", "bytes", "inputs",
                 "module"}, ...],       the joint graph's ops, what the fingerprint hashes
      "problem": a problem file's body: the problem the schedule's op indices number}
@@ -103,9 +105,24 @@ def plan_dict(plan: Any) -> dict:
     if eager:
         body["blocks"] = {path: _jsonable(dataclasses.asdict(policy))
                           for path, policy in plan.policies.items()}
+        body["probed"] = probed_json(plan)
     body["graph"] = graph
     body["problem"] = json.loads(problem_file.dumps(problem))
     return body
+
+
+def probed_json(plan: Any) -> dict:
+    """What an eager plan's probe found that its graph does not show (inputs the blocks never
+    read, tensors no op reads: `EagerBlocks.unread_inputs`, `unused_tensors`), their ops as
+    joint-graph ops, so that a load, which runs no probe, predicts the same memory."""
+    structure, to_graph = plan.structure, plan.to_graph
+
+    def graph_op(v: int) -> int:
+        return v if v < 0 else to_graph[v]  # -1: before the first op
+
+    return {"unread_inputs": [[size, list(names)] for size, names in structure.unread_inputs],
+            "unused_tensors": [[size, graph_op(first), graph_op(last), made]
+                               for size, first, last, made in structure.unused_tensors]}
 
 
 def schedule_json(schedule: Schedule) -> dict:

@@ -83,7 +83,8 @@ def loads_plan(text: str, model: Any, *, loss_fn: Callable | None = None,
     if body["execution"] == "eager":
         policies = {path: _block_policy(d) for path, d in body["blocks"].items()}
         structure, policies, problem, to_graph = eager_step(prepared, list(policies),
-                                                            policies=policies)
+                                                            policies=policies,
+                                                            probed=_probed(body))
         _check_problem(body, problem, source)
         schedule = eager_schedule(problem, structure, entry["info"]["cached"],
                                   offload=entry["info"].get("offload", ()),
@@ -250,6 +251,15 @@ def _solver_options(saved: dict | None) -> SolverOptions | None:
                     "remat; a re-plan (plan.apply on another device) runs without them",
                     unknown)
     return SolverOptions(**{k: v for k, v in saved.items() if k in known})
+
+
+def _probed(body: dict) -> tuple[tuple, tuple]:
+    """What the saved plan's probe found (`plan_file.probed_json`; nothing in files saved
+    before it was kept)."""
+    probed = body.get("probed", {})
+    return (tuple((size, tuple(names)) for size, names in probed.get("unread_inputs", ())),
+            tuple((size, first, last, bool(made))
+                  for size, first, last, made in probed.get("unused_tensors", ())))
 
 
 def _block_policy(saved: dict):

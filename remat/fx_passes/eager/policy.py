@@ -84,13 +84,16 @@ def _block_for(module: str, paths: Sequence[str]) -> str | None:
 
 def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
                  observed: dict[str, Observed] | None = None, *,
-                 policies: dict[str, BlockPolicy] | None = None
+                 policies: dict[str, BlockPolicy] | None = None,
+                 probed: tuple[tuple, tuple] | None = None
                  ) -> tuple[EagerBlocks, dict[str, BlockPolicy]]:
     """The solver's view of the blocks (ops, owners, packers, what may be cached) and each
     block's op sequence: the `observed` one (`probe`) aligned with the joint graph where
     given, else the one derived from the joint graph; or the `policies` given (a saved
-    plan's, `remat.planner.plan_file`), as they are. A module the probe saw run several
-    times in the step is a block per run (`remat.fx_passes.eager.runs`)."""
+    plan's, `remat.planner.plan_file`), as they are, with `probed`: what its probe found that
+    the graph does not show (`EagerBlocks.unread_inputs`, `unused_tensors`, in this problem's
+    numbering). A module the probe saw run several times in the step is a block per run
+    (`remat.fx_passes.eager.runs`)."""
     nodes = op_nodes(captured, problem)
     paths = list(dict.fromkeys(map(module_path, paths)))  # a saved plan names each run
     ops: dict[str, list[int]] = {p: [] for p in paths}
@@ -134,6 +137,8 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
                 given.setdefault(number, (size, []))[1].append(name)
         unread = tuple((size, tuple(names)) for size, names in given.values())
         unused = _unused(problem, nodes, captured.device, observed, paths, joined, ops)
+    elif probed is not None:
+        unread, unused = probed
     # Autograd's sequence number ties a backward op to the forward op whose node it runs;
     # that node packed what the op reads: its outputs after it ran, its inputs before.
     packer: dict[int, int] = {}
