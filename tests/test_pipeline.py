@@ -143,7 +143,11 @@ def test_split_backward_recomputes_a_checkpointed_block_per_parameter_group():
 # ----------------------------------------------------------------------------- on gloo
 
 
-SCHEDULES = ("GPipe", "1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+# torch 2.11's own ZBVZeroBubble fails over gloo in its first step's stage initialization (a
+# plain two-rank job of two Linear stages a rank, without remat: "Pair is not connected" in
+# `_initialize_stages`); 2.13's runs. On 2.11 the launch leaves it out (docs/limitations.md).
+ZBV_RUNS = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+SCHEDULES = ("GPipe", "1F1B", "InterleavedZeroBubble") + (("ZBVZeroBubble",) * ZBV_RUNS)
 
 
 def _stages(schedule: str, count: int):
@@ -286,3 +290,22 @@ def test_pipeline_plans_train_like_plain_pytorch_within_their_budgets():
             assert whole <= plan.budgets[rank], (schedule, rank, whole)
             assert abs(out["peak"] - predicted) <= 0.02 * out["peak"], (schedule, rank)
             assert out["peak"] <= predicted, (schedule, rank)  # a plan never holds more
+
+
+def test_planning_zbv_on_gloo_warns_on_a_torch_whose_runtime_fails_it(monkeypatch):
+    """torch before 2.13 fails its own ZBVZeroBubble over gloo (docs/limitations.md): planning
+    one there says so; other schedules, or 2.13, say nothing."""
+    import warnings
+
+    from remat.planner.pipeline import _warn_zbv_on_gloo
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.warns(UserWarning, match="ZBVZeroBubble fails over gloo"):
+        _warn_zbv_on_gloo("ZBVZeroBubble")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_zbv_on_gloo("InterleavedZeroBubble")
+        monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+        _warn_zbv_on_gloo("ZBVZeroBubble")

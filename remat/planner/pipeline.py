@@ -181,6 +181,7 @@ def plan_pipeline(stages: Sequence[Any], example_inputs: Sequence[Any], *, examp
         check_tensor_parallel(stage, training)
     order = schedule_actions(spec.schedule, ranks=spec.ranks or _default_ranks(spec, stages),
                              microbatches=spec.microbatches, stages=len(stages))
+    _warn_zbv_on_gloo(spec.schedule)
     check_fsdp_in_pipeline(training, order.split_backward)
     budgets = _budgets(budget, order.ranks)
     units = {k: stage_units(stage, training) for k, stage in enumerate(stages)} \
@@ -328,3 +329,22 @@ def _rank_error(rank, stages, budget, static, memory, training: Training,
         f"{memory.peak_action}), the smallest budget about {format_size(smallest)}; the "
         f"largest term: {dominant}: {remedy}", budget=budget, smallest=smallest,
         dominant=dominant, remedy=remedy)
+
+
+def _warn_zbv_on_gloo(schedule: str) -> None:
+    """torch before 2.13 fails its own ZBVZeroBubble over gloo in the first step's stage
+    initialization ("Pair is not connected", a plain job without remat too; docs/
+    limitations.md): the plan is sound, its run is not there. Said when planning, not found
+    at the first step."""
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if (schedule == "ZBVZeroBubble" and version < (2, 13) and dist.is_available()
+            and dist.is_initialized() and dist.get_backend() == "gloo"):
+        warnings.warn(f"torch {torch.__version__}'s ZBVZeroBubble fails over gloo in its first "
+                      "step (\"Pair is not connected\", without remat too); run this plan on "
+                      "torch 2.13 or later, or plan InterleavedZeroBubble", stacklevel=3)
+
