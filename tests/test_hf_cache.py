@@ -53,6 +53,11 @@ def test_a_returned_cache_is_in_the_prediction_and_nothing_more():
     assert plan.activation_peak - 64 <= measured <= plan.activation_peak
 
 
+@pytest.mark.skipif(
+    tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+    reason="torch 2.11's dynamo cannot trace the copy.deepcopy of the config that T5's decoder "
+    "makes when it builds its cache in the forward (a graph break remat names; "
+    "docs/limitations.md)")
 def test_t5_decoder_cache_is_named_and_held_within_the_prediction(caplog):
     torch.manual_seed(0)
     model = transformers.T5ForConditionalGeneration(transformers.T5Config(

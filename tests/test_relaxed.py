@@ -69,6 +69,22 @@ def test_optimal_stops_once_the_relaxed_plan_is_proven_within_relative_gap():
     assert quick.cost >= full.bound * (1 - 1e-9)
 
 
+def _rich_case(seed: int, where: float, bandwidth: float | None):
+    """A random step small enough for the rich space's exhaustive search (a host link where
+    `bandwidth`), a budget `where` between its least peak and saving everything, and that
+    space's optimum there (hypothesis's assume where it is too large to enumerate)."""
+    base = random_problem(seed, max_forward=6, max_backward=5)
+    problem = Problem(base.ops, name=base.name, host_bandwidth=bandwidth)
+    assume(problem.num_forward < len(problem.ops))
+    try:
+        low = rich_smallest_peak(problem)
+        high = simulate(problem, make_schedule(problem, [])).peak
+        budget = low + int(where * max(0, high - low))
+        return problem, budget, rich_brute_force(problem, budget)
+    except ValueError:  # too many schedules to enumerate
+        assume(False)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2 ** 32 - 1), where=st.floats(0.0, 0.8),
        bandwidth=st.sampled_from([None, 20.0]))
@@ -77,18 +93,7 @@ def test_joint_bound_over_the_plans_steps_holds_over_the_rich_space(seed, where,
     (`joint_bound(rich=True)`, what `optimal` does first for its bound under "auto" and
     "rich"), never prove more than the cost of the best schedule of that space, found by
     exhaustive search (two further copies a value, offload where there is a host link)."""
-    base = random_problem(seed, max_forward=6, max_backward=5)
-    problem = Problem(base.ops, name=base.name, host_bandwidth=bandwidth)
-    try:
-        low = rich_smallest_peak(problem)
-    except ValueError:  # too many schedules to enumerate
-        assume(False)
-    high = simulate(problem, make_schedule(problem, [])).peak
-    budget = low + int(where * max(0, high - low))
-    try:
-        best = rich_brute_force(problem, budget)
-    except ValueError:
-        assume(False)
+    problem, budget, best = _rich_case(seed, where, bandwidth)
     _, single = relaxed_schedule(problem, budget, time_limit=5, workers=2)
     steps = single.steps if len(single.steps) > 1 else list(problem.backward)[:3]
     assume(len(steps) > 1)
@@ -210,19 +215,7 @@ def test_every_step_joined_is_a_bound_of_the_rich_space(seed, where, bandwidth):
     """The joint model over every backward step over the rich space, with the order's second
     runs charged (`Relaxation._in_order`), never proves more than the rich space's optimum
     (exhaustive search: two further copies a value, offload where there is a host link)."""
-    base = random_problem(seed, max_forward=6, max_backward=5)
-    problem = Problem(base.ops, name=base.name, host_bandwidth=bandwidth)
-    assume(problem.num_forward < len(problem.ops))
-    try:
-        low = rich_smallest_peak(problem)
-    except ValueError:  # too many schedules to enumerate
-        assume(False)
-    high = simulate(problem, make_schedule(problem, [])).peak
-    budget = low + int(where * max(0, high - low))
-    try:
-        best = rich_brute_force(problem, budget)
-    except ValueError:
-        assume(False)
+    problem, budget, best = _rich_case(seed, where, bandwidth)
     bound = joint_bound(problem, budget, list(problem.backward), rich=True,
                         deadline=Deadline(10), workers=1)
     assert bound.value <= best.cost * (1 + 1e-12) + 1e-15

@@ -141,12 +141,29 @@ def _detach_held(value: Any, depth: int) -> None:
         return
     if isinstance(value, dict) or not hasattr(value, "__dict__"):
         return  # a dict in the output was handled by `with_loss`; a plain value holds nothing
-    for name, item in list(vars(value).items()):
+    for name, item in _attributes(value):
         if isinstance(item, torch.Tensor):
             if item.requires_grad:
                 setattr(value, name, item.detach())
         else:
             _detach_held(item, depth - 1)
+
+
+# Where dynamo cannot list an object's attributes (torch 2.11: `vars(cache).items()` is an
+# unsupported call, a graph break), these are looked up by name: Hugging Face's caches
+# (EncoderDecoderCache's two caches, DynamicCache's layers, a layer's keys and values, and the
+# older caches' lists).
+_LISTED = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+_HELD_NAMES = ("self_attention_cache", "cross_attention_cache", "layers", "keys", "values",
+               "key_cache", "value_cache")
+
+
+def _attributes(value: Any) -> list[tuple[str, Any]]:
+    """(name, value) of `value`'s attributes: all of them, or on a torch whose dynamo cannot
+    list them, those of `_HELD_NAMES` it has."""
+    if _LISTED:
+        return list(vars(value).items())
+    return [(name, getattr(value, name)) for name in _HELD_NAMES if hasattr(value, name)]
 
 
 def check_inputs(model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
