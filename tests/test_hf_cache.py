@@ -12,6 +12,7 @@ import torch
 
 import remat
 from remat.fx_passes.measuring.allocator import step_peak
+from remat.fx_passes.torch_version import torch_at_least
 from remat.solvers import SolverOptions
 
 transformers = pytest.importorskip("transformers")
@@ -54,7 +55,7 @@ def test_a_returned_cache_is_in_the_prediction_and_nothing_more():
 
 
 @pytest.mark.skipif(
-    tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+    not torch_at_least(2, 13),
     reason="torch 2.11's dynamo cannot trace the copy.deepcopy of the config that T5's decoder "
     "makes when it builds its cache in the forward (a graph break remat names; "
     "docs/limitations.md)")

@@ -28,6 +28,7 @@ from remat.fx_passes.lowering.pipeline_order import schedule_actions
 from remat.solvers.pipeline import (Action, ActionKind, Kept, MicrobatchMemory, Pass, compose,
                                     in_flight)
 from remat.fx_passes.measuring.allocator import allocator_peak
+from remat.fx_passes.torch_version import torch_at_least
 from tests.allocator import storage_bytes
 from tests.ranks import rank_results
 
@@ -146,7 +147,7 @@ def test_split_backward_recomputes_a_checkpointed_block_per_parameter_group():
 # torch 2.11's own ZBVZeroBubble fails over gloo in its first step's stage initialization (a
 # plain two-rank job of two Linear stages a rank, without remat: "Pair is not connected" in
 # `_initialize_stages`); 2.13's runs. On 2.11 the launch leaves it out (docs/limitations.md).
-ZBV_RUNS = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+ZBV_RUNS = torch_at_least(2, 13)
 SCHEDULES = ("GPipe", "1F1B", "InterleavedZeroBubble") + (("ZBVZeroBubble",) * ZBV_RUNS)
 
 

@@ -341,8 +341,9 @@ def _warn_zbv_on_gloo(schedule: str) -> None:
     import torch
     import torch.distributed as dist
 
-    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    if (schedule == "ZBVZeroBubble" and version < (2, 13) and dist.is_available()
+    from remat.fx_passes.torch_version import torch_at_least
+
+    if (schedule == "ZBVZeroBubble" and not torch_at_least(2, 13) and dist.is_available()
             and dist.is_initialized() and dist.get_backend() == "gloo"):
         warnings.warn(f"torch {torch.__version__}'s ZBVZeroBubble fails over gloo in its first "
                       "step (\"Pair is not connected\", without remat too); run this plan on "

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from remat.errors import CaptureError, RematError
+from remat.fx_passes.torch_version import torch_at_least
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ def _detach_held(value: Any, depth: int) -> None:
 # unsupported call, a graph break), these are looked up by name: Hugging Face's caches
 # (EncoderDecoderCache's two caches, DynamicCache's layers, a layer's keys and values, and the
 # older caches' lists).
-_LISTED = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+_LISTED = torch_at_least(2, 13)
 _HELD_NAMES = ("self_attention_cache", "cross_attention_cache", "layers", "keys", "values",
                "key_cache", "value_cache")
 
