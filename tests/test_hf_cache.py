@@ -12,7 +12,7 @@ import torch
 
 import remat
 from remat.fx_passes.measuring.allocator import step_peak
-from remat.fx_passes.torch_version import torch_at_least
+from remat.fx_passes.tracing.torch_version import torch_at_least
 from remat.solvers import SolverOptions
 
 transformers = pytest.importorskip("transformers")

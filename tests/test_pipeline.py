@@ -28,7 +28,7 @@ from remat.fx_passes.lowering.pipeline_order import schedule_actions
 from remat.solvers.pipeline import (Action, ActionKind, Kept, MicrobatchMemory, Pass, compose,
                                     in_flight)
 from remat.fx_passes.measuring.allocator import allocator_peak
-from remat.fx_passes.torch_version import torch_at_least
+from remat.fx_passes.tracing.torch_version import torch_at_least
 from tests.allocator import storage_bytes
 from tests.ranks import rank_results
 

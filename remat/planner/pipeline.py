@@ -341,7 +341,7 @@ def _warn_zbv_on_gloo(schedule: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from remat.fx_passes.torch_version import torch_at_least
+    from remat.fx_passes.tracing.torch_version import torch_at_least
 
     if (schedule == "ZBVZeroBubble" and not torch_at_least(2, 13) and dist.is_available()
             and dist.is_initialized() and dist.get_backend() == "gloo"):

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from remat.errors import CaptureError, RematError
-from remat.fx_passes.torch_version import torch_at_least
+from remat.fx_passes.tracing.torch_version import torch_at_least
 
 log = logging.getLogger(__name__)
 
