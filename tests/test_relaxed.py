@@ -236,7 +236,30 @@ def test_loaded_bound_proves_the_rich_plan_on_the_order_problem():
     bound = loaded_bound(problem, budget, rich, Deadline(10), enough=lambda value: False)
     assert bound.value == pytest.approx(rich.cost, rel=1e-6)
     assert bound.value <= rich.cost * (1 + 1e-12)
-    calls = []
-    loaded_bound(problem, budget, rich, Deadline(10), enough=lambda value: calls.append(value)
-                 or True)
-    assert len(calls) == 1  # the first solve was enough
+
+
+def test_loaded_bound_joins_more_steps_until_one_is_enough(monkeypatch):
+    """On a stack with more backward steps than the first solve joins, `loaded_bound` solves
+    again with more of the most loaded steps (LOADED_FIRST, then LOADED_MORE more, up to
+    LOADED_MOST), keeps the best bound, and stops at the first that `enough` accepts."""
+    from remat.solvers import relaxed
+    from remat.solvers.bound import Bound
+
+    problem = transformer(layers=4, batch=2, seq=64, d_model=64, heads=2)
+    plan = make_schedule(problem, [])
+    order = relaxed.loaded_steps(problem, plan)
+    assert len(order) >= relaxed.LOADED_MOST
+    joined = []
+
+    def joint_bound(problem, budget, steps, *, rich, deadline, workers=0):
+        assert rich and steps == sorted(order[:len(steps)])
+        joined.append(len(steps))
+        return Bound(float(len(steps)), tuple(steps), False)
+
+    monkeypatch.setattr(relaxed, "joint_bound", joint_bound)
+    every = relaxed.loaded_bound(problem, plan.peak, plan, Deadline(10), lambda value: False)
+    counts = list(range(relaxed.LOADED_FIRST, relaxed.LOADED_MOST + 1, relaxed.LOADED_MORE))
+    assert joined == counts and every.value == counts[-1]
+    joined.clear()
+    first = relaxed.loaded_bound(problem, plan.peak, plan, Deadline(10), lambda value: True)
+    assert joined == [relaxed.LOADED_FIRST] and first.value == relaxed.LOADED_FIRST

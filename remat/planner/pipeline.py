@@ -348,4 +348,3 @@ def _warn_zbv_on_gloo(schedule: str) -> None:
         warnings.warn(f"torch {torch.__version__}'s ZBVZeroBubble fails over gloo in its first "
                       "step (\"Pair is not connected\", without remat too); run this plan on "
                       "torch 2.13 or later, or plan InterleavedZeroBubble", stacklevel=3)
-
