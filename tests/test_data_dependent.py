@@ -17,6 +17,7 @@ from remat.errors import CaptureError
 from remat.fx_passes.measuring.allocator import allocator_peak
 from remat.fx_passes.tracing.capture import capture
 from remat.solvers import Reason, SolverOptions
+from tests.gradients import REORDERED_SUMS, relative_grad_gap
 
 TOKENS, DIM, HIDDEN, EXPERTS, TOP_K = 16, 16, 24, 4, 2
 
@@ -125,11 +126,6 @@ def activation_peak(step, net: Net) -> int:
     return peak - sum(p.grad.numel() * p.grad.element_size() for p in net.parameters())
 
 
-def max_grad_diff(a: nn.Module, b: nn.Module) -> float:
-    return max((p.grad - q.grad).abs().max().item()
-               for p, q in zip(a.parameters(), b.parameters()))
-
-
 @pytest.mark.parametrize("execution", ["compiled", "eager"])
 def test_a_plan_holds_from_step_to_step_while_the_tokens_per_expert_change(execution):
     net, xs = model(), batches(8)  # 8 routings, the fourth the worst case
@@ -151,16 +147,16 @@ def test_a_plan_holds_from_step_to_step_while_the_tokens_per_expert_change(execu
                                                          "aten.nonzero.default"}
     assert not decisions & plan.schedule.recomputed
     assert "at their worst case" in plan.report().render()
-    reference, again = copy.deepcopy(net), copy.deepcopy(net)
+    reference = copy.deepcopy(net)
     run = plan.apply(net) if execution == "eager" else plan.module
     for i, x in enumerate(xs):
-        for m in (net, reference, again):
+        for m in (net, reference):
             m.zero_grad(set_to_none=True)
         run(x).backward()
         reference(x).backward()
-        again(x).backward()
-        noise = max_grad_diff(reference, again)  # eager PyTorch against itself
-        assert max_grad_diff(net, reference) <= max(noise, 1e-9) * 10, i
+        # relative to the gradients' size: index_put's accumulation and the compiled step's
+        # decompositions sum in another order, whichever ops the plan recomputes
+        assert relative_grad_gap(net, reference) <= REORDERED_SUMS, i
         if i >= 2:  # the first calls compile (and may recompile) the planned step
             assert activation_peak(lambda: run(x).backward(), net) <= plan.activation_peak, i
     if execution == "compiled":  # one rewritten graph for every routing: never retraced
@@ -202,4 +198,4 @@ def test_dbrx_plans_and_trains_in_both_modes(monkeypatch):
         # planned at the worst case (every token to each expert): never below the allocator
         assert 0 < row.allocator <= row.predicted, row
         assert "worst case" in row.note, row
-        assert row.grad_diff <= 1e-8, row  # experts accumulate in another order at times
+        assert row.grad_diff <= REORDERED_SUMS, row  # experts accumulate in another order

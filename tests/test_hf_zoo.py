@@ -9,6 +9,7 @@ from examples.hf_zoo import activation_peak, gradient_bytes, run_arch, training_
 from examples.zoo_models import ARCHS, build
 from remat.fx_passes.measuring.allocator import allocator_peak
 from remat.solvers import SolverOptions
+from tests.gradients import REORDERED_SUMS
 
 pytest.importorskip("transformers")
 
@@ -58,8 +59,9 @@ def test_each_family_keeps_the_promise_in_both_modes(family):
             least = row.least_eager if row.mode == "eager" else row.least_compiled
             assert not proven or least <= row.predicted, row
         assert 0.98 * row.predicted <= row.allocator <= row.predicted, row
-        # MoE experts accumulate in a different order from step to step on the CPU
-        assert row.grad_diff <= (1e-8 if family == "MoE" else 0.0), row
+        # MoE experts accumulate in a different order from step to step on the CPU (relative
+        # to the gradients' size); elsewhere the plan runs eager's kernels: bitwise equal
+        assert row.grad_diff <= (REORDERED_SUMS if family == "MoE" else 0.0), row
 
 
 def test_an_eager_range_that_runs_down_gets_checkpointings_peak():

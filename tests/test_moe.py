@@ -12,6 +12,7 @@ import torch.nn as nn
 
 import remat
 from remat.solvers import Reason, SolverOptions
+from tests.gradients import REORDERED_SUMS, relative_grad_gap
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,11 +46,6 @@ def routed(model, kwargs) -> torch.Tensor:
     return torch.bincount(top.flatten(), minlength=4)
 
 
-def max_grad_diff(a, b) -> float:
-    return max((p.grad - q.grad).abs().max().item()
-               for p, q in zip(a.parameters(), b.parameters()) if p.grad is not None)
-
-
 @pytest.mark.parametrize("execution", ["compiled", "eager"])
 def test_a_plan_holds_from_step_to_step_while_the_routing_changes(execution):
     model = mixtral()
@@ -64,18 +60,18 @@ def test_a_plan_holds_from_step_to_step_while_the_routing_changes(execution):
                           example_kwargs=steps[0], execution=execution,
                           solver_options=SolverOptions(time_limit=5))
     assert plan.schedule.recomputed
-    reference, again = copy.deepcopy(model), copy.deepcopy(model)
+    reference = copy.deepcopy(model)
     run = plan.apply(model) if execution == "eager" else plan.module
     for i, kwargs in enumerate(steps):
-        for m in (model, reference, again):
+        for m in (model, reference):
             m.zero_grad(set_to_none=True)
-        for m, call in ((model, run), (reference, reference), (again, again)):
+        for m, call in ((model, run), (reference, reference)):
             torch.manual_seed(i)
             call(**kwargs).loss.backward()
-        # eager PyTorch against itself: the experts' gradient accumulation (index_put with
-        # accumulate on the CPU) is not bitwise reproducible
-        noise = max_grad_diff(reference, again)
-        assert max_grad_diff(model, reference) <= max(noise, 1e-9) * 10, i
+        # relative to the gradients' size: the experts' accumulation (index_put with
+        # accumulate on the CPU) and the compiled step's decompositions sum in another order,
+        # whichever ops the plan (made under a time limit) recomputes
+        assert relative_grad_gap(model, reference) <= REORDERED_SUMS, i
 
 
 class TopKRouter(nn.Module):  # Qwen2-MoE's router without normalization: top-k kept as is
