@@ -1,5 +1,5 @@
 """gpu_check's offload part (issue 26): an overlapped offload's measured step time and peak
-against the prediction of `remat.solvers.overlap` and `simulate`.
+against the prediction of `remat.solvers.timeline.overlap` and `simulate`.
 
 The schedule: the save-all schedule with its largest saved tensors (up to a quarter of the saved
 bytes) kept in host memory, each loaded back at the earliest of a few backward positions where
@@ -49,7 +49,7 @@ def link_bandwidth(device: torch.device, nbytes: int = 256 * 2**20) -> tuple[flo
 def overlapped_schedule(problem, bandwidth: float):
     """The save-all schedule with its largest saved tensors offloaded where their transfers
     hide (module docstring), on `problem` with a host link of `bandwidth` bytes/s."""
-    from remat.solvers.schedule import make_schedule
+    from remat.solvers.timeline.evaluate import make_schedule
 
     linked = dataclasses.replace(problem, host_bandwidth=bandwidth)
     nf, ops = linked.num_forward, linked.ops
@@ -97,7 +97,7 @@ def run_steps(model, inputs, problem, schedule, steps: int, device: torch.device
 def check_overlapped_offload(model, inputs, problem, steps: int, device: torch.device,
                              link: float) -> tuple[list[str], bool, list[str]]:
     """(the table's row, whether both checks pass, notes)."""
-    from remat.solvers.schedule import evaluate, make_schedule
+    from remat.solvers.timeline.evaluate import evaluate, make_schedule
 
     d2h, h2d = link_bandwidth(device)
     measured_link = min(d2h, h2d)

@@ -181,7 +181,7 @@ class Remat:
     once per model, as in remat.sweep."""
 
     def __init__(self, case: Case, *, time_limit: float):
-        from remat.planner.prepare import prepare
+        from remat.planner.plans.prepare import prepare
         from remat.solvers import SolverOptions
 
         self.case = case
@@ -218,7 +218,7 @@ class Remat:
     def plan(self, budget: int, solver: str = "optimal"):
         from dataclasses import replace
 
-        from remat.planner.plan import plan_prepared
+        from remat.planner.plans.plan import plan_prepared
 
         options = replace(self.options, hint=self._hint(budget))
         return plan_prepared(self.case.model, self.prepared, budget=None,

@@ -41,7 +41,7 @@ class Settings:
         return Settings(False, tuple(i / 10 for i in range(11)), 2, 10, 3, 120.0)
 
 
-# Seconds for each proven bound (remat.solvers.bound): one CP-SAT solve per backward step tried.
+# Seconds for each proven bound (remat.solvers.relaxation.bound): one CP-SAT solve per backward step tried.
 BOUND_SECONDS = 60.0
 
 
@@ -126,10 +126,10 @@ def _with_how(result):
 
 def proven_bounds(problem, rows: list[dict]) -> dict:
     """What no schedule of remat's execution model (the traced op order, recomputations
-    inserted) can beat, from remat.solvers.bound: the least activation peak, and the least
+    inserted) can beat, from remat.solvers.relaxation.bound: the least activation peak, and the least
     recompute FLOPs at per-block checkpointing's measured peak. Independent of remat's search,
     so a check that remat fails can be told apart from a check that nothing can pass."""
-    from remat.solvers.bound import peak_bound, recompute_bound
+    from remat.solvers.relaxation.bound import peak_bound, recompute_bound
 
     floor = peak_bound(problem, time_limit=BOUND_SECONDS)
     found = {"peak": floor.value, "peak_exact": floor.exact,

@@ -96,7 +96,7 @@ def _hf_models() -> dict:
 def _models(full: bool) -> dict:
     from _peers_models import MODELS as PEERS
     from tests import models
-    from tests.test_allocator_peak import conv_net, swiglu
+    from tests.fx_passes.test_allocator_peak import conv_net, swiglu
 
     def llama_tiny():
         import examples.llama as example  # noqa: PLC0415

@@ -30,8 +30,9 @@ from remat.fx_passes.lowering.lower import lower  # noqa: E402
 from remat.fx_passes.compiled.measure_step import measure_step, time_step  # noqa: E402
 from remat.fx_passes.compiled.planned import planned_module  # noqa: E402
 from remat.solvers import SolverOptions, solve  # noqa: E402
-from remat.solvers.schedule import drop_unneeded, make_schedule, recomputable  # noqa: E402
-from remat.solvers.simulate import simulate  # noqa: E402
+from remat.solvers.core.schedule import drop_unneeded, recomputable  # noqa: E402
+from remat.solvers.timeline.evaluate import make_schedule
+from remat.solvers.timeline.simulate import simulate  # noqa: E402
 from tests import models  # noqa: E402
 
 MODELS = ["gpt", "transformer_encoder", "resnet", "unet", "mlp", "gpt2_hf"]

@@ -36,13 +36,13 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from remat.errors import BudgetError, RematError, SolverError  # noqa: E402
-from remat.planner.budget import format_size  # noqa: E402
-from remat.planner.eager_plan import eager_structure, plan_eager_mode  # noqa: E402
-from remat.planner.prepare import prepare  # noqa: E402
+from remat.planner.job.budget import format_size  # noqa: E402
+from remat.planner.plans.eager_plan import eager_structure, plan_eager_mode  # noqa: E402
+from remat.planner.plans.prepare import prepare  # noqa: E402
 from remat.solvers import SolverOptions, Strategy, solve  # noqa: E402
-from remat.solvers.cpsat.eager_search import least_eager_peak  # noqa: E402
-from remat.solvers.eager import eager_schedule  # noqa: E402
-from remat.solvers.eager_heuristic import plan_eager  # noqa: E402
+from remat.solvers.eager.search import least_eager_peak  # noqa: E402
+from remat.solvers.timeline.eager import eager_schedule  # noqa: E402
+from remat.solvers.eager.heuristic import plan_eager  # noqa: E402
 
 BISECTION_STEPS = 8
 OLD_SEED_SECONDS = 3.0  # the compiled seed's limit inside the bisection (each step solves it)

@@ -27,17 +27,17 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from remat.solvers import SolverOptions  # noqa: E402
-from remat.solvers.cpsat.eager_search import optimal_eager  # noqa: E402
-from remat.solvers.deadline import Deadline  # noqa: E402
+from remat.solvers.eager.search import optimal_eager  # noqa: E402
+from remat.solvers.core.deadline import Deadline  # noqa: E402
 
 
 def save(directory: Path, archs: list[str], time_limit: float) -> None:
     """Plan each architecture's eager row as the zoo does, saving the exact search's input."""
-    import remat.planner.eager_plan as eager_plan
+    import remat.solvers.entry as entry
     from examples import hf_zoo
 
     directory.mkdir(parents=True, exist_ok=True)
-    solve_eager = eager_plan.optimal_eager
+    exact = entry.optimal_eager
     for name in archs:
         def recording(problem, blocks, budget, options, *, hint=None, deadline=None,
                       name=name):
@@ -45,14 +45,14 @@ def save(directory: Path, archs: list[str], time_limit: float) -> None:
                 pickle.dump({"problem": problem, "blocks": blocks, "budget": budget,
                              "options": options,
                              "hint": None if hint is None else frozenset(hint)}, f)
-            return solve_eager(problem, blocks, budget, options, hint=hint, deadline=deadline)
+            return exact(problem, blocks, budget, options, hint=hint, deadline=deadline)
 
-        eager_plan.optimal_eager = recording
+        entry.optimal_eager = recording
         try:
             rows = hf_zoo.run_arch(name, SolverOptions(time_limit=time_limit),
                                    modes=("eager",), least=False)
         finally:
-            eager_plan.optimal_eager = solve_eager
+            entry.optimal_eager = exact
         for row in rows:
             print(name, row.status, row.gap, row.error or "", flush=True)
 

@@ -27,7 +27,7 @@ Three more checks, each a short table:
   in host memory where the transfer timeline hides them, run with its copies on copy streams:
   the allocator's peak against the simulated device peak (the same contract, within
   [-2 %, 0 %]), and the measured extra step time against the predicted exposed time
-  (`remat.solvers.overlap`, with the link's bandwidth measured here): see
+  (`remat.solvers.timeline.overlap`, with the link's bandwidth measured here): see
   benchmarks/_offload_check.py. ``--checks offload`` runs this check alone (a few minutes of
   device time); ``--smoke`` runs it on the CPU, on a tiny model, to exercise its code.
 """
@@ -140,8 +140,9 @@ def main(argv=None) -> int:
     from remat.fx_passes.tracing.capture import capture
     from remat.fx_passes.lowering.lower import lower
     from remat.solvers import SolverOptions, solve
-    from remat.solvers.schedule import drop_unneeded, make_schedule, recomputable
-    from remat.solvers.simulate import simulate
+    from remat.solvers.core.schedule import drop_unneeded, recomputable
+    from remat.solvers.timeline.evaluate import make_schedule
+    from remat.solvers.timeline.simulate import simulate
 
     begin = time.perf_counter()
     name = torch.cuda.get_device_name()

@@ -21,8 +21,8 @@ import torch  # noqa: E402
 
 import remat  # noqa: E402
 from llama import LLAMA_70B, llama  # noqa: E402
-from remat.planner.budget import format_size  # noqa: E402
-from remat.planner.training import Training  # noqa: E402
+from remat.planner.job.budget import format_size  # noqa: E402
+from remat.planner.job.training import Training  # noqa: E402
 from remat.solvers import SolverOptions  # noqa: E402
 
 

@@ -13,9 +13,9 @@ reaches (found by the solver) plus `--fractions` of the range up to saving every
 - **recompute only**: the problem without a host link (the exact solver, `model="auto"`);
 - **offload + recompute**: the same problem with the target's host link (`Device.host_link`,
   each way) and `--host-memory` of host memory: the single model's plan, then the offload
-  search (`remat.solvers.offload_search`; the rich CP-SAT model is not built at this size).
+  search (`remat.solvers.cpsat.offload_search`; the rich CP-SAT model is not built at this size).
 Columns: the recompute time, the transfers' time both ways and how much of it the compute hides
-(`remat.solvers.overlap`), the predicted step time (the ops' roofline times plus recomputations
+(`remat.solvers.timeline.overlap`), the predicted step time (the ops' roofline times plus recomputations
 plus what the step waits for its transfers), the simulated activation peak, the bytes kept in
 host memory, the status and the solve's wall time. Times are predictions for the target, not
 measurements (benchmarks/gpu_check.py measures an overlapped offload on a GPU).
@@ -42,8 +42,8 @@ def prepared_problem(name: str, target: str):
     import torch
     from llama import LLAMA_7B, LLAMA_70B, llama
 
-    from remat.planner.prepare import prepare
-    from remat.planner.training import Training
+    from remat.planner.plans.prepare import prepare
+    from remat.planner.job.training import Training
 
     if name == "7b":
         config, batch = LLAMA_7B, 2
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
 
     from remat.errors import BudgetError, SolverError
     from remat.fx_passes.measuring.devices import device
-    from remat.planner.budget import parse_size
+    from remat.planner.job.budget import parse_size
     from remat.solvers import SolverOptions, make_schedule, solve
 
     link = device(args.target).host_link

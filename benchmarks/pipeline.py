@@ -54,7 +54,7 @@ def stage_count(schedule: str) -> int:
 
 
 def plan_for(schedule: str, microbatches: int, reuse=None):
-    from remat.planner.pipeline import PipelineSpec, plan_pipeline
+    from remat.planner.parallel.pipeline import PipelineSpec, plan_pipeline
 
     model, (tokens, targets) = llama(CONFIG, batch=BATCH, data_seed=1)
     stages = llama_stages(model, stage_count(schedule))

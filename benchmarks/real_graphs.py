@@ -9,7 +9,7 @@ save-all peak with the solver's default options (limits by size) or `--time-limi
 A row per architecture and budget: ops, the budget (a share of the save-all activation peak
 that `simulate` gives), the solve's wall seconds over its limit, status, cost and bound
 (recompute seconds on the target), the gap ((cost - bound) / cost) and where the bound came
-from. The problem files (`remat.solvers.problem_file`, with the save-all peak) are what
+from. The problem files (`remat.solvers.core.problem_file`, with the save-all peak) are what
 `--load-problems` reads back, for solving again without capturing.
 """
 from __future__ import annotations
@@ -52,14 +52,14 @@ def whisper():
 def capture(name: str):
     """The compiled problem of the zoo's `name` (or `whisper`), as `remat.optimize` lowers it."""
     from examples.zoo_models import build
-    from remat.planner.prepare import prepare
+    from remat.planner.plans.prepare import prepare
 
     model, kwargs = whisper() if name == "whisper" else build(ALIASES.get(name, name))
     return prepare(copy.deepcopy(model), example_kwargs=kwargs).problem
 
 
 def problems(args) -> list[tuple[str, object]]:
-    from remat.solvers.problem_file import dumps, loads
+    from remat.solvers.core.problem_file import dumps, loads
 
     found = []
     for name in args.archs.split(","):

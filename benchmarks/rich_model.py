@@ -22,8 +22,8 @@ from tabulate import tabulate
 
 from remat.errors import BudgetError, SolverError
 from remat.solvers import SolverOptions, Strategy, make_schedule, solve
-from remat.solvers.rich_brute import rich_brute_force, rich_smallest_peak
-from remat.solvers.synthetic_cnn import skip_chain_problem, unet_problem
+from tests.oracles.rich_brute import rich_brute_force, rich_smallest_peak
+from tests.synthetic.cnn import skip_chain_problem, unet_problem
 
 GRAPHS = {
     "unet1": lambda: unet_problem(1, seed=0),

@@ -21,10 +21,10 @@ from tabulate import tabulate
 
 from remat.errors import BudgetError
 from remat.solvers import SolverOptions, solve
-from remat.solvers.problem_file import loads
-from remat.solvers.schedule import make_schedule
-from remat.solvers.synthetic import transformer
-from remat.solvers.synthetic_cnn import skip_chain_problem, unet_problem
+from remat.solvers.core.problem_file import loads
+from remat.solvers.timeline.evaluate import make_schedule
+from tests.synthetic.problems import transformer
+from tests.synthetic.cnn import skip_chain_problem, unet_problem
 
 REGRESSION = pathlib.Path(__file__).resolve().parent.parent / "tests" / "regression"
 

@@ -19,7 +19,7 @@ is its own; the phases are timed there:
 - solve: `plan_prepared` with ``--solver``, ``--time-limit`` and ``--relative-gap`` (the solver
   stops once its plan is proven that close; a BudgetError is a row with its status, and the
   phases after it are "-");
-- simulate: `remat.solvers.simulate` of the plan (the simulator is the judge of every plan);
+- simulate: `remat.solvers.timeline.simulate` of the plan (the simulator is the judge of every plan);
 - report: the report (its baselines solved) rendered.
 "limit" is the one chosen for the problem's size (the whole call's, as in `remat.optimize`,
 which starts counting before the capture: `SolverOptions.started`); "solve/limit" the solve's
@@ -51,7 +51,7 @@ def _configure(name: str):
 
     from llama import LLAMA_7B, LLAMA_70B
 
-    from remat.planner.training import Training
+    from remat.planner.job.training import Training
 
     if name == "70b":
         return LLAMA_70B, Training(precision="bf16-mixed", optimizer="adamw", data_parallel=64,
@@ -72,9 +72,9 @@ def measure(name: str, *, solver: str, time_limit: float, relative_gap: float, r
     import torch
 
     from remat.errors import BudgetError
-    from remat.planner.budget import format_size, parse_size
-    from remat.planner.plan import counting_from_now, plan_prepared
-    from remat.planner.prepare import prepare
+    from remat.planner.job.budget import format_size, parse_size
+    from remat.planner.plans.plan import counting_from_now, plan_prepared
+    from remat.planner.plans.prepare import prepare
     from remat.solvers import SolverOptions, make_schedule, simulate
 
     config, training, budget, batch = _configure(name)

@@ -40,7 +40,7 @@ from tabulate import tabulate  # noqa: E402
 
 import remat  # noqa: E402
 from remat.fx_passes.measuring.allocator import step_peak  # noqa: E402
-from remat.planner.budget import format_size  # noqa: E402
+from remat.planner.job.budget import format_size  # noqa: E402
 
 VOCAB, BATCH, SHORTEST, LONGEST = 128, 8, 8, 128
 RANGE = {"batch": (1, BATCH), "seq": (SHORTEST, LONGEST)}

@@ -34,7 +34,7 @@ from _load import busy  # noqa: E402
 
 from remat.errors import BudgetError, SolverError  # noqa: E402
 from remat.solvers import Schedule, SolverOptions, Strategy, make_schedule, solve  # noqa: E402
-from remat.solvers.synthetic import transformer_ops  # noqa: E402
+from tests.synthetic.problems import transformer_ops  # noqa: E402
 
 BASELINES = (Strategy.GREEDY, Strategy.SELECTIVE, Strategy.TILED, Strategy.CHECKPOINT_BLOCKS)
 

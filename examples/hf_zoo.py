@@ -50,13 +50,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples.zoo_models import ARCHS, build  # noqa: E402
 from remat.errors import BudgetError  # noqa: E402
 from remat.fx_passes.measuring.allocator import allocator_peak  # noqa: E402
-from remat.planner.budget import format_size  # noqa: E402
-from remat.planner.eager_plan import eager_structure, plan_eager_mode  # noqa: E402
-from remat.planner.plan import plan_prepared  # noqa: E402
-from remat.planner.prepare import prepare  # noqa: E402
+from remat.planner.job.budget import format_size  # noqa: E402
+from remat.planner.plans.eager_plan import eager_structure, plan_eager_mode  # noqa: E402
+from remat.planner.plans.plan import plan_prepared  # noqa: E402
+from remat.planner.plans.prepare import prepare  # noqa: E402
 from remat.solvers import SolverOptions, Strategy, solve  # noqa: E402
-from remat.solvers.cpsat.eager_search import least_eager_peak  # noqa: E402
-from remat.solvers.eager import eager_schedule  # noqa: E402
+from remat.solvers.eager.search import least_eager_peak  # noqa: E402
+from remat.solvers.timeline.eager import eager_schedule  # noqa: E402
 
 MODES = ("compiled", "eager")
 
@@ -66,7 +66,7 @@ MODES = ("compiled", "eager")
 
 def gradient_bytes(model: torch.nn.Module) -> int:
     """Bytes of the parameters' gradients after a step: part of the state, which the one
-    meaning of activations takes out of the step's peak (remat.planner.accounting)."""
+    meaning of activations takes out of the step's peak (remat.planner.job.accounting)."""
     return sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
                if p.grad is not None)
 

@@ -44,7 +44,7 @@ from examples.llama import LLAMA_TEST, llama  # noqa: E402
 from examples.llama_pipeline import (llama_stages, pipeline_loss, pipeline_runtime,  # noqa: E402
                                      rank_step, receive_buffers)
 from examples.llama_tensor_parallel import parallelize_llama  # noqa: E402
-from remat.planner.pipeline_fsdp import reduce_peak  # noqa: E402
+from remat.planner.parallel.fsdp import reduce_peak  # noqa: E402
 
 # benchmarks/pipeline.py's model: hidden 64, 4 layers, sequence 32.
 CONFIG = replace(LLAMA_TEST, layers=4, dropout=0.0, seq=32, hidden=64, mlp=176)
@@ -95,7 +95,7 @@ def plan_job(job: Job, levels: int = 3, reuse=None, solver_options=None):
     """remat's plan for every pipeline rank, made in this process on a fake process group, and
     the plan without a budget (its candidates serve `reuse` for another schedule);
     `solver_options` for the stages' eager plans (None: the defaults)."""
-    from remat.planner.pipeline import PipelineSpec, plan_pipeline
+    from remat.planner.parallel.pipeline import PipelineSpec, plan_pipeline
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=job.world)

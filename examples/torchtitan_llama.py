@@ -203,7 +203,7 @@ def plan_at(config, budget: int, rank: int):
 
 def whole_block_peak(plan) -> int:
     """remat's prediction for the policy that caches nothing: torchtitan's full checkpointing."""
-    from remat.solvers.eager import eager_schedule
+    from remat.solvers.timeline.eager import eager_schedule
 
     return plan.prepared.step_memory(eager_schedule(plan.eager_problem, plan.structure, ()),
                                      None).total

@@ -9,13 +9,13 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "optimize": "remat.planner.optimize",
-    "Plan": "remat.planner.plan",
-    "Training": "remat.planner.training",
+    "Plan": "remat.planner.plans.plan",
+    "Training": "remat.planner.job.training",
     "sweep": "remat.planner.sweep",
     "max_batch": "remat.planner.sweep",
-    "parse_size": "remat.planner.budget",
-    "compile_blocks": "remat.planner.block_compile",
-    "load_plan": "remat.planner.plan_load",
+    "parse_size": "remat.planner.job.budget",
+    "compile_blocks": "remat.planner.plans.block_compile",
+    "load_plan": "remat.planner.load_plan",
     "broadcast_plan": "remat.planner.broadcast",
     "for_trainer": "remat.planner.hf",
 }

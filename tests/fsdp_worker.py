@@ -1,5 +1,5 @@
 """One rank of an FSDP2 training step on the CPU (gloo), measured by the allocator; spawned by
-tests/test_sharded_memory.py. Not a test module itself."""
+tests/fx_passes/test_sharded_memory.py. Not a test module itself."""
 from __future__ import annotations
 
 import json

@@ -2,7 +2,7 @@
 
 Each rank planning for itself can end with ranks running different plans (a solver's time
 limit, timings measured per machine). Here rank `src` sends its plan as a plan file's text
-(`remat.planner.plan_file`) with `torch.distributed.broadcast_object_list`, and every other
+(`remat.planner.plans.plan_file`) with `torch.distributed.broadcast_object_list`, and every other
 rank loads it onto its own model (`remat.load_plan`: captured again and checked against the
 plan's fingerprint, never solved).
 """
@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from remat.errors import RematError
-from remat.planner.plan import Plan
-from remat.planner.plan_file import dumps
-from remat.planner.plan_load import loads_plan
-from remat.planner.training import Training
+from remat.planner.plans.plan import Plan
+from remat.planner.plans.plan_file import dumps
+from remat.planner.load_plan import loads_plan
+from remat.planner.job.training import Training
 
 __all__ = ["broadcast_plan"]
 

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from remat.errors import RematError
-from remat.planner.budget import ACCEPTED, parse_size
-from remat.planner.training import Training
+from remat.planner.job.budget import ACCEPTED, parse_size
+from remat.planner.job.training import Training
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from remat.planner.plan import plan_prepared
-    from remat.planner.prepare import prepare
+    from remat.planner.plans.plan import plan_prepared
+    from remat.planner.plans.prepare import prepare
     from remat.planner.sweep import default_budgets, sweep_prepared
     from remat.solvers import SolverOptions
 

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 
 from remat.errors import BudgetError
-from remat.planner.budget import format_size, parse_size
-from remat.planner.report import Measured
-from remat.planner.training import Training
+from remat.planner.job.budget import format_size, parse_size
+from remat.planner.plans.report import Measured
+from remat.planner.job.training import Training
 from remat.solvers import SolverOptions, Strategy
 
 BUDGET_7B = "80GB"
@@ -48,8 +48,8 @@ def run_demo(*, time_limit: float | None = None) -> int:
     import torch
 
     from remat.fx_passes.compiled.measure_step import measure_step
-    from remat.planner.plan import plan_prepared
-    from remat.planner.prepare import prepare
+    from remat.planner.plans.plan import plan_prepared
+    from remat.planner.plans.prepare import prepare
 
     example = _llama_example()
     # What `optimize` does with no options: the limits chosen by the problem's size (the
@@ -116,8 +116,8 @@ def _plan_on_meta(model, inputs, training: Training, budget: str, options: Solve
                   label: str):
     """Prepare (replicated), solve and simulate with a progress line per phase; the plan, or
     None after printing the BudgetError as a line."""
-    from remat.planner.plan import plan_prepared
-    from remat.planner.prepare import prepare
+    from remat.planner.plans.plan import plan_prepared
+    from remat.planner.plans.prepare import prepare
     from remat.solvers import simulate
 
     say = _progress(label)

@@ -22,7 +22,7 @@ import logging
 from typing import Any, Sequence
 
 from remat.errors import RematError
-from remat.planner.training import Training
+from remat.planner.job.training import Training
 from remat.solvers import SolverOptions, Strategy
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ def for_trainer(model: Any, budget: int | str | None = None, *,
     ``dynamic={"batch": (1, 8), "seq": (8, 512)}`` (docs/shapes.md): a batch outside the
     plan's shapes is refused. The other arguments are `remat.optimize`'s. After ``train()`` began,
     ``model.activation_checkpointing_enable.plan`` is the plan (its ``report()``...)."""
-    from remat.planner.eager_plan import check_no_cache
+    from remat.planner.plans.eager_plan import check_no_cache
 
     if not hasattr(model, "activation_checkpointing_enable"):
         raise RematError(

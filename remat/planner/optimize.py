@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from remat.fx_passes.measuring.devices import device as target_device
-from remat.planner.budget import parse_size
-from remat.planner.eager_plan import plan_eager_mode
-from remat.planner.plan import Plan, counting_from_now, plan_prepared
-from remat.planner.prepare import prepare
-from remat.planner.shapes import plan_range
-from remat.planner.training import Training
+from remat.planner.job.budget import parse_size
+from remat.planner.plans.eager_plan import plan_eager_mode
+from remat.planner.plans.plan import Plan, counting_from_now, plan_prepared
+from remat.planner.plans.prepare import prepare
+from remat.planner.plans.shapes import plan_range
+from remat.planner.job.training import Training
 from remat.solvers import SolverOptions, Strategy
 
 __all__ = ["optimize"]
@@ -45,22 +45,22 @@ def optimize(model: Any, budget: int | str | None = None, *,
     `returns`: what `Plan.module` returns ("output": what the model returns, see there).
     `execution="eager"` plans for per-block selective checkpointing in an eager loop
     (FSDP2, DDP): `model = plan.apply(model)` wraps the blocks (the repeated children, or the
-    modules named in `blocks`) in place; see `remat.planner.eager_plan`. A model
+    modules named in `blocks`) in place; see `remat.planner.plans.eager_plan`. A model
     tensor-parallelized with DTensor (`parallelize_module`) is planned per TP rank, in
-    execution="eager" only (`remat.planner.tensor_parallel`: a `TensorParallelPlan`), its
+    execution="eager" only (`remat.planner.parallel.tensor_parallel`: a `TensorParallelPlan`), its
     sharding read from its placements and checked against `Training(tensor_parallel=...,
     sequence_parallel=...)`; `Training(tensor_parallel=N > 1)` with a model that has no
     DTensor parameter is refused (parallelize it first). `offload=True` lets
     the plan keep saved values in host memory between the forward and the backward (at most
     `Training.host_memory` bytes), their transfers on copy streams beside the compute over the
     target's host link (`Device.host_link`), costed by what the step waits for them
-    (`remat.solvers.overlap`). Compiled execution: the solver's rich model and offload search
+    (`remat.solvers.timeline.overlap`). Compiled execution: the solver's rich model and offload search
     decide (`SolverOptions(model="rich"|"auto")`); eager execution: the block inputs that
-    checkpoint saves, through saved-tensor hooks (`remat.solvers.eager_offload`).
+    checkpoint saves, through saved-tensor hooks (`remat.solvers.timeline.eager_offload`).
     Offload plans fixed shapes (not with `dynamic=`).
 
     `dynamic={"batch": (1, 8), "seq": (8, 128)}` plans one plan for every step whose sizes
-    lie in those ranges (both modes; `remat.planner.shapes`): "batch" is dimension 0 of every
+    lie in those ranges (both modes; `remat.planner.plans.shapes`): "batch" is dimension 0 of every
     tensor input and "seq" dimension 1 of those with two or more, unless `dynamic_dims`
     (``{input: {dim: name}}``) says otherwise. The budget holds at every shape of the range;
     a call outside it raises RematError before it runs. The example may have any sizes: it
@@ -81,7 +81,7 @@ def optimize(model: Any, budget: int | str | None = None, *,
         raise ValueError("offload=True plans fixed shapes: its host buffers and transfers are "
                          "sized for the example's; plan without dynamic=, or without offload")
 
-    from remat.planner.tensor_layout import check_tensor_parallel
+    from remat.planner.job.tensor_layout import check_tensor_parallel
 
     if check_tensor_parallel(model, training).parallel:
         return _plan_tensor_parallel(model, whole, activations, example_inputs, example_kwargs,
@@ -121,7 +121,7 @@ def _plan_tensor_parallel(model, whole, activations, example_inputs, example_kwa
     """A DTensor model: one TP rank's eager plan (`plan_tensor_parallel`); what is not
     supported for it is refused, with what to do instead."""
     from remat.errors import RematError
-    from remat.planner.tensor_parallel import plan_tensor_parallel
+    from remat.planner.parallel.tensor_parallel import plan_tensor_parallel
 
     if execution != "eager":
         raise RematError(

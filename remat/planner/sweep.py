@@ -16,11 +16,11 @@ from typing import Any, Callable, Sequence
 from tabulate import tabulate
 
 from remat.errors import BudgetError
-from remat.planner.budget import format_size, parse_size
-from remat.planner.plan import Plan, plan_prepared
-from remat.planner.prepare import Prepared, prepare
-from remat.planner.report import price
-from remat.planner.training import Training
+from remat.planner.job.budget import format_size, parse_size
+from remat.planner.plans.plan import Plan, plan_prepared
+from remat.planner.plans.prepare import Prepared, prepare
+from remat.planner.plans.report import price
+from remat.planner.job.training import Training
 from remat.solvers import Schedule, SolverOptions, Strategy, solve
 
 log = logging.getLogger(__name__)

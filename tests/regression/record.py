@@ -3,7 +3,7 @@
     python tests/regression/record.py            # every file
     python tests/regression/record.py chain6     # one
 
-Each file is a problem file (remat.solvers.problem_file) whose extra field "cases" lists
+Each file is a problem file (remat.solvers.core.problem_file) whose extra field "cases" lists
 {"budget", "cost", "peak"} for a solved budget or {"budget", "smallest"} for one that no schedule
 fits. Record only answers proven OPTIMAL: the test re-solves and compares.
 """
@@ -14,8 +14,8 @@ import sys
 
 from remat.errors import BudgetError
 from remat.solvers import SolverOptions, Status, make_schedule, simulate, solve
-from remat.solvers.problem_file import dumps
-from remat.solvers.synthetic import chain, diamond, transformer, unet
+from remat.solvers.core.problem_file import dumps
+from tests.synthetic.problems import chain, diamond, transformer, unet
 
 HERE = pathlib.Path(__file__).parent
 OPTIONS = SolverOptions(workers=2, time_limit=60, cost_resolution=1e-6)

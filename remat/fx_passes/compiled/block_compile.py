@@ -28,8 +28,9 @@ from remat.fx_passes.lowering.lower import lower
 from remat.fx_passes.compiled.planned import _Hooks, _instrumented
 from remat.fx_passes.compiled.rewrite import Partition, partition
 from remat.fx_passes.tracing.step_io import remat_error
-from remat.solvers.problem import Phase
-from remat.solvers.schedule import drop_unneeded, make_schedule, recomputable
+from remat.solvers.core.problem import Phase
+from remat.solvers.core.schedule import drop_unneeded, recomputable
+from remat.solvers.timeline.evaluate import make_schedule
 
 log = logging.getLogger(__name__)
 

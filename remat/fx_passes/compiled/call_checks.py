@@ -18,8 +18,8 @@ import torch
 from remat.errors import RematError
 from remat.fx_passes.tracing.call_checks import CallSpec
 from remat.fx_passes.tracing.dynamic import Bucket
-from remat.solvers.problem import Problem
-from remat.solvers.schedule import Schedule
+from remat.solvers.core.problem import Problem
+from remat.solvers.core.schedule import Schedule
 
 __all__ = ["PlannedSteps", "explained"]
 

@@ -15,8 +15,9 @@ from remat.fx_passes.tracing.dynamic import ShapeRange, in_names, symbol_names
 from remat.fx_passes.tracing.names import target_name
 from remat.fx_passes.tracing.rng import draws, has_side_effects, rng_state
 from remat.fx_passes.measuring.storage import remat_meta, storage_pass
-from remat.solvers.problem import Kind, Phase, Problem
-from remat.solvers.schedule import Schedule, make_schedule
+from remat.solvers.core.problem import Kind, Phase, Problem
+from remat.solvers.core.schedule import Schedule
+from remat.solvers.timeline.evaluate import make_schedule
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The transfers of a compiled plan's offloads: four ops of the rewritten graphs, which run the
 copies on copy streams beside the compute on a GPU (one stream per direction, with events),
-and as plain copies on the CPU. The rewrite places them where `remat.solvers.overlap`'s
+and as plain copies on the CPU. The rewrite places them where `remat.solvers.timeline.overlap`'s
 timeline does (`rewrite.py`):
 
 - ``remat::offload(x, pool, key) -> host``: after x's last forward reader, copy x into a host
@@ -33,10 +33,10 @@ import torch
 import torch.fx as fx
 
 from remat.errors import RematError
-from remat.solvers.overlap import transfers
-from remat.solvers.problem import Problem
-from remat.solvers.schedule import Schedule
-from remat.solvers.simulate import StepKind, step_order
+from remat.solvers.timeline.overlap import transfers
+from remat.solvers.core.problem import Problem
+from remat.solvers.core.schedule import Schedule
+from remat.solvers.timeline.simulate import StepKind, step_order
 
 __all__ = ["GraphOffloads", "HostPool"]
 
@@ -187,7 +187,7 @@ RELOAD_DONE = torch.ops.remat.reload_done.default
 
 class GraphOffloads:
     """Where the rewritten graphs copy offloaded values to host and back, and wait for the
-    copies: `remat.solvers.overlap`'s timeline, on one `HostPool`. The rewrite calls
+    copies: `remat.solvers.timeline.overlap`'s timeline, on one `HostPool`. The rewrite calls
     `release` and `copy_out` around each forward step, `load` at each RELOAD step and `wait`
     before each backward step."""
 

@@ -35,8 +35,8 @@ from remat.fx_passes.compiled.inductor import inductor_compilers
 from remat.fx_passes.compiled.rewrite import Partition, partition_fn
 from remat.fx_passes.tracing.plain import records_graph, refuse_backward, wrong_mode_message
 from remat.fx_passes.tracing.step_io import remat_error, step_function
-from remat.solvers.problem import Problem
-from remat.solvers.schedule import Schedule
+from remat.solvers.core.problem import Problem
+from remat.solvers.core.schedule import Schedule
 
 log = logging.getLogger(__name__)
 

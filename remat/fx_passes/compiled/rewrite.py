@@ -5,7 +5,7 @@ model's outputs followed by exactly the storages the schedule saves (plus the gr
 backward reads, which cost nothing: they are parameters and batch). The backward takes the
 saved values and the output gradients, runs the backward ops in the problem's order, and puts
 each recomputation right before the backward op that `recompute_at` names, several before the
-same op in forward order: the step order of `remat.solvers.simulate.step_order`. Values die
+same op in forward order: the step order of `remat.solvers.timeline.simulate.step_order`. Values die
 after their last use because fx deletes each local after its last reader, and the boxed calling
 convention lets the backward drop its inputs as it goes.
 
@@ -15,7 +15,7 @@ forward op is a copy of its node in the forward graph, and every later reader re
 a recomputed base are rebuilt from the newest copy. An offloaded value leaves the forward as a
 host copy made right after its last forward reader, and the backward copies it back to the
 device where `offload_at` says: on copy streams beside the compute, with the waits where
-`remat.solvers.overlap`'s timeline puts them (`offload_ops`; on the CPU the copies are plain
+`remat.solvers.timeline.overlap`'s timeline puts them (`offload_ops`; on the CPU the copies are plain
 copies, the waits nothing, and the memory the timeline's).
 
 Views are never saved or recomputed on their own: the schedule saves or recomputes their base,
@@ -45,9 +45,9 @@ from remat.fx_passes.compiled.joint_graph import (check_schedule, flat_outputs, 
                                                   placeholder_kind, saved_descs)
 from remat.fx_passes.tracing.rng import RandomOp
 from remat.fx_passes.tracing.unbacked import symbolic_again
-from remat.solvers.problem import Kind, Problem
-from remat.solvers.schedule import Schedule
-from remat.solvers.simulate import StepKind, step_order
+from remat.solvers.core.problem import Kind, Problem
+from remat.solvers.core.schedule import Schedule
+from remat.solvers.timeline.simulate import StepKind, step_order
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ host memory through saved-tensor hooks around the block, and back one block ahea
 `torch.utils.checkpoint` (non-reentrant) saves a block's tensor inputs through the saved-tensor
 hooks active when it is called, before it enters its own; inside the block its own hooks and
 the selective policy's cache hold everything. So a hook pair entered around the checkpoint call
-sees exactly the block's inputs (`remat.solvers.eager_offload` says which may go):
+sees exactly the block's inputs (`remat.solvers.timeline.eager_offload` says which may go):
 - pack: an input the plan offloads (matched by shape and dtype, in order) is kept as a handle;
   every other input passes through, wrapped so that its unpacking can start loads;
 - when the block's checkpoint returns, the offloaded inputs are copied to host buffers (pinned,

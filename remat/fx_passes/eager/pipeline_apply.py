@@ -1,7 +1,7 @@
 """Checkpointing inside pipeline stages whose schedule splits the backward (the zero-bubble
 schedules of `torch.distributed.pipelining`), and the fix that makes it pay.
 
-What torch 2.13 does (measured, tests/test_pipeline.py): a split backward is one
+What torch 2.13 does (measured, tests/planner/test_pipeline.py): a split backward is one
 ``torch.autograd.grad`` call for the input gradient (I, ``retain_graph=True``) and, for the
 weight gradient (W), one call per parameter group (`stage_backward_weight`; 9 groups a Llama
 layer). Non-reentrant checkpoint recomputes a block once per autograd call that unpacks one of

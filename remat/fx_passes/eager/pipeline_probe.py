@@ -13,7 +13,7 @@ the allocator: what the zero-bubble schedules run, which remat's simulator does 
     and what it leaves, from the allocator's events: the first micro-batch's W makes the
     gradients (they stay), the second's adds to them. What the runtime hands on is left out
     (the input gradient, which its send keeps; the last stage's logits after I), as
-    `remat.solvers.pipeline.Kept` counts it. Also the FLOPs of the three passes.
+    `remat.solvers.timeline.pipeline_rank.Kept` counts it. Also the FLOPs of the three passes.
 """
 from __future__ import annotations
 

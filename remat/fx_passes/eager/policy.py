@@ -40,8 +40,8 @@ from remat.fx_passes.eager.runs import joined_runs, module_path, run_name, split
 from remat.fx_passes.eager.unused import unused_tensors
 from remat.fx_passes.lowering.lower import op_nodes
 from remat.fx_passes.tracing.rng import rng_state, state_bytes
-from remat.solvers.eager import EagerBlocks
-from remat.solvers.problem import (Kind, Phase, Problem, Reason, recompute_blocker,
+from remat.solvers.timeline.eager import EagerBlocks
+from remat.solvers.core.problem import (Kind, Phase, Problem, Reason, recompute_blocker,
                                    tuple_of)
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
     """The solver's view of the blocks (ops, owners, packers, what may be cached) and each
     block's op sequence: the `observed` one (`probe`) aligned with the joint graph where
     given, else the one derived from the joint graph; or the `policies` given (a saved
-    plan's, `remat.planner.plan_file`), as they are, with `probed`: what its probe found that
+    plan's, `remat.planner.plans.plan_file`), as they are, with `probed`: what its probe found that
     the graph does not show (`EagerBlocks.unread_inputs`, `unused_tensors`, in this problem's
     numbering). A module the probe saw run several times in the step is a block per run
     (`remat.fx_passes.eager.runs`)."""

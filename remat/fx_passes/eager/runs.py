@@ -15,7 +15,7 @@ from typing import Any, Sequence
 from torch import fx
 
 from remat.fx_passes.eager.block_policy import BlockPolicy
-from remat.solvers.problem import Problem
+from remat.solvers.core.problem import Problem
 
 __all__ = ["joined_runs", "module_path", "run_index", "run_name", "split_runs"]
 

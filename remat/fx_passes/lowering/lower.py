@@ -48,7 +48,7 @@ from remat.fx_passes.measuring.profile import profile as run_profile
 from remat.fx_passes.tracing.names import target_name
 from remat.fx_passes.tracing.rng import RandomOp, draws, has_side_effects, rng_state, state_bytes
 from remat.fx_passes.measuring.storage import remat_meta, storage_bytes
-from remat.solvers.problem import Kind, Op, Phase, Problem, Reason
+from remat.solvers.core.problem import Kind, Op, Phase, Problem, Reason
 
 log = logging.getLogger(__name__)
 

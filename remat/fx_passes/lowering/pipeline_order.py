@@ -20,10 +20,10 @@ Where the order comes from:
   backwards.
 - torch's first stage skips I under split backward and runs its whole backward at W
   (`backward_weight_one_chunk`); the order keeps I and W, and the stage's memory says so
-  (`remat.planner.pipeline`).
+  (`remat.planner.parallel.pipeline`).
 
 ``ScheduleOrder.kept(rank, output, input_grad)``: what each runtime keeps of the tensors a
-stage hands on after the micro-batch is done with them (`remat.solvers.pipeline.Kept`), read
+stage hands on after the micro-batch is done with them (`remat.solvers.timeline.pipeline_rank.Kept`), read
 in torch 2.13's loops and checked against the allocator (a gloo send's work keeps its tensor
 while the work object lives):
 - GPipe keeps the works of every forward and backward send in lists to the end of the step,
@@ -50,7 +50,7 @@ import types
 from dataclasses import dataclass
 
 from remat.errors import RematError
-from remat.solvers.pipeline import Action, ActionKind, Kept
+from remat.solvers.timeline.pipeline_rank import Action, ActionKind, Kept
 
 __all__ = ["ScheduleOrder", "schedule_actions", "SPLIT_BACKWARD"]
 
@@ -164,7 +164,7 @@ def _name(schedule) -> str:
     raise RematError(f"schedule {cls.__name__}: remat knows the action order of GPipe, 1F1B, "
                      "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble and "
                      "DualPipeV; for your own schedule, pass its actions per rank "
-                     "(remat.solvers.pipeline.Action) to plan_pipeline(actions=...)")
+                     "(remat.solvers.timeline.pipeline_rank.Action) to plan_pipeline(actions=...)")
 
 
 def schedule_actions(schedule, *, ranks: int, microbatches: int,

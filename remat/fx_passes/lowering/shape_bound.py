@@ -34,7 +34,7 @@ from typing import Any
 
 from remat.errors import RematError
 from remat.fx_passes.measuring.storage import remat_meta
-from remat.solvers.problem import Kind, Problem
+from remat.solvers.core.problem import Kind, Problem
 
 log = logging.getLogger(__name__)
 

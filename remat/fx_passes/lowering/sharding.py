@@ -11,7 +11,7 @@ grad_bytes=None) -> Sharded``
     of the sharded problem back onto the graph problem, which is what the rewrite runs.
 
 What is modelled (torch.distributed.fsdp.fully_shard, 2.13, read in _fsdp_param_group.py):
-- Units: each repeated block ("layers.3", `remat.solvers.baselines.block_of` of a parameter's
+- Units: each repeated block ("layers.3", `remat.solvers.baselines.standard.block_of` of a parameter's
   name) is one `fully_shard` unit; every other parameter belongs to the root unit.
 - ``zero_stage >= 2``: a unit's post-backward runs after the last backward op of the unit. It
   copies the unit's full gradients into a reduce-scatter buffer (``reduce_scatter.<unit>``, the
@@ -36,7 +36,7 @@ What is modelled (torch.distributed.fsdp.fully_shard, 2.13, read in _fsdp_param_
   (``copy_out_bwd.<unit>``, its pre-backward) and its parameters at its post-backward
   (``reshard_bwd.<unit>``), before the reduce-scatter.
   Checked against the allocator's events of FSDP2 (torch 2.13, gloo, synchronous), in
-  tests/test_sharded_memory.py and tests/test_distributed.py.
+  tests/fx_passes/test_sharded_memory.py and tests/planner/test_distributed.py.
 - With ``zero_stage < 2`` the problem is returned unchanged.
 """
 from __future__ import annotations
@@ -49,9 +49,9 @@ from torch import fx
 from remat.fx_passes.tracing.capture import Captured
 from remat.fx_passes.lowering.lower import parameter_gradients
 from remat.solvers import make_schedule
-from remat.solvers.baselines import block_of
-from remat.solvers.problem import Kind, Op, Phase, Problem, Reason
-from remat.solvers.schedule import Schedule
+from remat.solvers.baselines.standard import block_of
+from remat.solvers.core.problem import Kind, Op, Phase, Problem, Reason
+from remat.solvers.core.schedule import Schedule
 
 __all__ = ["Sharded", "shard", "project"]
 

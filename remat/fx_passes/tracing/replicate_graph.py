@@ -24,7 +24,7 @@ from torch import fx, nn
 from remat.fx_passes.tracing.capture import Captured
 from remat.fx_passes.tracing.names import module_path
 from remat.fx_passes.tracing.rng import SUFFIX, rng_state
-from remat.solvers.problem import Phase
+from remat.solvers.core.problem import Phase
 
 __all__ = ["NotUniform", "TRACED", "replicated_fields"]
 

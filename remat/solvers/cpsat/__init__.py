@@ -6,16 +6,17 @@
 - `jit_model`: recomputations just in time (`free_positions=False`);
 - `search`: CP-SAT's parameters, the anytime trace, the progress line;
 - `hints`: the baselines that start the search (the hint pool, `HINT_POOL`) and the drop pass
-  (the plan read off the bound's relaxation, `remat.solvers.relaxed`, competes with them);
+  (the plan read off the bound's relaxation, `remat.solvers.relaxation.relaxed`, competes with them);
 - `least_peak`: the least-peak search and the BudgetError it supports;
 - `rich_model`: the richer execution model (recompute twice, within the forward, offload),
   hinted by `rich_hint`;
 - `rich_search`: `SolverOptions.model` "rich" and "auto" (the single model first, the rich one
   where a bound over its space leaves room);
+- `offload_search`: offloads added to a plan where the host link hides them;
 - `driver`: `optimal` itself, its deadline and its stages;
-- `eager_model`, `eager_search`: the eager mode's own exact planner (which ops each block's
-  selective-checkpoint policy caches, against `remat.solvers.eager`'s timeline); `eager_slots`
-  its relaxation checked at a few slots, the bound and often the plan.
+- `tiled`: Strategy `tiled`, long stacks solved window by window with `optimal`.
+
+The eager mode's exact planner is `remat.solvers.eager`, one floor up.
 """
 from remat.solvers.cpsat.driver import optimal
 from remat.solvers.cpsat.hints import BASELINES, HINT_POOL, _best_baseline

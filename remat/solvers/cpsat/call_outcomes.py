@@ -9,18 +9,16 @@ import time
 from types import MappingProxyType
 
 from remat.errors import BudgetError, SolverError
-from remat.solvers.bound import Bound
+from remat.solvers.relaxation.bound import Bound
 from remat.solvers.cpsat.least_peak import least_peak, too_small
 from remat.solvers.cpsat.rich_search import full_cost
 from remat.solvers.cpsat.search import deadline_info
-from remat.solvers.deadline import Deadline
-from remat.solvers.schedule import Schedule, Status, evaluate
-from remat.solvers.strategies import Strategy
+from remat.solvers.core.deadline import Deadline
+from remat.solvers.core.schedule import OPTIMAL_TOLERANCE, Schedule, Status
+from remat.solvers.timeline.evaluate import evaluate
+from remat.solvers.core.strategy import Strategy
 
-__all__ = ["OPTIMAL_TOLERANCE", "CallOutcomes"]
-
-# A schedule is OPTIMAL when its true cost is within this fraction above a proven bound.
-OPTIMAL_TOLERANCE = 1e-4
+__all__ = ["CallOutcomes"]
 
 
 class CallOutcomes:

@@ -1,6 +1,6 @@
-"""Strategy `optimal`: the search driver. One deadline (`remat.solvers.deadline.Deadline`,
+"""Strategy `optimal`: the search driver. One deadline (`remat.solvers.core.deadline.Deadline`,
 `options.time_limit` from the call's start) bounds everything it runs, in this order: the hint
-pool's baselines, the plan read off the bound's relaxation (`remat.solvers.relaxed`, which proves
+pool's baselines, the plan read off the bound's relaxation (`remat.solvers.relaxation.relaxed`, which proves
 a bound too), the least-peak search where nothing fits, the drop pass, the bound at the step
 where the hint binds, the model's construction, the least-cost stage, the least-peak-at-that-cost
 stage, and every fallback (a baseline skipped for time runs in what the later stages left).
@@ -21,23 +21,23 @@ import time
 
 from ortools.sat.python import cp_model
 
-from remat.solvers.bound import Bound, recompute_bound
-from remat.solvers.cpsat.call_outcomes import OPTIMAL_TOLERANCE, CallOutcomes
+from remat.solvers.relaxation.bound import Bound, recompute_bound
+from remat.solvers.cpsat.call_outcomes import CallOutcomes
 from remat.solvers.cpsat.hints import Pool, drop_pass
 from remat.solvers.cpsat.rich_search import optimal_rich
 from remat.solvers.cpsat.search import (Progress, Trace, build_model, cp_solver, deadline_of,
                                         run_solver)
 from remat.solvers.cpsat.units import Units
-from remat.solvers.deadline import Deadline, OutOfTime, modelled
-from remat.solvers.options import SolverOptions
-from remat.solvers.problem import Problem
-from remat.solvers.strategies import Strategy, register
-from remat.solvers.relaxed import binding_step, relaxed_schedule
-from remat.solvers.schedule import Schedule, evaluate, make_schedule
+from remat.solvers.core.deadline import Deadline, OutOfTime, modelled
+from remat.solvers.core.options import SolverOptions
+from remat.solvers.core.problem import Problem
+from remat.solvers.relaxation.relaxed import binding_step, relaxed_schedule
+from remat.solvers.core.schedule import OPTIMAL_TOLERANCE, Schedule
+from remat.solvers.timeline.evaluate import evaluate, make_schedule
 
 logger = logging.getLogger(__name__)
 
-# Shares of the time limit (the relaxations of remat.solvers.bound run with their own worker
+# Shares of the time limit (the relaxations of remat.solvers.relaxation.bound run with their own worker
 # count, bound.WORKERS, whatever `options.workers` gives the search): the hint pool's baselines;
 # the plan read off the relaxation; the drop pass; the least-peak search when no baseline fits
 # (of what is left; it stops once the budget is met); the bound proven from backward steps;
@@ -58,7 +58,6 @@ FINISH_EVALUATIONS = 4
 PART_EVALUATIONS = 3
 
 
-@register(Strategy.OPTIMAL)
 def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
     """The least-recompute-cost schedule whose simulated peak fits `budget`, least peak among
     equals; OPTIMAL when proven, else FEASIBLE with the best bound (time limit, relative gap).

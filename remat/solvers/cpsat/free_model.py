@@ -19,9 +19,9 @@ from ortools.sat.python import cp_model
 
 from remat.solvers.cpsat.units import (Axis, Profile, Units, in_model_space,
                                        provide_what_is_needed)
-from remat.solvers.deadline import Deadline, ticker
-from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
-from remat.solvers.schedule import Schedule
+from remat.solvers.core.deadline import Deadline, ticker
+from remat.solvers.core.problem import Kind, Problem, recompute_blocker, tuple_of
+from remat.solvers.core.schedule import Schedule
 
 # Nonzeros the redundant knapsack cuts may add in all.
 MAX_CUT_TERMS = 400_000

@@ -11,12 +11,13 @@ from dataclasses import dataclass, field
 from typing import Collection
 
 from remat.errors import BudgetError
-from remat.solvers import baselines  # noqa: F401  (registers the pool's strategies)
-from remat.solvers.deadline import Deadline, OutOfTime, modelled
-from remat.solvers.options import SolverOptions
-from remat.solvers.problem import Kind, Problem
-from remat.solvers.strategies import STRATEGIES, Strategy
-from remat.solvers.schedule import Schedule, drop_unneeded, make_schedule
+from remat.solvers.core.deadline import Deadline, OutOfTime, modelled
+from remat.solvers.core.options import SolverOptions
+from remat.solvers.core.problem import Kind, Problem
+from remat.solvers.baselines.standard import BY_STRATEGY
+from remat.solvers.core.strategy import Strategy
+from remat.solvers.core.schedule import Schedule, drop_unneeded
+from remat.solvers.timeline.evaluate import make_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class Pool:
         the deadline has not passed; all of the pool's, as predicted, by default."""
         found = []
         for strategy in HINT_POOL:
-            if strategy not in STRATEGIES or (only is not None and strategy.value not in only):
+            if strategy not in BY_STRATEGY or (only is not None and strategy.value not in only):
                 continue
             part = deadline
             if not found and until_one_fits is not None and until_one_fits.end > deadline.end:
@@ -73,9 +74,9 @@ class Pool:
             began = time.perf_counter()
             try:
                 if strategy in EVALUATIONS:  # a fixed plan: one evaluation, nothing to stop
-                    found.append(STRATEGIES[strategy](self.problem, budget, self.options))
+                    found.append(BY_STRATEGY[strategy](self.problem, budget, self.options))
                 else:
-                    found.append(STRATEGIES[strategy](self.problem, budget, self.options,
+                    found.append(BY_STRATEGY[strategy](self.problem, budget, self.options,
                                                       deadline=part))
                 self.skipped.pop(strategy.value, None)
             except BudgetError:
@@ -120,10 +121,10 @@ class Pool:
         10 s after a 20 s capture: every baseline skipped), a plan one evaluation late beats a
         SolverError."""
         for strategy in EVALUATIONS:
-            if strategy.value not in self.skipped or strategy not in STRATEGIES:
+            if strategy.value not in self.skipped or strategy not in BY_STRATEGY:
                 continue
             try:
-                found = STRATEGIES[strategy](self.problem, budget, self.options)
+                found = BY_STRATEGY[strategy](self.problem, budget, self.options)
             except BudgetError:
                 continue
             self.skipped[strategy.value] += "; then run past the deadline: nothing else fitted"

@@ -6,9 +6,10 @@ from __future__ import annotations
 from ortools.sat.python import cp_model
 
 from remat.solvers.cpsat.units import Units, in_model_space, provide_what_is_needed
-from remat.solvers.deadline import Deadline, ticker
-from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
-from remat.solvers.schedule import Schedule, make_schedule
+from remat.solvers.core.deadline import Deadline, ticker
+from remat.solvers.core.problem import Kind, Problem, recompute_blocker, tuple_of
+from remat.solvers.core.schedule import Schedule
+from remat.solvers.timeline.evaluate import make_schedule
 
 
 class JitModel:

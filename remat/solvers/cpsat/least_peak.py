@@ -9,17 +9,18 @@ import math
 from ortools.sat.python import cp_model
 
 from remat.errors import BudgetError
-from remat.solvers.bound import peak_bound
+from remat.solvers.relaxation.bound import peak_bound
 from remat.solvers.cpsat.hints import Pool
 from remat.solvers.cpsat.search import cp_solver, run_solver
-from remat.solvers.deadline import Deadline
+from remat.solvers.core.deadline import Deadline
 from remat.solvers.cpsat.units import Units
-from remat.solvers.options import SolverOptions
-from remat.solvers.problem import Problem
-from remat.solvers.strategies import Strategy
-from remat.solvers.schedule import Schedule, evaluate, make_schedule
+from remat.solvers.core.options import SolverOptions
+from remat.solvers.core.problem import Problem
+from remat.solvers.core.strategy import Strategy
+from remat.solvers.core.schedule import Schedule
 
 # The share of the time limit the floor's proof (bound.peak_bound) may take for the message.
+from remat.solvers.timeline.evaluate import evaluate, make_schedule
 FLOOR_SHARE = 0.1
 
 

@@ -4,9 +4,9 @@ solution (the single model's plan in "auto", a baseline's in "rich")."""
 from __future__ import annotations
 
 from remat.solvers.cpsat.units import in_model_space
-from remat.solvers.problem import tuple_of
-from remat.solvers.schedule import Schedule
-from remat.solvers.simulate import StepKind, copies_of, holds, step_order
+from remat.solvers.core.problem import tuple_of
+from remat.solvers.core.schedule import Schedule
+from remat.solvers.timeline.simulate import StepKind, copies_of, holds, step_order
 
 
 def hint(model, schedule: Schedule) -> bool:

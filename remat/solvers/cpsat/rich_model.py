@@ -18,7 +18,7 @@ Exactness, the free model's argument: with tight ends, the model's profile is si
 the same copies; ends are only bounded below, and looser ends only overstate memory, so the
 least cost is exact, and the least peak at that cost (the driver's second stage) is
 simulate's. Without offload the model spans the whole rich space of `max_copies` (what
-`remat.solvers.rich_brute` enumerates), so CP-SAT's bound holds over it; with offload its
+`tests.oracles.rich_brute` enumerates), so CP-SAT's bound holds over it; with offload its
 transfers are bounded, not exact (`rich_offload`), and its bound holds over nothing but
 itself.
 
@@ -35,9 +35,9 @@ from ortools.sat.python import cp_model
 from remat.solvers.cpsat.rich_hint import hint
 from remat.solvers.cpsat.rich_offload import MAX_LOADS, Transfers
 from remat.solvers.cpsat.units import Profile, Units
-from remat.solvers.deadline import Deadline, ticker
-from remat.solvers.problem import Kind, Problem, recompute_blocker, tuple_of
-from remat.solvers.schedule import Schedule
+from remat.solvers.core.deadline import Deadline, ticker
+from remat.solvers.core.problem import Kind, Problem, recompute_blocker, tuple_of
+from remat.solvers.core.schedule import Schedule
 
 
 @dataclass

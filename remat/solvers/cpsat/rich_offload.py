@@ -1,4 +1,4 @@
-"""The rich model's offloads in CP-SAT: a sound linearisation of `remat.solvers.overlap`.
+"""The rich model's offloads in CP-SAT: a sound linearisation of `remat.solvers.timeline.overlap`.
 
 The exact timeline (compute waits, FIFO copy streams, recomputations' durations) is not linear
 in the model's decisions; this part charges an upper bound of what the step waits for, and
@@ -33,16 +33,16 @@ Where the model does not follow the exact timeline, it restricts itself: an offl
 no further copy, and no reader of it runs again within the forward (its copy to host then
 leaves after its last forward reader op); its device copy is released before a forward op whose reduced
 start follows its copy's end, or at the forward's end (the real timeline may release it
-sooner, where the compute waits for a load). The exhaustive search (`remat.solvers.rich_brute`) spans those schedules too.
+sooner, where the compute waits for a load). The exhaustive search (`tests.oracles.rich_brute`) spans those schedules too.
 """
 from __future__ import annotations
 
 import math
 
-from remat.solvers.problem import Problem
+from remat.solvers.core.problem import Problem
 
 # Beyond this many offloadable values the pairwise FIFO orders (quadratic) are not built, and
-# the model does not offload (`remat.solvers.offload_search` offloads at that scale).
+# the model does not offload (`remat.solvers.cpsat.offload_search` offloads at that scale).
 MAX_LOADS = 60
 
 

@@ -27,19 +27,20 @@ from typing import Callable
 from ortools.sat.python import cp_model
 
 from remat.errors import BudgetError, SolverError
-from remat.solvers.bound import Bound, recompute_bound
+from remat.solvers.relaxation.bound import Bound, recompute_bound
 from remat.solvers.cpsat.rich_model import RichModel
 from remat.solvers.cpsat.search import Progress, Trace, cp_solver, deadline_info, run_solver
 from remat.solvers.cpsat.units import Units
-from remat.solvers.deadline import Deadline, OutOfTime, modelled
-from remat.solvers.offload_search import improve_by_offload
-from remat.solvers.options import SolverOptions
-from remat.solvers.problem import Problem
-from remat.solvers.relaxed import binding_step, loaded_bound
-from remat.solvers.rich_relaxed import rich_relaxed_plan
-from remat.solvers.schedule import Schedule, Status, evaluate, make_schedule, price
+from remat.solvers.core.deadline import Deadline, OutOfTime, modelled
+from remat.solvers.cpsat.offload_search import improve_by_offload
+from remat.solvers.core.options import SolverOptions
+from remat.solvers.core.problem import Problem
+from remat.solvers.relaxation.relaxed import binding_step, loaded_bound
+from remat.solvers.relaxation.rich_relaxed import rich_relaxed_plan
+from remat.solvers.core.schedule import Schedule, Status
 
 # Shares of the time limit: the single model's whole call ("auto"; "rich", which wants the rich
+from remat.solvers.timeline.evaluate import evaluate, make_schedule, price
 # model searched, leaves it more time), the rich bound, the rich model's least-peak stage, and
 # with a host link, the offload search's (taken from the single model's). Under "auto" the
 # single call has half: where it does not prove its plan in that, its CP-SAT search rarely

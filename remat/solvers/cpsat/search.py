@@ -14,9 +14,9 @@ from ortools.sat.python import cp_model
 from remat.solvers.cpsat.free_model import FreeModel
 from remat.solvers.cpsat.jit_model import JitModel
 from remat.solvers.cpsat.units import Units
-from remat.solvers.deadline import DTIME_WEIGHT, Deadline
-from remat.solvers.options import SolverOptions
-from remat.solvers.problem import Problem
+from remat.solvers.core.deadline import DTIME_WEIGHT, Deadline
+from remat.solvers.core.options import SolverOptions
+from remat.solvers.core.problem import Problem
 
 logger = logging.getLogger(__name__)
 

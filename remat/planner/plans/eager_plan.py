@@ -1,0 +1,239 @@
+"""`optimize(..., execution="eager")`: a plan that runs as per-block selective checkpointing in
+the user's own eager loop (FSDP2, DDP, Hugging Face), and `EagerPlan.apply`, which wraps the
+model's blocks in place.
+
+The plan is made for what the eager mode holds (`remat.solvers.timeline.eager`): the exact
+solver's plan for the compiled mode is one seed among others (checkpoint every block whole, cache
+everything cacheable), each repaired until its eager peak fits and improved while it does;
+with the `optimal` strategy, that policy hints the exact search over the eager timeline
+(`remat.solvers.eager.search`), whose plan is OPTIMAL or FEASIBLE with a proven gap; the
+solve itself is `remat.solvers.solve_eager`.
+With a host link (`offload=True`), the last share of the limit plans the policy again from its
+cache with the block inputs whose transfers hide kept in host memory
+(`remat.solvers.timeline.eager_offload`), taken where it costs less or only it fits (HEURISTIC).
+`SolverOptions.time_limit` bounds them all together.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Sequence
+
+from remat.errors import BudgetError, RematError
+from remat.planner.job.budget import format_size
+from remat.planner.plans.block_compile import compile_blocks
+from remat.planner.job.ranks import options_for_this_job
+from remat.planner.plans.plan import Plan, budget_error_in_user_terms
+from remat.planner.plans.prepare import (cache_configs, check_eager_device, check_same_parameters,
+                                   has_meta_weights, shard_step)
+from remat.solvers import SolverOptions, Strategy, solve_eager
+from remat.solvers.baselines.standard import block_of
+
+log = logging.getLogger(__name__)
+
+
+class EagerPlan(Plan):
+    """A plan for eager training: `apply(model)` wraps the model's blocks in place with
+    checkpoint and a selective policy per block, and returns the model."""
+
+    execution = "eager"
+
+    def __init__(self, *, policies, structure, eager_problem, to_graph, **fields):
+        super().__init__(**fields)
+        self.policies = policies
+        self.structure = structure
+        self.eager_problem = eager_problem
+        """The problem the eager plan was made on: the graph's ops with eager's bytes, and under
+        ZeRO-2/3 the collectives; `schedule` and `structure` number its ops."""
+        self.to_graph = to_graph
+        """For each op of `eager_problem`, the joint-graph op it is (None: a collective)."""
+
+    @property
+    def block_policies(self) -> dict:
+        """Each block's policy (picklable): plan on one rank, send these to the others and
+        call `remat.fx_passes.eager.apply.apply_eager(model, policies)` there. For a plan made
+        for a range of shapes, each block's policy per bucket with the planned call's checks
+        (`guarded_policies`)."""
+        return self._plain_policies() if self.shapes is None else self.guarded_policies
+
+    def _plain_policies(self) -> dict:
+        from remat.fx_passes.eager.block_policy import with_cache, with_offload
+
+        cached = frozenset(self.to_graph[v] for v in self.schedule.info["cached"])
+        mode = self.prepared.captured.training  # a block in the other mode runs plainly
+        policies = {p: dataclasses.replace(with_cache(pol, cached), training=mode)
+                    for p, pol in self.policies.items()}
+        for path, (inputs, prefetch) in self._offloads().items():
+            policies[path] = with_offload(policies[path], inputs, prefetch)
+        return policies
+
+    @property
+    def guarded_policies(self) -> dict:
+        """Each block's policy for each bucket of the planned shapes, with the planned call's
+        spec: `apply_eager` then checks every training call before it runs
+        (remat.fx_passes.eager.call_guard)."""
+        from remat.fx_passes.eager.call_guard import GuardedPolicy
+        from remat.fx_passes.eager.runs import module_path
+
+        plans = self.shapes.plans if self.shapes is not None else {None: self}
+        tables = {bucket: plan._plain_policies() for bucket, plan in plans.items()}
+        spec = dataclasses.replace(self.prepared.call_spec, scalars_free=True)
+        # A run of a shared module (``path#k``) is guarded as the module it runs.
+        return {name: GuardedPolicy(module_path(name),
+                                    tuple((b, t[name]) for b, t in tables.items()), spec)
+                for name in self.policies}
+
+    def _offloads(self) -> dict[str, tuple[list, list]]:
+        """Per block: the (shape, dtype) of the inputs it offloads, and the blocks whose
+        offloaded inputs load when it unpacks its own (`remat.solvers.timeline.eager_offload`)."""
+        from remat.fx_passes.lowering.lower import op_nodes
+        from remat.solvers.timeline.eager import block_runs
+        from remat.solvers.timeline.eager_offload import offloadable
+
+        schedule, problem = self.schedule, self.eager_problem
+        if not schedule.offload_at:
+            return {}
+        runs = block_runs(problem, self.structure, schedule.info["cached"])
+        eligible = offloadable(problem, self.structure, runs)
+        at_trigger = {run.trigger: run.name for run in runs if run.trigger is not None}
+        nodes = op_nodes(self.prepared.captured, self.prepared.sharded.graph)
+        plans: dict[str, tuple[list, list]] = {}
+        for s, load in sorted(schedule.offload_at.items()):
+            block, val = eligible[s], nodes[self.to_graph[s]].meta["val"]
+            plans.setdefault(block, ([], []))[0].append((tuple(val.shape), str(val.dtype)))
+            ahead = plans.setdefault(at_trigger[load], ([], []))[1]
+            if block not in ahead:
+                ahead.append(block)
+        return plans
+
+    def offload_timeline(self):
+        from remat.solvers.timeline.eager import eager_transfers
+
+        return self.eager_problem, eager_transfers(self.eager_problem, self.structure,
+                                                   self.schedule)
+
+    def apply(self, model: Any):
+        from remat.fx_passes.eager.apply import apply_eager
+
+        check_same_parameters(model, self.prepared.param_shapes)
+        if has_meta_weights(model):
+            raise RematError("plan.apply(model) needs real weights; this model's parameters are "
+                             "meta or fake tensors: load or initialize the weights first")
+        check_eager_device(model, self.prepared.captured.device)
+        check_no_cache(model)
+        policies = (self._plain_policies() if self.prepared.call_spec is None
+                    else self.guarded_policies)
+        return apply_eager(model, policies)
+
+    def compile_blocks(self, model: Any, *, inductor: bool = False):
+        """The plan applied by compiling each block with remat's partitioner (torchtitan's
+        per-block compile) instead of wrapping it in checkpoint: see
+        `remat.planner.plans.block_compile.compile_blocks`."""
+        if self.shapes is not None:
+            raise RematError("compile_blocks compiles each block for the planned shapes only; "
+                             "a plan for a range of shapes (dynamic=) runs with "
+                             "plan.apply(model)")
+        return compile_blocks(self, model, inductor=inductor)
+
+
+def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budget: int | None,
+                    target: str, solver: Strategy | str, solver_options: SolverOptions | None,
+                    blocks: Sequence[str] | None, example_inputs: Sequence[Any] | None = None,
+                    example_kwargs: dict[str, Any] | None = None):
+    problem, structure, policies, to_graph = eager_structure(
+        model, prepared, blocks, example_inputs, example_kwargs)
+    strategy = Strategy(solver)
+    allowance = prepared.allowance(budget, activation_budget)
+    try:
+        # The call's clock started before capture and probe (remat.optimize): limits left to
+        # None are sized by the eager problem and count that time.
+        schedule = solve_eager(problem, structure, max(allowance, 0), strategy,
+                               options_for_this_job(solver_options))
+        if allowance < 0:
+            raise BudgetError("the state alone exceeds the budget", budget=allowance,
+                              smallest=schedule.peak)
+    except BudgetError as e:
+        raise budget_error_in_user_terms(prepared, e, budget=budget, strategy=strategy) from None
+    # schedule.peak is the eager timeline's (eager_schedule), so the terms are the eager step's.
+    memory = prepared.step_memory(schedule, budget)
+    log.info("eager plan: %d blocks, activation peak %s, recompute %.3g FLOPs", len(policies),
+             format_size(schedule.peak), schedule.recompute_flops)
+    return EagerPlan(model=model, prepared=prepared, schedule=schedule, memory=memory,
+                     target=target, solver=strategy,
+                     solver_options=None if solver_options is None
+                     else dataclasses.replace(solver_options, started=None),
+                     activation_budget=activation_budget, policies=policies,
+                     structure=structure, eager_problem=problem, to_graph=to_graph)
+
+
+def eager_structure(model: Any, prepared, blocks: Sequence[str] | None,
+                    example_inputs: Sequence[Any] | None = None,
+                    example_kwargs: dict[str, Any] | None = None):
+    """What the eager planner solves: the problem with eager's bytes (under ZeRO-2/3 with the
+    collectives), the blocks' structure, each block's policy, and for each op of the problem
+    the joint-graph op it is (None: a collective)."""
+    from remat.fx_passes.eager.policy import block_paths
+    from remat.fx_passes.tracing.call_checks import uncached_autocast
+    from remat.fx_passes.eager.probe import probe
+
+    paths = block_paths(model, prepared.sharded.graph, blocks, block_of)
+    observed = None
+    if example_inputs is not None and not prepared.meta_weights:
+        # As the applied blocks run: autocast casting each weight at each use (apply.py).
+        with uncached_autocast():
+            observed = probe(model, _as_tuple(example_inputs), paths, example_kwargs or {})
+    else:
+        log.info("eager: no weights to run the blocks with; their eager ops are derived from "
+                 "the joint graph (plan.apply's run checks them)")
+    structure, policies, problem, to_graph = eager_step(prepared, paths, observed=observed)
+    return problem, structure, policies, to_graph
+
+
+
+def eager_step(prepared, paths: Sequence[str], *, observed=None, policies=None, probed=None):
+    """(structure, policies, eager problem, its ops' joint-graph ops) of the eager step whose
+    blocks are `paths`: their policies `observed` by a probe, derived from the joint graph, or
+    given (a saved plan's, `remat.planner.plans.plan_file`, with what its probe found: `probed`,
+    `eager_blocks`'s, in the joint graph's numbering)."""
+    from remat.fx_passes.eager.policy import eager_blocks, eager_problem, with_eager_bytes
+    from remat.fx_passes.lowering.lower import op_nodes
+
+    captured, joint = prepared.captured, prepared.sharded.graph
+    structure, policies = eager_blocks(captured, joint, paths, observed, policies=policies,
+                                       probed=probed)
+    # Checkpoint's recomputations run the graph's ops with eager's bytes; under ZeRO-2/3 the
+    # collectives of FSDP2 are inserted among them as in the compiled mode (gathered
+    # parameters, full gradients until their reduce-scatter), and the blocks renumbered.
+    nodes = op_nodes(captured, joint)
+    problem = eager_problem(joint, nodes, captured.device)
+    if captured.shape_range is None:  # the probe saw one shape: a range keeps its bound
+        # and one routing: a size read from the data keeps its worst case (tracing.unbacked)
+        worst = {v for v, node in enumerate(nodes) if "unbacked_val" in node.meta}
+        problem = with_eager_bytes(problem, policies, keep=worst)
+    problem = dataclasses.replace(problem, host_bandwidth=joint.host_bandwidth,
+                                  host_capacity=joint.host_capacity)
+    to_graph = tuple(range(len(problem)))
+    if prepared.sharded.problem is not joint:
+        sharded = shard_step(problem, captured, prepared.training)
+        problem, to_graph = sharded.problem, sharded.graph_index
+        structure = structure.renumbered({g: i for i, g in enumerate(to_graph)
+                                          if g is not None})
+    return structure, policies, problem, to_graph
+
+
+def check_no_cache(model: Any) -> None:
+    """Refuse a Hugging Face model whose config keeps a key/value cache: its blocks append to
+    the cache in the forward and again when checkpoint recomputes them, so the recomputation
+    sees other shapes (what `gradient_checkpointing_enable()` avoids by turning it off)."""
+    caching = cache_configs(model)
+    if caching:
+        raise RematError(
+            f"plan.apply(model): {', '.join(caching)} has use_cache=True; its blocks would "
+            "append to the key/value cache again when recomputed; set use_cache = False there "
+            "before optimize (training needs no cache; a submodule may keep a config of its "
+            "own, as T5's decoder does)")
+
+
+def _as_tuple(inputs: Any) -> tuple:
+    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+

@@ -1,0 +1,325 @@
+"""Exact eager plans: the cheapest per-block selective-checkpoint policy whose eager peak
+(`remat.solvers.timeline.eager.eager_timeline`) fits the budget, solved with `EagerModel` and reported
+like the compiled mode's plans: OPTIMAL within OPTIMAL_TOLERANCE of a proven bound, else
+FEASIBLE with that bound and its gap.
+
+First the model checked at a few slots (`eager_slots`, SLOT_STAGE_SHARE of the least-cost
+stage's time): its bound, and where its policy fits everywhere at that bound, the plan, which
+the search over every slot then need not find; else the search starts from the best policy
+found, with the bound as its floor.
+
+One `Deadline` bounds the whole call (the caller's, or `options.time_limit` from the start):
+the model's construction, the slot bound, the least-cost stage, the least-peak-at-that-cost
+stage, and, where
+nothing fits, the least-peak search that BudgetError's smallest budget comes from. The caller's
+hint (the heuristic `plan_eager`'s policy) starts the search, and is returned where the search
+found nothing cheaper, so the result is never worse than it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import replace
+from types import MappingProxyType
+from typing import Iterable
+
+from ortools.sat.python import cp_model
+
+from remat.errors import BudgetError, SolverError
+from remat.solvers.eager.model import EagerModel
+from remat.solvers.eager.slots import slot_bound
+from remat.solvers.cpsat.search import cp_solver
+from remat.solvers.cpsat.units import MAX_UNITS, Units
+from remat.solvers.core.deadline import Deadline, OutOfTime
+from remat.solvers.timeline.eager import EagerBlocks, eager_schedule
+from remat.solvers.eager.heuristic import plan_eager
+from remat.solvers.core.objective import with_objective
+from remat.solvers.core.options import SolverOptions
+from remat.solvers.core.problem import Problem
+from remat.solvers.core.schedule import OPTIMAL_TOLERANCE, Schedule, Status
+
+log = logging.getLogger(__name__)
+
+STRATEGY = "eager_optimal"
+# The share of the time limit kept for lowering the peak at the least cost found.
+PEAK_STAGE_SHARE = 0.1
+# The share of the least-cost stage's time that the slot relaxation may take first
+# (`eager_slots`); where it proves its policy optimal, the search over every slot is skipped.
+SLOT_STAGE_SHARE = 0.8
+# The share of the slot stage's time left that repairing one relaxed policy may take.
+REPAIR_SHARE = 0.7
+# A CP-SAT solve of the whole model takes time to load it whatever its limit (DBRX: 0.6 s at a
+# 1 ms limit under a load of 7, its Python build 4.5 s then): a stage starts only with at least
+# this share of the model's build time left, which scales with the model and the load alike.
+SOLVE_SETUP_SHARE = 0.25
+# CP-SAT's full-problem workers, first first (the portfolio keeps as many as there are workers).
+SUBSOLVERS = ("max_lp", "default_lp", "quick_restart", "core")
+
+
+def eager_units(problem: Problem, blocks: EagerBlocks, options: SolverOptions) -> Units:
+    """The compiled models' units, with checkpoint's generator state (5,056 bytes on a CPU), the
+    unread inputs it holds, the Python numbers autograd keeps and the unused tensors eager
+    PyTorch makes among the sizes that the byte unit divides, so that the model's bytes stay
+    exact."""
+    units = Units.of(problem, options)
+    extra = [a for a in (blocks.state_bytes, *(n for n, _ in blocks.unread_inputs),
+                         *(n for n, _, _ in blocks.kept_numbers),
+                         *(n for n, _, _, _ in blocks.unused_tensors)) if a]
+    if not units.exact_bytes or all(a % units.byte == 0 for a in extra):
+        return units
+    unit = math.gcd(units.byte, *extra)
+    total = (sum(op.size + op.temp for op in problem.ops)
+             + sum(extra) + 2 * blocks.state_bytes * len(blocks.ops))
+    if total // unit > MAX_UNITS:
+        return units  # sizes round up: conservative, and info["exact"] says so
+    return replace(units, byte=unit)
+
+
+class _Disagreement(Exception):
+    """The model's policy peaks above the budget on the eager timeline itself: the model and
+    `eager_timeline` disagree on this problem (a bug of the model, never of the input)."""
+
+
+def optimal_eager(problem: Problem, blocks: EagerBlocks, budget: int, options: SolverOptions,
+                  *, hint: Iterable[int] | None = None, deadline: Deadline | None = None
+                  ) -> Schedule:
+    """`_optimal_eager`, guarded: where the exact model and the eager timeline disagree on a
+    policy's peak, its claims prove nothing, so the hint's policy (the heuristic's, checked
+    on the timeline) is returned FEASIBLE without a bound, and the result says why."""
+    try:
+        return _optimal_eager(problem, blocks, budget, options, hint=hint, deadline=deadline)
+    except _Disagreement as e:
+        start = None if hint is None else eager_schedule(problem, blocks, hint,
+                                                         strategy=STRATEGY,
+                                                         status=Status.FEASIBLE, budget=budget)
+        if start is None or start.peak > budget:
+            raise SolverError(f"{e}; no heuristic policy to fall back on: please report it") \
+                from None
+        log.warning("%s; returning the heuristic's policy, unproven", e)
+        return replace(start, bound=None, info=MappingProxyType(
+            {**start.info, "execution": "eager", "model": "eager heuristic",
+             "exact_model": f"disagreed with the eager timeline ({e}); unproven"}))
+
+
+def _optimal_eager(problem: Problem, blocks: EagerBlocks, budget: int, options: SolverOptions,
+                   *, hint: Iterable[int] | None = None, deadline: Deadline | None = None
+                   ) -> Schedule:
+    """The least-cost policy (cached ops) whose eager peak fits `budget`, least peak among
+    equals, as `eager_schedule`'s Schedule with status, bound and gap. `hint`: a policy's
+    cached ops to start from. Raises BudgetError when no policy fits (proven, or the least
+    peak found is above the budget: the message says which) and SolverError when the time
+    allowed neither a policy nor a proof."""
+    options = options.by_size(len(problem))
+    deadline = deadline or Deadline(options.time_limit)
+    deadline.enter("eager: the model")
+    costed = with_objective(problem, options.objective)
+    units = eager_units(costed, blocks, options)
+    info: dict = {"execution": "eager", "model": "eager", "bound_from": "CP-SAT search",
+                  "objective": options.objective, "byte_unit": units.byte,
+                  "exact": units.exact_bytes}
+    start = None if hint is None else eager_schedule(costed, blocks, hint, budget=budget)
+    if start is not None and start.peak > budget:
+        start = None  # a policy that does not fit starts nothing
+    if not deadline.check("eager: the model"):
+        return _result(problem, blocks, start, 0.0, budget, deadline, info, "no time to build")
+    building = deadline.elapsed()
+    try:
+        model = EagerModel(costed, blocks, units, deadline)
+    except OutOfTime:
+        return _result(problem, blocks, start, 0.0, budget, deadline, info, "no time to build")
+    setup = SOLVE_SETUP_SHARE * (deadline.elapsed() - building)
+    info.update(cache_units=len(model.cache), slots=model.slots,
+                variables=len(model.model.Proto().variables))
+    m, capacity = model.model, units.capacity(budget)
+    if model.fixed_peak > capacity:  # what no policy moves exceeds the budget already
+        return _least(problem, blocks, budget, options, deadline, info)
+
+    m.Add(model.peak <= capacity)
+    m.Minimize(model.cost)
+    reserve = PEAK_STAGE_SHARE * deadline.limit
+
+    # --- Stage 0: the model checked at a few slots, grown where its policy overflows: a
+    # bound, and where its policy fits everywhere, the least-cost policy (`eager_slots`).
+    relaxed = None
+    part = deadline.within(SLOT_STAGE_SHARE * max(0.0, deadline.left() - reserve))
+    # Its bound is the model's, which holds for exact bytes only; its first evaluations of
+    # the model take about as long as loading it into CP-SAT (DBRX: 1 s under a load of 6).
+    if units.exact_bytes and part.left() >= setup:
+        deadline.enter("eager: slot bound")
+
+        def repair(cached):
+            """A relaxed policy that overflows, made to fit by the heuristic: what it and the
+            best policy known both cache, improved (caching more while it fits), and the
+            relaxed policy repaired (caching less until it fits), then improved."""
+            known = frozenset(start.info["cached"]) if start is not None else frozenset()
+            try:
+                return plan_eager(costed, blocks, budget, [known & cached, cached],
+                                  part.within(REPAIR_SHARE * part.left())).info["cached"]
+            except BudgetError:
+                return None
+
+        relaxed = slot_bound(model, capacity, options, part,
+                             starts=() if start is None else [start.info["cached"]],
+                             solve=lambda solver, cp, stage: _run(_lp_first(solver), cp, part,
+                                                                  stage),
+                             repair=repair)
+        info.update(slot_bound=relaxed.bound * units.cost + model.fixed_cost,
+                    slots_checked=len(relaxed.slots), slot_rounds=relaxed.rounds)
+        if math.isinf(relaxed.bound):  # no policy fits even at those slots
+            return _least(problem, blocks, budget, options, deadline, info)
+    floor = 0.0 if relaxed is None else relaxed.bound
+    if relaxed is not None and relaxed.cached is not None:
+        found = eager_schedule(costed, blocks, relaxed.cached, budget=budget)
+        if start is None or found.cost < start.cost:
+            start = found
+
+    # --- Stage 1: least cost under the capacity, unless the slots proved it.
+    if relaxed is not None and relaxed.optimal:
+        info.update(bound_from="slot bound", stage1_time=0.0)
+        cached, best = relaxed.cached, model.units_cost(relaxed.cached)
+        bound = floor * units.cost + model.fixed_cost
+    elif deadline.left() - reserve < setup:  # CP-SAT would only load the model by then
+        deadline.stop("eager: least cost", "no time left to load the model")
+        if floor > 0:
+            info["bound_from"] = "slot bound"
+        return _result(problem, blocks, start, floor * units.cost + model.fixed_cost, budget,
+                       deadline, info, "no time for the least-cost search")
+    else:
+        deadline.enter("eager: least cost")
+        if floor > 0:  # the search stops where a policy meets it
+            m.Add(model.cost >= math.ceil(floor - 1e-6))
+        if start is not None:
+            model.hint(start.info["cached"])
+        status, solver = _solve(model, options, deadline, deadline.left() - reserve,
+                                "least cost")
+        info["stage1_time"] = solver.WallTime()
+        bound = solver.BestObjectiveBound() if units.exact_bytes else 0.0
+        if floor > (bound if math.isfinite(bound) else 0.0):
+            bound, info["bound_from"] = floor, "slot bound"
+        bound = max(0.0, bound) * units.cost + model.fixed_cost if math.isfinite(bound) \
+            else model.fixed_cost
+        if status == cp_model.INFEASIBLE:
+            return _least(problem, blocks, budget, options, deadline, info)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return _result(problem, blocks, start, bound, budget, deadline, info,
+                           solver.StatusName(status))
+        cached = model.decision(solver.Value)
+        best = round(solver.ObjectiveValue())
+
+    # --- Stage 2: least peak at that cost.
+    if deadline.left() > max(0.05, setup):
+        deadline.enter("eager: least peak at that cost")
+        m.Add(model.cost <= best)
+        m.Minimize(model.peak)
+        model.hint(cached)
+        status2, solver = _solve(model, options, deadline,
+                                 min(deadline.left(), PEAK_STAGE_SHARE * deadline.limit),
+                                 "least peak")
+        if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            cached = model.decision(solver.Value)
+            info["peak_stage"] = "proven" if status2 == cp_model.OPTIMAL else "stopped"
+        else:
+            info["peak_stage"] = f"CP-SAT answered {solver.StatusName(status2)}"
+    else:
+        info["peak_stage"] = "skipped: no time left"
+    found = eager_schedule(costed, blocks, cached, budget=budget)
+    if start is None or found.cost <= start.cost:
+        start = found  # else CP-SAT's answer rounded cost away: the hint stays
+    return _result(problem, blocks, start, bound, budget, deadline, info, "searched")
+
+
+def least_eager_peak(problem: Problem, blocks: EagerBlocks, options: SolverOptions, *,
+                     deadline: Deadline | None = None, start: Iterable[int] = ()
+                     ) -> tuple[Schedule, int]:
+    """The policy of least eager peak found in the time (whatever its cost), and the peak
+    proven to be the least (bytes; equal to the policy's when proven). `start`: a policy to
+    start from (by default, caching nothing)."""
+    options = options.by_size(len(problem))
+    deadline = deadline or Deadline(options.time_limit)
+    deadline.enter("eager: least peak")
+    units = eager_units(problem, blocks, options)
+    first = eager_schedule(problem, blocks, start)
+    if not deadline.check("eager: least peak"):
+        return first, 0
+    try:
+        model = EagerModel(problem, blocks, units, deadline)
+    except OutOfTime:
+        return first, 0
+    model.model.Minimize(model.peak)
+    model.hint(first.info["cached"])
+    status, solver = _solve(model, options, deadline, deadline.left(), "least peak")
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return first, model.fixed_peak * units.byte if units.exact_bytes else 0
+    found = eager_schedule(problem, blocks, model.decision(solver.Value))
+    floor = math.ceil(solver.BestObjectiveBound()) * units.byte if units.exact_bytes else 0
+    best = min((first, found), key=lambda s: s.peak)
+    return best, min(floor, best.peak)
+
+
+def _solve(model: EagerModel, options: SolverOptions, deadline: Deadline, seconds: float,
+           stage: str):
+    solver = _lp_first(cp_solver(options, deadline, seconds))
+    deadline.limit_solver(solver.parameters, max(seconds, 0.0))
+    return _run(solver, model.model, deadline, stage), solver
+
+
+def _lp_first(solver):
+    """The model is 0-1 and linear, and its bound comes from the LP, which needs the links
+    "held if cached" that presolve turns into clauses: only linearization level 2 keeps
+    them. With 2 to 4 workers the default portfolio runs no such worker (tiny Llama: no
+    bound past 41 % of the cost in 10 s; with max_lp first, proven in 0.8 s). So does the
+    slot relaxation (Bamba's seventh slot: 19 s to prove without, 1.8 s with)."""
+    solver.parameters.linearization_level = 2
+    solver.parameters.subsolvers.extend(SUBSOLVERS)
+    return solver
+
+
+def _run(solver, model: cp_model.CpModel, deadline: Deadline, stage: str):
+    with deadline.guard(solver, stage):
+        status = solver.Solve(model)
+    if status == cp_model.MODEL_INVALID:  # a bug of the model or its hint, never the input's
+        raise SolverError(f"eager: CP-SAT refused the model ({model.Validate()}); "
+                          "this is a bug: please report it")
+    return status
+
+
+def _result(problem: Problem, blocks: EagerBlocks, schedule: Schedule | None, bound: float,
+            budget: int, deadline: Deadline, info: dict, how: str) -> Schedule:
+    """`schedule` (in the objective's costs) costed on `problem`, with its true status: OPTIMAL
+    within OPTIMAL_TOLERANCE of `bound`, else FEASIBLE; the bound keeps the objective's gap."""
+    if schedule is None:
+        raise SolverError(f"eager: no policy found within the time limit of "
+                          f"{deadline.limit:g} s ({how}, and no heuristic policy fits the "
+                          "budget to start from); raise time_limit or the budget")
+    cost = schedule.cost
+    bound = min(bound, cost)
+    optimum = cost - bound <= OPTIMAL_TOLERANCE * cost
+    info.update(how=how, stages=deadline.stages, stopped=deadline.stopped)
+    final = eager_schedule(problem, blocks, schedule.info["cached"], strategy=STRATEGY,
+                           status=Status.OPTIMAL if optimum else Status.FEASIBLE, budget=budget)
+    scaled = bound / cost * final.cost if cost > 0 else 0.0
+    if final.peak > budget:  # the model is exact or conservative: this is a bug
+        raise _Disagreement(f"eager: the exact model's policy peaks at {final.peak:,} bytes on "
+                            f"the eager timeline, above the budget of {budget:,}")
+    return replace(final, bound=scaled, solve_time=deadline.elapsed(),
+                   info=MappingProxyType({**final.info, **info,
+                                          "objective_cost": cost, "objective_bound": bound}))
+
+
+def _least(problem: Problem, blocks: EagerBlocks, budget: int, options: SolverOptions,
+           deadline: Deadline, info: dict) -> Schedule:
+    """Where the model finds that nothing fits: the policy of least peak, which fits only where
+    the model's units made it conservative; else BudgetError naming that peak, and whether it
+    is proven the least."""
+    least, floor = least_eager_peak(problem, blocks, options, deadline=deadline)
+    if least.peak <= budget:
+        return _result(problem, blocks, least, 0.0, budget, deadline, info, "least peak")
+    if floor >= least.peak:
+        words = f"the least eager peak of any per-block policy is {least.peak:,} bytes (proven)"
+    else:
+        words = (f"the least eager peak found within the time limit is {least.peak:,} bytes"
+                 + (f"; no policy peaks below {floor:,} bytes (proven)" if floor else ""))
+    raise BudgetError(
+        f"eager: no checkpoint policy fits a budget of {budget:,} bytes of activations; {words}; "
+        "checkpoint more modules (blocks=) or raise the budget", budget=budget,
+        smallest=least.peak, schedule=least)

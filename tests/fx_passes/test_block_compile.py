@@ -1,0 +1,90 @@
+"""Per-block compile under FSDP2 (what torchtitan does: each block compiled, then
+`fully_shard`), with remat's partitioner inside each block: CPU, gloo, 2 ranks, a tiny Llama
+with dropout. Parameters after two AdamW steps equal the same job without remat."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import remat
+from remat.fx_passes.compiled.block_compile import compile_model_blocks
+from remat.planner.plans.block_compile import block_plans
+from remat.solvers import SolverOptions
+from examples.llama import tiny_llama
+from tests.ranks import rank_results
+# The same model, batches, seeds and training loop as the eager plan's FSDP2 test.
+from tests.planner.test_distributed import CONFIG, WORLD, _fsdp, _train
+
+
+def _worker(rank: int, init: str, plans, results: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    try:
+        torch.set_num_threads(1)
+        base, _ = tiny_llama(CONFIG)
+        plain, _ = _train(copy.deepcopy(base), rank, _fsdp)
+        compiled = compile_model_blocks(copy.deepcopy(base), plans)
+        planned, _ = _train(compiled, rank, _fsdp)
+        torch.save({
+            "worst": max(((planned[n] - plain[n]).norm() / plain[n].norm()).item()
+                         for n in plain),
+            "moved": max(((plain[n] - p).norm() / p.norm()).item()
+                         for n, p in base.named_parameters()),
+            "recomputed": {p: [len(x.recomputed) for x in made]
+                           for p, made in compiled.remat_partitions.items()},
+        }, f"{results}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def plan():
+    model, inputs = tiny_llama(CONFIG)
+    training = remat.Training(data_parallel=WORLD, zero_stage=3)
+    options = SolverOptions(time_limit=5)
+    whole = remat.optimize(model, activation_budget=10**9, example_inputs=inputs,
+                           training=training, solver_options=options, execution="eager")
+    # Between the least eager peak and saving everything: the plan recomputes.
+    return remat.optimize(model, activation_budget=int(0.8 * whole.activation_peak),
+                          example_inputs=inputs, training=training, solver_options=options,
+                          execution="eager")
+
+
+def test_compiled_blocks_train_like_plain_pytorch_under_fsdp2(plan):
+    plans = block_plans(plan)
+    assert sorted(plans) == ["layers.0", "layers.1"]
+    for rank, out in enumerate(rank_results(_worker, (plans,), WORLD, seconds=600)):
+        assert out["moved"] > 1e-3  # the optimizer really stepped
+        assert out["worst"] <= 1e-5, (rank, out)
+        # remat's partitioner compiled each block once, and recomputes in some.
+        assert sorted(out["recomputed"]) == sorted(plans), out
+        assert all(len(r) == 1 for r in out["recomputed"].values()), out
+        assert sum(r[0] for r in out["recomputed"].values()) > 0, out
+
+
+def test_a_block_whose_ops_differ_from_the_plan_is_refused(plan):
+    model, inputs = tiny_llama(CONFIG)
+    plans = block_plans(plan)
+    first = plans["layers.0"]
+    plans["layers.0"] = type(first)(first.path, first.targets[:-1], first.kept)
+    compile_model_blocks(model, plans)
+    with pytest.raises(remat.RematError, match="block 'layers.0' compiled to .* forward ops"):
+        model(*inputs).backward()
+
+
+def test_each_block_compiles_on_its_own_and_an_uncompiled_run_is_an_error(plan):
+    torch._dynamo.reset()  # the recompile counts start from here, whatever ran before
+    model, inputs = tiny_llama(CONFIG)
+    remat.compile_blocks(plan, model)  # the public name
+    with torch._dynamo.config.patch(recompile_limit=1):
+        # Every block runs the same forward code: each is compiled all the same, once.
+        model(*inputs).backward()
+        assert {p: len(made) for p, made in model.remat_partitions.items()} == \
+            {"layers.0": 1, "layers.1": 1}
+        # Another sequence length needs a recompilation, past the limit: dynamo would run
+        # the block's Python code, without the plan.
+        shorter = tuple(x[:, : CONFIG.seq // 2] for x in inputs)
+        with pytest.raises(remat.RematError, match="'layers.0' ran without remat's partitioner"):
+            model(*shorter).backward()

@@ -1,0 +1,75 @@
+"""A Hugging Face model that returns its key/value cache from a training step: the compiled
+plan holds the cache to the end of the step, as eager would, and the allocator's peak is the
+prediction (repro1 of issue 21: it was the prediction plus the cache, because the cache's
+tensors were outputs with gradient inputs of their own, zeros that autograd made). T5's
+decoder keeps a config of its own: the warning names it."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import remat
+from remat.fx_passes.measuring.allocator import step_peak
+from remat.fx_passes.tracing.torch_version import torch_at_least
+from remat.solvers import SolverOptions
+
+transformers = pytest.importorskip("transformers")
+
+
+def measured_activations(plan, model, kwargs) -> tuple[int, object]:
+    for _ in range(2):  # the first call compiles
+        for p in model.parameters():
+            p.grad = None
+        peak, out = step_peak(lambda: plan.module(**kwargs),
+                              lambda o, seed: o.loss.backward(seed))
+        cache = out.past_key_values
+        del out
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    return peak - grads, cache
+
+
+def planned(model, kwargs):
+    model.train()
+    save_all = remat.optimize(model, activation_budget=10**12, example_kwargs=kwargs,
+                              solver="save_all").activation_peak
+    return remat.optimize(model, activation_budget=save_all // 2, example_kwargs=kwargs,
+                          solver_options=SolverOptions(time_limit=5))
+
+
+def test_a_returned_cache_is_in_the_prediction_and_nothing_more():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 99, (13, 7))
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, use_cache=True))
+    kwargs = {"input_ids": ids, "labels": ids}
+    plan = planned(model, kwargs)
+    measured, cache = measured_activations(plan, model, kwargs)
+    assert not cache.layers[0].keys.requires_grad  # returned, detached like the logits
+    held = sum(t.numel() * t.element_size() for layer in cache.layers
+               for t in (layer.keys, layer.values))
+    assert held == 2 * 2 * 13 * 2 * 7 * 16 * 4  # layers, K and V, batch, heads, seq, dim, fp32
+    assert plan.activation_peak - 64 <= measured <= plan.activation_peak
+
+
+@pytest.mark.skipif(
+    not torch_at_least(2, 13),
+    reason="torch 2.11's dynamo cannot trace the copy.deepcopy of the config that T5's decoder "
+    "makes when it builds its cache in the forward (a graph break remat names; "
+    "docs/limitations.md)")
+def test_t5_decoder_cache_is_named_and_held_within_the_prediction(caplog):
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=99, d_model=32, d_ff=37, d_kv=8, num_layers=1, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
+    model.config.use_cache = False  # does not reach the decoder's own config
+    assert model.decoder.config.use_cache is True
+    kwargs = {"input_ids": torch.randint(0, 99, (13, 7)),
+              "labels": torch.randint(0, 99, (13, 9))}
+    with caplog.at_level(logging.WARNING, logger="remat.planner.plans.prepare"):
+        plan = planned(model, kwargs)
+    assert any("model.decoder.config" in r.getMessage() for r in caplog.records)
+    measured, _ = measured_activations(plan, model, kwargs)
+    assert plan.activation_peak - 64 <= measured <= plan.activation_peak
