@@ -1,4 +1,4 @@
-"""Offload in the eager mode (issue 26): which tensors a checkpointed block's frame may keep in
+"""Offload in the eager mode: which tensors a checkpointed block's frame may keep in
 host memory, where they go and come back, and which to choose. Torch-free; `remat.solvers.eager`
 times and holds them, `remat.fx_passes.eager.offload` runs them.
 

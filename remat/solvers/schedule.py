@@ -1,9 +1,9 @@
 """What a strategy decides: which forward values the backward recomputes, and where.
 
-Everything else follows from that decision (DESIGN.md, "The execution model"): the forward
-storages the backward needs, directly or through a recomputation, and does not recompute are
-saved. `make_schedule` derives them and checks that the decision can run; `evaluate` adds
-what the decision costs. Every strategy returns a `Schedule`.
+Everything else follows from that decision (the execution model, docs/execution-model.md):
+the forward storages the backward needs, directly or through a recomputation, and does not
+recompute are saved. `make_schedule` derives them and checks that the decision can run;
+`evaluate` adds what the decision costs. Every strategy returns a `Schedule`.
 
 Beyond one recomputation (the richer execution model), a schedule may also
 - recompute a forward value *again*: within the forward, before a later forward reader (its
