@@ -1,4 +1,4 @@
-"""gpu_check's offload part (issue 26): an overlapped offload's measured step time and peak
+"""gpu_check's offload part: an overlapped offload's measured step time and peak
 against the prediction of `remat.solvers.timeline.overlap` and `simulate`.
 
 The schedule: the save-all schedule with its largest saved tensors (up to a quarter of the saved

@@ -3,7 +3,7 @@
 Three numbers come from dispatch modes: live bytes (remat's storage tracker), FLOPs (the
 formulas of `torch.utils.flop_counter`) and the gradients. For eager strategies the modes wrap
 the whole step. For compiled ones a mode around the call would make dynamo run the eager code
-instead of the graphs (TORCH-NOTES.md), so `Probe` enters the modes inside every compiled
+instead of the graphs, so `Probe` enters the modes inside every compiled
 forward and backward graph and counts the graph calls, and `measure` refuses a compiled step
 whose graphs did not run.
 """

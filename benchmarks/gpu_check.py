@@ -1,7 +1,7 @@
 """GPU check: plan a model on CUDA at three budgets, run a few steps of each plan, and check
 that the allocator's peak (torch.cuda.max_memory_allocated) is at most the simulated peak and
-within 2 % of it: the contract of issue 11, on the device where cuDNN and cuBLAS choose their
-workspaces.
+within 2 % of it (remat's accuracy promise, docs/memory-and-accuracy.md), on the device where
+cuDNN and cuBLAS choose their workspaces.
 
     python benchmarks/gpu_check.py [--model gpt2-medium|unet] [--batch 16] [--seq 1024]
                                    [--steps 3] [--time-limit 60]

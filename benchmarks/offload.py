@@ -1,4 +1,4 @@
-"""Recompute only against offload + recompute (issue 26) on the 7B and 70B Llama shapes, at
+"""Recompute only against offload + recompute on the 7B and 70B Llama shapes, at
 activation budgets where offload pays: predicted step time and activation peak.
 
     PYTHONPATH=$PWD python benchmarks/offload.py                       # 7b and 70b, 60 s a solve

@@ -5,7 +5,8 @@ save-all peak that `simulate` predicts beside the allocator's peak of PyTorch's
 `default_partition` step (torch.profiler memory events; kernel scratch included) and the live
 bytes a storage tracker measures inside its graphs (no scratch), the plain eager step's
 allocator peak, FLOPs beside FlopCounterMode, and
-for transformers the saved bytes per layer beside s*b*h*(34 + 5*a*s/h) (MEMORY.md).
+for transformers the saved bytes per layer beside s*b*h*(34 + 5*a*s/h) (Korthikanti et al.,
+2022: 16-bit activations, sequence s, micro-batch b, hidden h, heads a, everything stored).
 Run: python benchmarks/profile_models.py
 """
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""Today's execution model against the richer one (issue 15), and both against an exhaustive
-search over the richer space, on CNN-shaped synthetic graphs with long skip connections.
+"""The single execution model (one recomputation per value, in the backward) against the
+richer one, and both against an exhaustive search over the richer space, on CNN-shaped
+synthetic graphs with long skip connections.
 
     PYTHONPATH=$PWD python benchmarks/rich_model.py                  # every graph and budget
     PYTHONPATH=$PWD python benchmarks/rich_model.py --graphs unet1 --fractions 0.9 --time-limit 20
 
-For each graph and budget (fractions of the save-all peak, then the least peak of today's
+For each graph and budget (fractions of the save-all peak, then the least peak of the single
 model, and with --rich-least the least of the richer one, found by enumeration), one row: the
 exact solver with `SolverOptions(model="single")` (cost, status, wall time), with
 `model="rich"` (the same), the exhaustive search `rich_brute_force` (cost, time), and how far

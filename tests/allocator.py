@@ -1,5 +1,5 @@
 """The CPU allocator's view of a step: torch.profiler memory events, summed in time order
-(TORCH-NOTES.md). It sees every allocation, kernel scratch included.
+(`torch.profiler.profile(profile_memory=True)`). It sees every allocation, kernel scratch included.
 
 Unlike `remat.fx_passes.measuring.allocator`, which keeps only frees whose allocation it saw (a guard
 against the profiler's stale sizes, for one step's graphs), this counts every free:

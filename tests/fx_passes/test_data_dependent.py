@@ -1,4 +1,4 @@
-"""Sizes that depend on the data (issue 21): a plain-torch mixture of experts that gathers each
+"""Sizes that depend on the data: a plain-torch mixture of experts that gathers each
 expert's tokens with ``torch.where(mask)`` (DBRX's pattern) is captured as one graph, its
 data-dependent sizes counted at their worst case (the symbols' ranges, never the example's
 routing), and a plan of it holds in both modes over 8 steps whose tokens per expert change:

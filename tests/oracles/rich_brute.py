@@ -1,6 +1,6 @@
 """Exhaustive search over the richer execution model: the oracle of the rich CP-SAT model.
 
-The space (`Schedule.again`, `Schedule.offload_at`, ISSUE 15): every set of backward
+The space (`Schedule.again`, `Schedule.offload_at`): every set of backward
 recomputations at every valid backward position (`brute_force.placements`), plus, per forward
 value, up to `max_copies` further copies, each at any forward position after the value or any
 backward position after its first backward recomputation, plus, where the problem has a host

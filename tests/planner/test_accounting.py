@@ -1,6 +1,6 @@
 """The whole step's peak from its terms: one meaning of "activations" (the step's peak less the
 state), gradients counted once, and the BudgetError that names the real largest term
-(MEMORY.md, "When the budget is not met")."""
+and the remedy that acts on it."""
 import pytest
 
 from remat.errors import BudgetError
@@ -123,8 +123,8 @@ def test_activation_dominated_error_suggests_micro_batch():
 
 @pytest.mark.parametrize("optimizer, budget", [("sgd", 10**9), ("adamw", 2**30 + 10**6)])
 def test_a_small_model_under_the_default_reserve_blames_the_reserve(optimizer, budget):
-    """Issue 13: the default 1 GiB reserve was the largest term, the message blamed parameters
-    (at 1 KB) or the optimizer state."""
+    """Under the default 1 GiB reserve a small model's largest term is the reserve: the message
+    names it, not the parameters (1 KB) or the optimizer state."""
     training = Training(optimizer=optimizer)
     state = state_memory([(16, 16)], training)  # 1 KB of weights
     error = budget_error(budget, smallest_activations=10**4, state=state, training=training)

@@ -51,8 +51,9 @@ def measured_step(plan, model, inputs) -> int:
 
 
 def test_gradients_larger_than_the_activations_plan_below_their_bytes():
-    """Issue 11: with the gradients inside the activations, every activation budget raised
-    BudgetError on such a model (its smallest "activation" peak was all its gradients)."""
+    """The gradients are state, not activations: counted inside the activations, every activation
+    budget would raise BudgetError on such a model (its smallest "activation" peak would be all
+    its gradients)."""
     model, inputs = wide_mlp()
     grads = sum(p.numel() * 4 for p in model.parameters())
     prepared = prepare(model, inputs, training=STATE_ONLY)

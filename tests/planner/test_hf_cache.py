@@ -1,7 +1,7 @@
 """A Hugging Face model that returns its key/value cache from a training step: the compiled
 plan holds the cache to the end of the step, as eager would, and the allocator's peak is the
-prediction (repro1 of issue 21: it was the prediction plus the cache, because the cache's
-tensors were outputs with gradient inputs of their own, zeros that autograd made). T5's
+prediction, not the prediction plus the cache: the step returns the cache's tensors detached,
+so autograd makes no zero gradients of their size for them. T5's
 decoder keeps a config of its own: the warning names it."""
 from __future__ import annotations
 

@@ -53,8 +53,8 @@ def test_a_plan_holds_from_step_to_step_while_the_routing_changes(execution):
     assert len({tuple(routed(model, b).tolist()) for b in steps}) > 1  # the routing changes
     save_all = remat.optimize(copy.deepcopy(model), activation_budget=10**12,
                               example_kwargs=steps[0], solver="save_all").activation_peak
-    # eager's per-block policies reach less far than the compiled plan (issue 21); both
-    # recompute at these budgets
+    # eager's per-block policies reach less far than the compiled plan (a block recomputes all
+    # at once); both recompute at these budgets
     fraction = 0.5 if execution == "compiled" else 1.2
     plan = remat.optimize(model, activation_budget=int(fraction * save_all),
                           example_kwargs=steps[0], execution=execution,

@@ -1,4 +1,4 @@
-"""`optimize(..., offload=True)` in both execution modes (issue 26), judged by plain eager
+"""`optimize(..., offload=True)` in both execution modes, judged by plain eager
 PyTorch's gradients and the CPU allocator: the plan keeps values in host memory where their
 transfers hide under the compute, within `Training(host_memory=...)`, runs with eager's
 gradients, and its device peak is the simulated one (the host buffers, CPU memory here too, are

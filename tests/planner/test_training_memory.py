@@ -1,4 +1,5 @@
-"""The state of a step from the configuration alone: MEMORY.md's table and reference figures."""
+"""The state of a step from the configuration alone: the bytes per parameter of each precision
+and optimizer, and published reference figures (a 7B decoder, GPT-2 small)."""
 import math
 from types import SimpleNamespace
 
@@ -11,7 +12,8 @@ H, LAYERS, VOCAB = 4096, 32, 32000
 
 
 def llama7b_shapes():
-    """The 7B-class decoder of MEMORY.md: 12*L*h^2 + 2*V*h (untied embeddings, no norms)."""
+    """A 7B-class decoder (h=4096, 32 layers, vocabulary 32,000): 12*L*h^2 + 2*V*h (untied
+    embeddings, no norms)."""
     shapes = [("embed.weight", (VOCAB, H)), ("lm_head.weight", (VOCAB, H))]
     for i in range(LAYERS):
         for name, shape in [("q", (H, H)), ("k", (H, H)), ("v", (H, H)), ("o", (H, H)),
@@ -101,7 +103,7 @@ def test_zero_stages_shard_what_they_say():
 def test_bf16_mixed_zero3_keeps_the_fp32_shard_only():
     """FSDP2 with MixedPrecisionPolicy(param_dtype=bf16) keeps fp32 shards (the master
     weights) and casts them to bf16 as it all-gathers: 16 bytes per parameter over the ranks,
-    not 18 (issue 11: 7B on 8 ranks gave 15.16 GB)."""
+    not 18 (counted at 18, the 7B on 8 ranks would be 15.16 GB)."""
     training = Training(precision="bf16-mixed", optimizer="adamw", data_parallel=8,
                         zero_stage=3)
     state = state_memory(llama7b_shapes(), training)
@@ -156,7 +158,8 @@ def test_training_is_keyword_only_frozen_and_validated():
 
 
 def test_korthikanti_activation_figures():
-    """MEMORY.md's activation figures for the 7B decoder at s=4096, b=1, from the formula that
+    """The 7B decoder's activations at s=4096, b=1 by Korthikanti et al.'s (2022) formula: 104.2
+    GB stored, 18.3 GB with FlashAttention, 1.1 GB with full recomputation; the formula that
     the captured graphs are checked against in the planner tests."""
     from tests.estimates import layer_activation_bytes
     s, b, a = 4096, 1, 32
@@ -167,12 +170,13 @@ def test_korthikanti_activation_figures():
 
 
 def test_gpt2_small_about_3_7_gb():
-    """MEMORY.md: GPT-2 small, batch 8, sequence 512, mixed precision with Adam, about 3.7 GB in
-    all. From the configuration: the parameters at 16 bytes each (bf16 weights and gradients,
-    fp32 master, Adam), Korthikanti's 34*s*b*h per layer (an attention kernel that stores no
-    s x s scores), and the bf16 logits b*s*V*2. (The captured graph of the same model needs
-    more: Hugging Face's loss upcasts the logits to fp32 and keeps several vocabulary-sized
-    buffers, and attention dropout keeps its masks; `examples/gpt2.py` shows that step.)"""
+    """The reference figure for GPT-2 small, batch 8, sequence 512, mixed precision with Adam:
+    about 3.7 GB in all. From the configuration: the parameters at 16 bytes each (bf16 weights
+    and gradients, fp32 master, Adam), Korthikanti's 34*s*b*h per layer (an attention kernel
+    that stores no s x s scores), and the bf16 logits b*s*V*2. (The captured graph of the same
+    model needs more: Hugging Face's loss upcasts the logits to fp32 and keeps several
+    vocabulary-sized buffers, and attention dropout keeps its masks; `examples/gpt2.py` shows
+    that step.)"""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from tests.estimates import layer_activation_bytes

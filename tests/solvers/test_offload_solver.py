@@ -1,4 +1,4 @@
-"""The exact solver's offloads (issue 26) against the exhaustive search over the rich space,
+"""The exact solver's offloads against the exhaustive search over the rich space,
 which prices every schedule by the transfer timeline (`remat.solvers.timeline.overlap`).
 
 The rich CP-SAT model bounds what the step waits for its transfers from above and holds device
@@ -6,7 +6,7 @@ copies at least as long as they live (`remat.solvers.cpsat.rich_offload`), then 
 exactly: its plans fit and cost what they say, never less than the optimum. Where transfers are
 comparable to the compute, it finds the optimum; what it cannot see are plans whose device copies
 are freed sooner because the compute waits for a load (measured on 40 random steps at a slow
-link: see the report of issue 26)."""
+link)."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Offload that overlaps compute (issue 26): the transfer timeline (`remat.solvers.timeline.overlap`)
+"""Offload that overlaps compute: the transfer timeline (`remat.solvers.timeline.overlap`)
 worked by hand, its properties on random steps, the simulator's hold of a device copy while its
 copy to host runs, and the host-memory bound in the exhaustive search."""
 import dataclasses

@@ -1,7 +1,7 @@
-"""The richer execution model (issue 15) against hand-worked timelines and today's model.
+"""The richer execution model against hand-worked timelines and the single model.
 
 `rich_brute_force` enumerates the richer space (further copies within the forward and the
-backward, offload); `brute_force` today's (one recomputation, in the backward). On hand-made
+backward, offload); `brute_force` the single one (one recomputation, in the backward). On hand-made
 graphs the richer plan is strictly better, step by step; on random problems it is never worse,
 and equal where it uses no further copy.
 """
@@ -38,20 +38,20 @@ def skip_in_the_backward():
 
 
 def test_a_second_recomputation_beats_anything_single():
-    """Budget 32. Today's best recomputes y (cost 5); recomputing a once cannot help, since a
-    lives from its first backward read (g1) to its last (g3), across `big`. The richer plan
-    recomputes a before g1 and again before g3 (cost 2), so a is dead while `big` lives.
+    """Budget 32. The single model's best recomputes y (cost 5); recomputing a once cannot help,
+    since a lives from its first backward read (g1) to its last (g3), across `big`. The richer
+    plan recomputes a before g1 and again before g3 (cost 2), so a is dead while `big` lives.
 
-    | step          | today: y recomputed | rich: a twice, y saved |
-    | a             | 10 (a)              | 10                     |
-    | y             | 15 (a y)            | 15                     |
-    | loss          | 16 (a y loss)       |  6 (y loss: a is dead) |
-    | recompute a   |  -                  | 16 (y loss a)          |
-    | g1            | 12 (a loss g1)      | 17 (y loss a g1)       |
-    | big           | 32 (a loss g1 big)  | 27 (y loss g1 big)     |
-    | g2            | 32 (a loss big g2)  | 27 (y loss big g2)     |
-    | recompute a/y | 17 (a loss g2 y)    | 17 (y loss g2 a)       |
-    | g3            | 18 (+ g3)           | 18 (+ g3)              |
+    | step          | single: y recomputed | rich: a twice, y saved |
+    | a             | 10 (a)               | 10                     |
+    | y             | 15 (a y)             | 15                     |
+    | loss          | 16 (a y loss)        |  6 (y loss: a is dead) |
+    | recompute a   |  -                   | 16 (y loss a)          |
+    | g1            | 12 (a loss g1)       | 17 (y loss a g1)       |
+    | big           | 32 (a loss g1 big)   | 27 (y loss g1 big)     |
+    | g2            | 32 (a loss big g2)   | 27 (y loss big g2)     |
+    | recompute a/y | 17 (a loss g2 y)     | 17 (y loss g2 a)       |
+    | g3            | 18 (+ g3)            | 18 (+ g3)              |
     """
     p = skip_in_the_backward()
     today = brute_force(p, 32, FREE)
@@ -65,7 +65,7 @@ def test_a_second_recomputation_beats_anything_single():
     assert timeline(p, rich) == [
         ("a", "f", 10), ("y", "f", 15), ("loss", "f", 6), ("a", "r", 16), ("g1", "b", 17),
         ("big", "b", 27), ("g2", "b", 27), ("a", "r", 17), ("g3", "b", 18)]
-    with pytest.raises(BudgetError) as error:  # today's model cannot go below 32
+    with pytest.raises(BudgetError) as error:  # the single model cannot go below 32
         brute_force(p, 27, FREE)
     assert error.value.smallest == 32
     assert rich_smallest_peak(p) == 22  # y recomputed too, after the second copy of a
@@ -73,7 +73,7 @@ def test_a_second_recomputation_beats_anything_single():
 
 def skip_in_the_forward():
     """A long skip connection: `a` is read by b and again by e, four ops later, across the big
-    `c`. The backward never needs a, so today's model cannot touch it."""
+    `c`. The backward never needs a, so the single model cannot touch it."""
     return Problem((
         Op("a", F, (), 10, cost=1.0), Op("b", F, (0,), 1, cost=1.0),
         Op("c", F, (1,), 20, cost=1.0), Op("d", F, (2,), 1, cost=1.0),
@@ -83,18 +83,18 @@ def skip_in_the_forward():
 
 
 def test_a_forward_recomputation_ends_a_long_skip():
-    """Budget 25: today's peak is 31 whatever it does; recomputing a just before e (cost 1)
-    frees it across c.
+    """Budget 25: the single model's peak is 31 whatever it does; recomputing a just before e
+    (cost 1) frees it across c.
 
-    | step        | today (save all) | rich: a again before e |
-    | a           | 10 (a)           | 10                     |
-    | b           | 11 (a b)         | 11                     |
-    | c           | 31 (a b c)       | 21 (b c)               |
-    | d           | 31 (a c d)       | 21 (c d)               |
-    | recompute a |  -               | 11 (d a)               |
-    | e           | 12 (a d e)       | 12 (d a e)             |
-    | loss        |  3 (d e loss)    |  3                     |
-    | g           |  3 (d loss g)    |  3                     |
+    | step        | single (save all) | rich: a again before e |
+    | a           | 10 (a)            | 10                     |
+    | b           | 11 (a b)          | 11                     |
+    | c           | 31 (a b c)        | 21 (b c)               |
+    | d           | 31 (a c d)        | 21 (c d)               |
+    | recompute a |  -                | 11 (d a)               |
+    | e           | 12 (a d e)        | 12 (d a e)             |
+    | loss        |  3 (d e loss)     |  3                     |
+    | g           |  3 (d loss g)     |  3                     |
     """
     p = skip_in_the_forward()
     with pytest.raises(BudgetError) as error:
@@ -214,8 +214,8 @@ def test_cnn_generators_read_what_autograd_reads(make):
 
 
 def test_skip_chain_needs_a_second_recomputation():
-    """On the generator's smallest VGG-like chain, 90 % of save-all's peak is out of today's
-    reach and within the richer model's, by recomputing the long skip's source again."""
+    """On the generator's smallest VGG-like chain, 90 % of save-all's peak is out of the single
+    model's reach and within the richer model's, by recomputing the long skip's source again."""
     p = skip_chain_problem(2, 1)
     budget = int(0.9 * simulate(p, make_schedule(p, [])).peak)
     with pytest.raises(BudgetError):

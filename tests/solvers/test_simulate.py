@@ -1,7 +1,7 @@
 """The simulator against memory timelines computed by hand, step by step.
 
 Each table lists the live bytes at every step (forward ops, then recomputations and backward
-ops), worked out from the execution model in DESIGN.md."""
+ops), worked out from the execution model (docs/execution-model.md)."""
 import pytest
 
 from remat.solvers import Kind, Op, Phase, Problem, Reason, StepKind, make_schedule, simulate

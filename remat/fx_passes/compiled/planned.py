@@ -8,13 +8,13 @@ model's own, handled by AOTAutograd as in any torch.compile'd model, so an optim
 the original model trains it.
 
 Measuring: a dispatch mode entered around a torch.compile'd call makes dynamo run the eager
-code instead (TORCH-NOTES.md, "the dispatch-mode trap"). `PlannedModule.instrument(...)` enters
+code instead, silently: the compiled graphs never run. `PlannedModule.instrument(...)` enters
 modes inside the compiled forward and backward graphs instead, and counts the graph calls so a
 test can prove that the compiled graphs really ran.
 
 Compiling: `compile=True` hands the partitioned graphs to Inductor (`remat.fx_passes.compiled.inductor`).
 An outer `torch.compile(planned)` would trace into the step and partition the model again with
-its own partitioner, silently dropping the plan (TORCH-NOTES.md); the step is therefore opaque
+its own partitioner, silently dropping the plan; the step is therefore opaque
 to dynamo: the outer compile runs it as one call, under remat's own compile. With
 ``fullgraph=True`` dynamo refuses the opaque call; `PlannedModule.__call__`, a frame dynamo
 skips, turns that refusal into a RematError that names the remedy.
@@ -238,7 +238,7 @@ _FULLGRAPH_REFUSED = (
 def _opaque_to_dynamo(step: Callable) -> Callable:
     """`step` as a call that an outer `torch.compile` cannot trace into. Tracing into it would
     inline the model's code and partition it again with the outer backend's partitioner: the
-    plan silently dropped (TORCH-NOTES.md). Disabled, the call is a graph break, and the step
+    plan silently dropped. Disabled, the call is a graph break, and the step
     runs under its own compile, with remat's partitioner. `disable` would unwrap a compiled
     function to its original code, so the compiled step is called through a closure."""
 

@@ -46,7 +46,7 @@ def apply_eager(model: torch.nn.Module, policies: dict[str, BlockPolicy]) -> tor
         if getattr(model.get_submodule(path), "_remat_policy", None) is not None:
             raise RematError(f"block {path!r} is already wrapped by a remat plan; apply a plan "
                              "once, to a fresh model")
-    # Offload (issue 26): None unless some block's policy, for some bucket, offloads inputs.
+    # Offload: None unless some block's policy, for some bucket, offloads inputs.
     offloads = EagerOffloads.of(policies)
     planned = guard_calls(model, policies)
     turns: list[_Turn] = []
@@ -132,7 +132,7 @@ def _checkpointed(module: torch.nn.Module, forward, planned: Any,
         counters.append(counter)
         return _contexts(policy, counter, lambda: mismatch_cause(planned, module, autocast))
 
-    # Offload (issue 26): saved-tensor hooks around checkpoint's call, so that they see the
+    # Offload: saved-tensor hooks around checkpoint's call, so that they see the
     # block's inputs it saves (only in a planned training call: the plain paths above save
     # nothing of the plan's).
     run = checkpoint if offloads is None else offloads.wrap(policy, checkpoint)

@@ -1,4 +1,4 @@
-"""Offload in eager plans (issue 26): the inputs that checkpoint saves for a block, moved to
+"""Offload in eager plans: the inputs that checkpoint saves for a block, moved to
 host memory through saved-tensor hooks around the block, and back one block ahead.
 
 `torch.utils.checkpoint` (non-reentrant) saves a block's tensor inputs through the saved-tensor

@@ -7,7 +7,7 @@ API
     named exactly as the node, so that a Schedule's op indices map back to the joint graph:
     ``problem.ops[i].name == node.name``. Use `op_nodes(captured, problem)` for the nodes.
 
-Rules (DESIGN.md, "The execution model"):
+Rules (the execution model of docs/execution-model.md):
 - Order: the forward ops in the joint graph's order, then the backward ops in the order
   autograd traced (and runs) them, views and ops no output gradient reaches moved to just
   before their first reader (`_views_sunk`). Phase is the partitioner's: a node is forward

@@ -92,7 +92,7 @@ class FlopCounter(TorchDispatchMode):
 
     ``FlopCounterMode`` decomposes each op it has no formula for (``silu_backward`` into
     sigmoid, empty_like, fill_, sub_, mul), and the decomposed ops really allocate: a step
-    measured under it holds more than the step does (TORCH-NOTES.md). This mode never
+    measured under it holds more than the step does. This mode never
     decomposes. It counts exactly what `node_flops` counts for the graph's nodes, so a planned
     step's total equals the problem's FLOPs plus its recomputations'."""
 

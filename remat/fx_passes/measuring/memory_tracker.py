@@ -7,7 +7,7 @@ and ``peak`` the most seen right after any op, when the op's inputs and outputs 
 together. Storages that existed before the tracker saw them (parameters, the batch, tangents
 made by autograd) are never counted: the baseline is what was alive before.
 
-The trap (TORCH-NOTES.md): a dispatch mode active around a ``torch.compile``d call makes dynamo
+The trap: a dispatch mode active around a ``torch.compile``d call makes dynamo
 run the original eager code. So enter the tracker inside the compiled graphs instead:
 ``tracking_compilers(tracker)`` gives forward/backward compilers (``boxed_nop`` wrapped) that
 enter it around every graph call and count the calls in ``tracker.graph_calls``, which proves

@@ -11,7 +11,7 @@
     dependencies; the last traced block becomes layer N-1. Nodes are created in the full
     trace's order with the same base names, so fx names them as the full trace does
     (``mm_57``): profile and lower then run unchanged and give the very Problem of the full
-    trace (tests/fx_passes/test_replicate.py checks it op by op). Capture time then no longer grows
+    trace (tests/fx_passes/test_replicate.py checks it op by op). Capture time then does not grow
     with depth.
 
     The result is a `ReplicatedCapture` (a `Captured`): a graph for planning, not for running.

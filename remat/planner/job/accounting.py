@@ -1,8 +1,8 @@
 """The whole step's peak from its parts, the activation allowance a budget leaves, and what to
 say when nothing fits. Torch-free.
 
-One meaning of "activations" (DESIGN.md, "Memory terms")
---------------------------------------------------------
+One meaning of "activations" (docs/memory-and-accuracy.md, "The memory model")
+------------------------------------------------------------------------------
 The **state** is the parameters, their gradients as a training loop keeps them in `.grad`,
 master weights and optimizer state (sharded per `Training`). The **activations** are the rest
 of the step's peak: `activation_budget`, `plan.activation_peak`, BudgetError's "smallest
@@ -183,8 +183,10 @@ REMEDIES = {
 
 def budget_error(budget: int, *, smallest_activations: int | None, state: StateMemory,
                  training: Training, strategy: str = "") -> BudgetError:
-    """The BudgetError for a whole-step `budget` that no schedule fits (MEMORY.md, "When the
-    budget is not met"): the smallest budget that fits, the largest term and its remedy.
+    """The BudgetError for a whole-step `budget` that no schedule fits: the smallest budget that
+    fits, the largest term and the remedy that acts on it (`REMEDIES`). Where the state alone
+    overflows, the largest term is a state term or the reserve, never the activations: a
+    smaller batch would not help then.
 
     `smallest_activations` is the smallest activation peak any schedule reaches (the step's
     peak less the state; None when the strategy did not say)."""

@@ -1,7 +1,7 @@
 """Memory sizes at the API boundary: "60GB", "1.5 GiB", "512mb" or an int of bytes -> int bytes.
 
 Sizes are parsed once, where the user hands them in; everything inside remat is an int of bytes.
-Decimal units are powers of ten (GB = 1e9, as device vendors and MEMORY.md count), binary units
+Decimal units are powers of ten (GB = 1e9, as device vendors count), binary units
 powers of two (GiB = 2**30). A size with a fraction of a byte is rounded down: a budget is a
 capacity, and rounding it down keeps every plan that fits it feasible.
 """

@@ -1,5 +1,6 @@
 """What a training step holds whatever the activation plan is: the `Training` configuration and
-the state it implies (weights, master copy, gradients, optimizer state), per MEMORY.md.
+the state it implies (weights, master copy, gradients, optimizer state) in bytes per parameter, as
+`Precision` and `Optimizer` list them.
 
 Torch-free: parameters are anything with a `.shape` (real, fake or meta tensors, or plain tuples
 of ints), given as a module with `named_parameters()` or as (name, shape) pairs.
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 class Precision(str, enum.Enum):
-    """How weights, gradients and the master copy are stored (MEMORY.md's table)."""
+    """How weights, gradients and the master copy are stored, with their bytes per parameter."""
 
     FP32 = "fp32"
     """fp32 weights, fp32 gradients, no master copy: 4 + 4 bytes per parameter."""
@@ -291,7 +292,7 @@ def optimizer_state_bytes(optimizer: Optimizer, shape: tuple[int, ...]) -> int:
 
 def state_memory(params: Any, training: Training = Training()) -> StateMemory:
     """The state of one rank: weights, autocast copies, master copy, gradients and optimizer
-    state, from the parameters' shapes and the configuration (MEMORY.md). ZeRO divides the
+    state, from the parameters' shapes and the configuration. ZeRO divides the
     sharded terms by the data-parallel size, rounding up (a rank holds the larger shard)."""
     layout = _LAYOUTS[training.precision]
     total = trainable = opt = 0

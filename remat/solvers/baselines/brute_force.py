@@ -1,7 +1,7 @@
 """Strategy `brute_force`: every schedule of a tiny problem, simulated; the oracle for tests.
 
 It enumerates exactly what `optimal` may choose under the same options: every set of recomputed
-values, each placed just in time (make_schedule's default, DESIGN.md's rule) unless
+values, each placed just in time (make_schedule's default) unless
 `options.free_positions`, and then also every placement of the recomputations. The latest
 placement does not dominate, which is why the free mode exists:
 - recomputing v earlier can end a big saved input's life sooner (its last other reader is early,

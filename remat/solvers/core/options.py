@@ -85,7 +85,7 @@ class SolverOptions:
     (a superset of schedules, sometimes with a lower peak: an earlier recomputation can free a
     large saved input sooner, or put its temp bytes where less is live). False: just in time,
     before the first backward op that needs it, directly or through another recomputation
-    (DESIGN.md's rule and make_schedule's default), which the solver proves optimal far faster."""
+    (make_schedule's default), which the solver proves optimal far faster."""
     objective: str = "time"
     """What the strategies minimize: "time" (recompute seconds on the target device) or "flops"
     (recompute FLOPs, seconds breaking ties); see `remat.solvers.core.objective`. Schedules come back

@@ -3,7 +3,7 @@
 This module is the contract between the torch side (`remat.fx_passes.lowering.lower` builds a Problem
 from a captured graph) and every strategy, the simulator and the rewrite. It never imports torch.
 
-Conventions (see DESIGN.md, "The execution model"):
+Conventions (the execution model of docs/execution-model.md):
 - `Problem.ops` lists the ops in the order the step runs them: every forward op, then every
   backward op in the order autograd runs them. An op's `inputs` are indices of earlier ops.
 - Graph inputs (parameters, batch, output gradients) are not ops: they are always available and

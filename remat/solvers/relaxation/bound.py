@@ -2,7 +2,7 @@
 
 The exact solver's own bound stays near zero on real graphs (gaps near 100 % on the peers
 benchmark's FLOPs objective), even where its plan is optimal or nearly so. This module proves
-bounds from a relaxation of DESIGN.md's execution model instead.
+bounds from a relaxation of the execution model that `simulate` replays instead.
 
 Take a backward op `b`. While it runs, the simulator holds, whatever the schedule:
 - what no schedule decides: backward values made before `b` and read at or after it, outputs,

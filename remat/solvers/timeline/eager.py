@@ -1,7 +1,7 @@
 """The eager execution mode: recomputation by `torch.utils.checkpoint` with a selective policy
 per block, and a planner for it. Torch-free.
 
-In this mode (DESIGN.md, "Execution modes") each checkpointed block runs its forward once,
+In this mode (docs/execution-model.md, "Eager plans") each checkpointed block runs its forward once,
 keeping only what its policy caches (MUST_SAVE) and what checkpoint itself keeps: the block's
 inputs and the generator's state. When autograd first unpacks a tensor saved inside the block
 (the block's *trigger*, a backward op), checkpoint re-runs the block's forward from its start,

@@ -1,8 +1,8 @@
 """Replay a training step under a schedule and report its memory timeline.
 
 This is the judge of every plan: the solvers' claimed peaks must equal it and the rewritten
-step's measured live bytes must match it. It implements DESIGN.md's execution model and
-nothing else:
+step's measured live bytes must match it. It implements the execution model of
+docs/execution-model.md and nothing else:
 
 - The step is a sequence of steps: every forward op; then, for each backward op, the
   recomputations placed before it (in forward order) followed by the op itself.
