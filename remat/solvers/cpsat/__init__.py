@@ -3,13 +3,13 @@
 - `units`: how bytes and seconds become integers (rounded safely), the free model's time axis,
   and the rule both models share (the backward gets what it needs, once);
 - `free_model`: recomputations at any backward position (the default);
-- `jit_model`: recomputations just in time (`free_positions=False`);
+- `jit_model`: recomputations just in time (`free_positions=False`), hinted by `jit_hint`;
 - `search`: CP-SAT's parameters, the anytime trace, the progress line;
 - `hints`: the baselines that start the search (the hint pool, `HINT_POOL`) and the drop pass
   (the plan read off the bound's relaxation, `remat.solvers.relaxation.relaxed`, competes with them);
 - `least_peak`: the least-peak search and the BudgetError it supports;
 - `rich_model`: the richer execution model (recompute twice, within the forward, offload),
-  hinted by `rich_hint`;
+  its further runs built by `rich_runs`, hinted by `rich_hint`;
 - `rich_search`: `SolverOptions.model` "rich" and "auto" (the single model first, the rich one
   where a bound over its space leaves room);
 - `offload_search`: offloads added to a plan where the host link hides them;

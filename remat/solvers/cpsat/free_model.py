@@ -34,23 +34,39 @@ class FreeModel:
     def __init__(self, problem: Problem, units: Units, deadline: Deadline | None = None):
         """OutOfTime when `deadline` passes while the model is built."""
         self.problem, self.units = problem, units
-        tick = ticker(deadline, "building the model")
-        ops, nf = problem.ops, problem.num_forward
-        axis = self.axis = Axis(problem)
-        readers = self.readers = problem.storage_readers
-        pinned = problem.pinned
-        m = self.model = cp_model.CpModel()
-        size, temp = units.sizes(problem)
-        candidates = [v for v in problem.candidates if v not in pinned]
+        self._tick = ticker(deadline, "building the model")
+        self.axis = Axis(problem)
+        self.readers = problem.storage_readers
+        self.model = cp_model.CpModel()
+        self._size, self._temp = units.sizes(problem)
+        self._candidates = [v for v in problem.candidates if v not in problem.pinned]
+        self._presolve()
+        nf = problem.num_forward
+        direct = {v for v in self._candidates if any(r >= nf for r in self.readers[v])}
+        self._variables(direct)
+        # --- What the backward needs is saved or recomputed, once; nothing else is.
+        # (make_schedule derives the saved set the same way: needed minus recomputed.)
+        provide_what_is_needed(self.model, problem, self._candidates, direct, self.save,
+                               self.rec, self.readers)
+        self._recompute_positions()
+        intervals, demands = self._live_ranges()
+        fixed = self._fixed_profile()
+        self._cumulative(fixed, intervals, demands)
+        self._knapsack_cuts(fixed.delta)
+        self.cost = cp_model.LinearExpr.WeightedSum(
+            list(self.rec.values()), [units.cost_of(problem.ops[v].cost) for v in self.rec])
 
-        # --- Presolve: which candidates may be recomputed, and where at the latest.
-        # A zero-byte tensor is never worth recomputing: saving it holds nothing, costs nothing
-        # and needs none of its inputs. Tuple ops come back only with a getitem that needs them.
-        # latest[v]: the last backward op a recomputation of v could precede (its first direct
-        # backward reader, else the loosest of its recomputable readers); absent: nothing could
-        # need it.
+    def _presolve(self) -> None:
+        """Presolve: which candidates may be recomputed, and where at the latest.
+        A zero-byte tensor is never worth recomputing: saving it holds nothing, costs nothing
+        and needs none of its inputs. Tuple ops come back only with a getitem that needs them.
+        latest[v]: the last backward op a recomputation of v could precede (its first direct
+        backward reader, else the loosest of its recomputable readers); absent: nothing could
+        need it."""
+        problem, ops, readers = self.problem, self.problem.ops, self.readers
+        nf = problem.num_forward
         latest: dict[int, int] = {}
-        for v in reversed(candidates):
+        for v in reversed(self._candidates):
             if recompute_blocker(problem, v) is not None:
                 continue
             if ops[v].kind is Kind.TENSOR and ops[v].size == 0:
@@ -60,106 +76,133 @@ class FreeModel:
             if direct_needs or through:  # a recomputed reader binds only when it is recomputed
                 latest[v] = min(direct_needs) if direct_needs else max(through)
         self.latest = latest
-        direct = {v for v in candidates if any(r >= nf for r in readers[v])}
 
-        # --- Variables.
+    def _variables(self, direct: set[int]) -> None:
+        """The decisions: rec, pos and save; `at[v]`, the time a recomputation of v runs."""
+        m, ops, latest, axis = self.model, self.problem.ops, self.latest, self.axis
+        nf = self.problem.num_forward
         self.rec = {v: m.NewBoolVar(f"rec[{v}]") for v in latest}
         self.pos = {v: m.NewIntVar(nf, latest[v], f"pos[{v}]") for v in latest}
         self.save: dict[int, cp_model.IntVar] = {}
-        for v in candidates:
-            could_need = v in direct or any(r in self.rec for r in readers[v])
+        for v in self._candidates:
+            could_need = v in direct or any(r in self.rec for r in self.readers[v])
             if could_need and ops[v].kind is not Kind.TUPLE:  # a tuple cannot be saved
                 self.save[v] = m.NewBoolVar(f"save[{v}]")
         # When recomputed before b, v runs at base(b) + v.
         self.at = {v: axis.width * self.pos[v] + (nf - nf * axis.width + v) for v in latest}
 
-        # --- What the backward needs is saved or recomputed, once; nothing else is.
-        # (make_schedule derives the saved set the same way: needed minus recomputed.)
-        provide_what_is_needed(m, problem, candidates, direct, self.save, self.rec, readers)
-
-        # --- Recompute positions: before every recomputed reader (before every backward reader
-        # is the domain), and a getitem where its tuple op is (recomputing the tuple makes it).
-        for v in latest:
-            tick()
-            m.Add(self.pos[v] == latest[v]).OnlyEnforceIf(self.rec[v].Not())  # no symmetry
-            for r in readers[v]:
+    def _recompute_positions(self) -> None:
+        """Recompute positions: before every recomputed reader (before every backward reader
+        is the domain), and a getitem where its tuple op is (recomputing the tuple makes it)."""
+        m = self.model
+        for v in self.latest:
+            self._tick()
+            m.Add(self.pos[v] == self.latest[v]).OnlyEnforceIf(self.rec[v].Not())  # no symmetry
+            for r in self.readers[v]:
                 if r in self.rec:
                     m.Add(self.pos[v] <= self.pos[r]).OnlyEnforceIf([self.rec[v], self.rec[r]])
-            t = tuple_of(problem, v)
+            t = tuple_of(self.problem, v)
             if t is not None:
                 m.Add(self.pos[v] == self.pos[t]).OnlyEnforceIf(self.rec[v])
 
-        # --- Live ranges of the decided storages (optional intervals), memory per unit.
+    # --- Memory.
+
+    def _live_ranges(self) -> tuple[list, list[int]]:
+        """Live ranges of the decided storages (optional intervals), memory per unit: the
+        cumulative's intervals and demands so far."""
+        readers, axis, size, temp = self.readers, self.axis, self._size, self._temp
+        nf = self.problem.num_forward
         intervals, demands = [], []
         self.save_end: dict[int, cp_model.IntVar] = {}
         self.rec_end: dict[int, cp_model.IntVar] = {}
         self.rec_length: dict[int, cp_model.IntVar] = {}
         self.end_low: dict[int, int] = {}
-        for v in candidates:
-            tick()
+        for v in self._candidates:
+            self._tick()
             last_fwd = max((r for r in readers[v] if r < nf), default=v)
             last_bwd = max((axis.op(r) for r in readers[v] if r >= nf), default=None)
             later = [r for r in readers[v] if r in self.rec]
             if v in self.save and size[v]:
-                # The saved copy: beyond its last forward reader, to its last backward reader.
-                start = last_fwd + 1
-                low = max(start, last_bwd if last_bwd is not None else nf)
-                end = self.save_end[v] = m.NewIntVar(low, axis.end, f"save_end[{v}]")
-                self.end_low[end.Index()] = low
-                for r in later:
-                    m.Add(end >= self.at[r]).OnlyEnforceIf(self.rec[r])
-                intervals.append(m.NewOptionalIntervalVar(start, end + 1 - start, end + 1,
-                                                          self.save[v], f"saved[{v}]"))
+                intervals.append(self._saved_copy(v, last_fwd, last_bwd, later))
                 demands.append(size[v])
             if v in self.rec and size[v]:
-                # The recomputed copy: from its recomputation to its last backward reader.
-                low = last_bwd if last_bwd is not None else nf
-                end = self.rec_end[v] = m.NewIntVar(low, axis.end, f"rec_end[{v}]")
-                self.end_low[end.Index()] = low
-                m.Add(end >= self.at[v])
-                for r in later:
-                    m.Add(end >= self.at[r]).OnlyEnforceIf(self.rec[r])
-                # A getitem's copy exists from the step after its tuple op's recomputation
-                # (simulate's rule): pos[v] == pos[t] makes that at[v] - (v - t) + 1.
-                t = tuple_of(problem, v)
-                start = self.at[v] if t is None else self.at[v] + (t + 1 - v)
-                length = self.rec_length[v] = m.NewIntVar(1, axis.end + 1, f"rec_length[{v}]")
-                intervals.append(m.NewOptionalIntervalVar(start, length, end + 1,
-                                                          self.rec[v], f"again[{v}]"))
+                intervals.append(self._recomputed_copy(v, last_bwd, later))
                 demands.append(size[v])
             if v in self.rec and temp[v]:
-                intervals.append(m.NewOptionalFixedSizeIntervalVar(self.at[v], 1, self.rec[v],
-                                                                   f"temp[{v}]"))
+                intervals.append(self.model.NewOptionalFixedSizeIntervalVar(
+                    self.at[v], 1, self.rec[v], f"temp[{v}]"))
                 demands.append(temp[v])
+        return intervals, demands
 
-        # --- Everything else is fixed: one profile, added as constant segments.
+    def _saved_copy(self, v: int, last_fwd: int, last_bwd: int | None, later: list[int]):
+        """The saved copy: beyond its last forward reader, to its last backward reader (and to
+        every recomputed reader)."""
+        m, axis = self.model, self.axis
+        start = last_fwd + 1
+        low = max(start, last_bwd if last_bwd is not None else axis.nf)
+        end = self.save_end[v] = m.NewIntVar(low, axis.end, f"save_end[{v}]")
+        self.end_low[end.Index()] = low
+        for r in later:
+            m.Add(end >= self.at[r]).OnlyEnforceIf(self.rec[r])
+        return m.NewOptionalIntervalVar(start, end + 1 - start, end + 1, self.save[v],
+                                        f"saved[{v}]")
+
+    def _recomputed_copy(self, v: int, last_bwd: int | None, later: list[int]):
+        """The recomputed copy: from its recomputation to its last backward reader (and to
+        every recomputed reader)."""
+        m, axis = self.model, self.axis
+        low = last_bwd if last_bwd is not None else axis.nf
+        end = self.rec_end[v] = m.NewIntVar(low, axis.end, f"rec_end[{v}]")
+        self.end_low[end.Index()] = low
+        m.Add(end >= self.at[v])
+        for r in later:
+            m.Add(end >= self.at[r]).OnlyEnforceIf(self.rec[r])
+        # A getitem's copy exists from the step after its tuple op's recomputation
+        # (simulate's rule): pos[v] == pos[t] makes that at[v] - (v - t) + 1.
+        t = tuple_of(self.problem, v)
+        start = self.at[v] if t is None else self.at[v] + (t + 1 - v)
+        length = self.rec_length[v] = m.NewIntVar(1, axis.end + 1, f"rec_length[{v}]")
+        return m.NewOptionalIntervalVar(start, length, end + 1, self.rec[v], f"again[{v}]")
+
+    def _fixed_profile(self) -> Profile:
+        """Everything else is fixed: one profile (temps, pinned values, the backward's own
+        values, every forward value's forward life)."""
+        problem, axis, readers = self.problem, self.axis, self.readers
+        nf, size, temp = problem.num_forward, self._size, self._temp
         fixed = Profile()
-        hold, delta = fixed.hold, fixed.delta
-        for i, op in enumerate(ops):
+        hold = fixed.hold
+        for i, op in enumerate(problem.ops):
             hold(temp[i], axis.op(i), axis.op(i))
             if problem.root[i] != i:
                 continue
             t = tuple_of(problem, i)
             made = axis.op(i) if t is None else axis.op(t) + 1  # simulate's rule for getitems
-            if i in pinned:
+            if i in problem.pinned:
                 hold(size[i], made, axis.end)
             elif i >= nf:
                 hold(size[i], made, max((axis.op(r) for r in readers[i]), default=axis.op(i)))
             else:  # the forward life every forward storage has, whatever is decided
                 hold(size[i], made, max((r for r in readers[i] if r < nf), default=i))
-        self.fixed_peak = fixed.add_to(m, intervals, demands)
+        return fixed
 
-        # --- One cumulative constraint: the memory of every step is at most the peak.
+    def _cumulative(self, fixed: Profile, intervals: list, demands: list[int]) -> None:
+        """The fixed profile added as constant segments, then one cumulative constraint: the
+        memory of every step is at most the peak."""
+        m = self.model
+        self.fixed_peak = fixed.add_to(m, intervals, demands)
         self.peak = m.NewIntVar(self.fixed_peak, max(sum(demands), self.fixed_peak), "peak")
         m.AddCumulative(intervals, demands, self.peak)
 
-        # --- Redundant knapsacks at backward steps, for the LP bound: the cumulative alone
-        # relaxes poorly with optional intervals of variable start. At backward op b, a saved
-        # copy is live if b comes before its last backward reader; a recomputed one too if
-        # its latest position is already behind. Both are lower bounds of the exact profile.
+    def _knapsack_cuts(self, delta: dict[int, int]) -> None:
+        """Redundant knapsacks at backward steps, for the LP bound: the cumulative alone
+        relaxes poorly with optional intervals of variable start. At backward op b, a saved
+        copy is live if b comes before its last backward reader; a recomputed one too if
+        its latest position is already behind. Both are lower bounds of the exact profile."""
+        m, readers, size, latest = self.model, self.readers, self._size, self.latest
+        nf = self.problem.num_forward
         level_at = self._levels(delta)
         window = []
-        for v in candidates:
+        for v in self._candidates:
             last = max((r for r in readers[v] if r >= nf), default=None)
             if last is None or not size[v]:
                 continue
@@ -167,19 +210,16 @@ class FreeModel:
                 window.append((nf, last, size[v], self.save[v]))
             if v in self.rec and latest[v] <= last:
                 window.append((latest[v], last, size[v], self.rec[v]))
-        for b in self._cut_points(problem, window, level_at):
-            tick()
+        for b in self._cut_points(self.problem, window, level_at):
+            self._tick()
             terms = [(c, x) for lo, hi, c, x in window if lo <= b <= hi]
             if terms:
-                m.Add(sum(c * x for c, x in terms) + level_at(axis.op(b)) <= self.peak)
+                m.Add(sum(c * x for c, x in terms) + level_at(self.axis.op(b)) <= self.peak)
         # The last forward step: every saved storage past its last forward reader is live.
-        boundary = [(size[v], self.save[v]) for v in candidates if v in self.save and size[v]
-                    and max((r for r in readers[v] if r < nf), default=v) < nf - 1]
+        boundary = [(size[v], self.save[v]) for v in self._candidates if v in self.save
+                    and size[v] and max((r for r in readers[v] if r < nf), default=v) < nf - 1]
         if boundary and nf:
             m.Add(sum(c * x for c, x in boundary) + level_at(nf - 1) <= self.peak)
-
-        self.cost = cp_model.LinearExpr.WeightedSum(
-            list(self.rec.values()), [units.cost_of(ops[v].cost) for v in self.rec])
 
     @staticmethod
     def _levels(delta: dict[int, int]):

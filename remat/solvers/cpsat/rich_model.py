@@ -34,27 +34,11 @@ from ortools.sat.python import cp_model
 
 from remat.solvers.cpsat.rich_hint import hint
 from remat.solvers.cpsat.rich_offload import MAX_LOADS, Transfers
+from remat.solvers.cpsat.rich_runs import Copy, Runs
 from remat.solvers.cpsat.units import Profile, Units
 from remat.solvers.core.deadline import Deadline, ticker
-from remat.solvers.core.problem import Kind, Problem, recompute_blocker, tuple_of
+from remat.solvers.core.problem import Kind, Problem, tuple_of
 from remat.solvers.core.schedule import Schedule
-
-
-@dataclass
-class _Copy:
-    """One copy of a forward value in the model: made at `made`, live to `end`; `active`,
-    `backward` (placed before a backward op) and `pos` are None for the original."""
-
-    made: object
-    active: object = None
-    backward: object = None
-    pos: object = None
-    end: object = None
-    length: object = None
-    low: int = 0  # the least position (an inactive copy's)
-    high: int = 0  # the greatest
-    free: bool = False  # `backward` is a variable of its own
-    shared: bool = False  # `pos` is the tuple op's run's
 
 
 @dataclass
@@ -73,61 +57,45 @@ class RichModel:
                  deadline: Deadline | None = None):
         """OutOfTime when `deadline` passes while the model is built."""
         self.problem, self.units = problem, units
-        tick = ticker(deadline, "building the rich model")
-        ops, nf, n = problem.ops, problem.num_forward, len(problem)
-        self.width = nf + 2
-        self.horizon = self.op_time(n - 1) + 1
+        self._tick = ticker(deadline, "building the rich model")
+        self.width = problem.num_forward + 2
+        self.horizon = self.op_time(len(problem) - 1) + 1
         m = self.model = cp_model.CpModel()
-        size, temp = units.sizes(problem)
-        pinned, root, readers = problem.pinned, problem.root, problem.storage_readers
-        candidates = set(problem.candidates)
+        self._size, self._temp = units.sizes(problem)
+        runs = Runs(m, problem, max_copies, self._tick)
+        self.further, self.moved = runs.further, runs.moved
+        self._first: dict[int, cp_model.IntVar] = {}  # `_first_after`'s answers, by tuple op
+        self._here: dict[int, list] = {}  # and the runs each may be
+        self._made_times()
+        self._loads(offload)
+        intervals, demands = [], []
+        fixed = Profile()
+        served = self._storage_copies(self._reads_of_runs(), fixed, intervals, demands)
+        self._run_temps(intervals, demands)
+        # Offloads: their transfers timed against the compute, soundly (rich_offload).
+        self.transfers = Transfers(self, served) if self.load else None
+        self.fixed_peak = fixed.add_to(m, intervals, demands)
+        self.peak = m.NewIntVar(self.fixed_peak, max(sum(demands), self.fixed_peak), "peak")
+        m.AddCumulative(intervals, demands, self.peak)
+        self._objective()
 
-        # --- Which forward ops may run again, and how often: `max_copies` further copies
-        # (Schedule.again) beside a first backward one; a tuple op as often as its tensors
-        # together, each tensor at some of its tuple's positions (make_schedule's rule).
-        def may_run(v: int) -> bool:
-            op = ops[v]
-            return (recompute_blocker(problem, v) is None and root[v] == v and v not in pinned
-                    and not (op.kind is Kind.TENSOR and op.size == 0)
-                    and bool(problem.users[v] or readers[v]))  # a forward output is read too
-
-        self.further: dict[int, list[_Copy]] = {}
-        self._first: dict[int, cp_model.IntVar] = {}
-        self.moved: dict[int, cp_model.IntVar] = {}  # v's first backward run is a free one
-        self._here: dict[int, list] = {}
-        for v in range(nf):
-            tick()
-            if not may_run(v) or tuple_of(problem, v) is not None:
-                continue
-            if ops[v].kind is Kind.TUPLE:
-                outs = [g for g in problem.users[v] if may_run(g)]
-                needed = any(g in candidates for g in outs)
-                count = (max_copies + needed) * len(outs)
-            else:
-                needed = v in candidates
-                count = max_copies + needed
-            if count and v + 1 <= (n - 1 if needed else nf - 1):
-                self.further[v] = self._runs(v, count, needed, max_copies)
-        for g in range(nf):
-            t = tuple_of(problem, g)
-            if t in self.further and may_run(g):
-                self.further[g] = self._runs_of_tuple(g, t, g in candidates, max_copies)
-        for t in self.further:
-            if ops[t].kind is Kind.TUPLE:  # the tuple runs again only for a tensor of it
-                for k, c in enumerate(self.further[t]):
-                    outs = [self.further[g][k].active for g in problem.users[t]
-                            if g in self.further]
-                    m.AddBoolOr(outs).OnlyEnforceIf(c.active)
+    def _made_times(self) -> None:
+        """Each further run's `made`, the slot its copy exists from: its recomputation's, or
+        for a getitem's tensor the step after its tuple's."""
         for v, copies in self.further.items():
-            t = tuple_of(problem, v)
-            for c in copies:  # a getitem's tensor exists from the step after its tuple's
+            t = tuple_of(self.problem, v)
+            for c in copies:
                 c.made = (self.rec_time(c.pos, v) if t is None
                           else self.rec_time(c.pos, t) + 1)
 
-        # --- Loads from host: a saved tensor's backward reads, served by one load.
-        self.load: dict[int, _Copy] = {}
-        loadable = [u for u in sorted(candidates) if ops[u].kind is Kind.TENSOR and ops[u].size
-                    and u not in pinned]
+    def _loads(self, offload: bool) -> None:
+        """Loads from host: a saved tensor's backward reads, served by one load (`load[u]`, a
+        copy at a chosen backward position). `offloads`: whether the model offloads at all."""
+        m, problem, ops = self.model, self.problem, self.problem.ops
+        nf, n = problem.num_forward, len(problem)
+        self.load: dict[int, Copy] = {}
+        loadable = [u for u in sorted(problem.candidates) if ops[u].kind is Kind.TENSOR
+                    and ops[u].size and u not in problem.pinned]
         if offload and len(loadable) > MAX_LOADS:
             offload = False  # the pairwise orders of the copy streams would not scale
         self.offloads = offload
@@ -136,33 +104,44 @@ class RichModel:
                 off = m.NewBoolVar(f"off{u}")
                 at = m.NewIntVar(nf, n - 1, f"load{u}")
                 m.Add(at == nf).OnlyEnforceIf(off.Not())
-                self.load[u] = _Copy(made=at * self.width, active=off,
-                                     backward=m.NewConstant(1), pos=at)
+                self.load[u] = Copy(made=at * self.width, active=off,
+                                    backward=m.NewConstant(1), pos=at)
                 for c in self.further.get(u, ()):
                     m.AddImplication(off, c.backward.Not())  # a saved value only
 
-        # --- The reads of every storage that a decision touches.
+    # --- The reads of every storage that a decision touches, and its copies.
+
+    def _reads_of_runs(self) -> dict[int, list[_Read]]:
+        """The reads of forward storages by the further runs of their readers."""
+        nf = self.problem.num_forward
         reads: dict[int, list[_Read]] = {}
         for r, copies in self.further.items():
-            for s in problem.storage_inputs[r]:
+            for s in self.problem.storage_inputs[r]:
                 if s < nf:
                     reads.setdefault(s, []).extend(_Read(self.rec_time(c.pos, r), c.active,
                                                          c.backward, c.pos) for c in copies)
+        return reads
+
+    def _storage_copies(self, reads: dict[int, list[_Read]], fixed: Profile, intervals: list,
+                        demands: list[int]) -> dict[int, list[_Read]]:
+        """The copies of every storage that a decision touches (`storages`), their reads
+        (`reads`, keys for hints) each served by one (`x`); every other storage, and every
+        temp, held in `fixed`. Returns each decided storage's reads, as `_serve` took them."""
+        problem, size, temp = self.problem, self._size, self._temp
+        readers, nf = problem.storage_readers, problem.num_forward
         self.x: dict[tuple[int, int, int], cp_model.IntVar] = {}  # (storage, read, copy)
-        self.storages: dict[int, list[_Copy]] = {}
+        self.storages: dict[int, list[Copy]] = {}
         self.reads: dict[int, list[tuple]] = {}  # the key of each read, for hints
         served: dict[int, list[_Read]] = {}  # every read of a decided storage, as `_serve`s
-        intervals, demands = [], []
-        fixed = Profile()
         hold = fixed.hold
-        for i, op in enumerate(ops):
-            tick()
+        for i, op in enumerate(problem.ops):
+            self._tick()
             hold(temp[i], self.op_time(i), self.op_time(i))
-            if root[i] != i or not size[i]:
+            if problem.root[i] != i or not size[i]:
                 continue
             t = tuple_of(problem, i)
             made = self.op_time(i) if t is None else self.op_time(t) + 1
-            if i in pinned:
+            if i in problem.pinned:
                 hold(size[i], made, self.horizon - 1)
                 continue
             last = max((self.op_time(r) for r in readers[i]), default=made)
@@ -173,31 +152,51 @@ class RichModel:
                            and not bare):
                 hold(size[i], made, last)  # nothing decided about it
                 continue
-            copies = [_Copy(made=made), *self.further.get(i, ())]
-            if i in self.load:
-                copies.append(self.load[i])
-            keys = [(r, None) for r in readers[i]]
-            all_reads = [_Read(self.op_time(r), None, r >= nf, r) for r in readers[i]]
-            for r, copies_r in self.further.items():
-                if i in problem.storage_inputs[r]:
-                    keys.extend((r, j) for j in range(len(copies_r)))
-            all_reads += reads.get(i, [])
-            self.storages[i], self.reads[i] = copies, keys
-            served[i] = all_reads
-            for k, c in enumerate(copies):
-                c.end = m.NewIntVar(0, self.horizon - 1, f"e{i}_{k}")
-            self._serve(i, copies, all_reads)
-            if bare:
-                m.Add(copies[0].end >= self._first_after(t))
-            for k, c in enumerate(copies):
-                length = c.length = m.NewIntVar(1, self.horizon, f"l{i}_{k}")
-                if c.active is None:
-                    m.Add(c.end >= made)
-                    intervals.append(m.NewIntervalVar(made, length, c.end + 1, f"c{i}_{k}"))
-                else:
-                    intervals.append(m.NewOptionalIntervalVar(c.made, length, c.end + 1,
-                                                              c.active, f"c{i}_{k}"))
-                demands.append(size[i])
+            served[i] = self._decided_storage(i, made, bare, reads.get(i, []), intervals,
+                                              demands)
+        return served
+
+    def _decided_storage(self, i: int, made: int, bare: bool, run_reads: list[_Read],
+                         intervals: list, demands: list[int]) -> list[_Read]:
+        """Storage i's copies (the original, its further runs, its load), each read served by
+        one, each copy an interval of i's size from its `made` to its end. Returns i's reads."""
+        m = self.model
+        copies = [Copy(made=made), *self.further.get(i, ())]
+        if i in self.load:
+            copies.append(self.load[i])
+        keys, all_reads = self._reads_of(i, run_reads)
+        self.storages[i], self.reads[i] = copies, keys
+        for k, c in enumerate(copies):
+            c.end = m.NewIntVar(0, self.horizon - 1, f"e{i}_{k}")
+        self._serve(i, copies, all_reads)
+        if bare:
+            m.Add(copies[0].end >= self._first_after(tuple_of(self.problem, i)))
+        for k, c in enumerate(copies):
+            length = c.length = m.NewIntVar(1, self.horizon, f"l{i}_{k}")
+            if c.active is None:
+                m.Add(c.end >= made)
+                intervals.append(m.NewIntervalVar(made, length, c.end + 1, f"c{i}_{k}"))
+            else:
+                intervals.append(m.NewOptionalIntervalVar(c.made, length, c.end + 1,
+                                                          c.active, f"c{i}_{k}"))
+            demands.append(self._size[i])
+        return all_reads
+
+    def _reads_of(self, i: int, run_reads: list[_Read]) -> tuple[list[tuple], list[_Read]]:
+        """Every read of storage i: its readers' own runs, then their further runs'; each
+        keyed (reader, None) or (reader, run) for hints."""
+        problem, nf = self.problem, self.problem.num_forward
+        readers = problem.storage_readers[i]
+        keys = [(r, None) for r in readers]
+        all_reads = [_Read(self.op_time(r), None, r >= nf, r) for r in readers]
+        for r, copies_r in self.further.items():
+            if i in problem.storage_inputs[r]:
+                keys.extend((r, j) for j in range(len(copies_r)))
+        return keys, all_reads + run_reads
+
+    def _run_temps(self, intervals: list, demands: list[int]) -> None:
+        """Each further run's temp, at the step it runs."""
+        m, temp = self.model, self._temp
         for v, copies in self.further.items():
             for c in copies:
                 if temp[v]:
@@ -205,84 +204,16 @@ class RichModel:
                         self.rec_time(c.pos, v), 1, c.active, f"t{v}_{c.pos.Name()}"))
                     demands.append(temp[v])
 
-        # Offloads: their transfers timed against the compute, soundly (rich_offload).
-        self.transfers = Transfers(self, served) if self.load else None
-
-        self.fixed_peak = fixed.add_to(m, intervals, demands)
-        self.peak = m.NewIntVar(self.fixed_peak, max(sum(demands), self.fixed_peak), "peak")
-        m.AddCumulative(intervals, demands, self.peak)
-
+    def _objective(self) -> None:
+        """`cost`: the further runs' costs, and what the step may wait for the transfers
+        (bounded above, rich_offload); `terms`: how many of the terms round down."""
+        ops, units = self.problem.ops, self.units
         terms = [(c.active, units.cost_of(ops[v].cost))
                  for v, copies in self.further.items() for c in copies]
         self.terms = len(terms)  # each rounds down by less than a unit
         # What the step may wait for the transfers: bounded above (rich_offload).
         terms += [(late, 1) for late in (self.transfers.terms() if self.transfers else ())]
         self.cost = cp_model.LinearExpr.WeightedSum([x for x, _ in terms], [w for _, w in terms])
-
-    def _runs(self, v: int, count: int, needed: bool, max_copies: int) -> list[_Copy]:
-        """`count` optional runs of v, a prefix in order of position; in the backward only
-        where the backward may need v."""
-        m, nf, n = self.model, self.problem.num_forward, len(self.problem)
-        low, high = v + 1, n - 1 if needed else nf - 1
-        copies: list[_Copy] = []
-        for j in range(count):
-            a = m.NewBoolVar(f"a{v}_{j}")
-            b = m.NewBoolVar(f"b{v}_{j}") if needed else m.NewConstant(0)
-            pos = m.NewIntVar(low, high, f"p{v}_{j}")
-            copies.append(_Copy(made=None, active=a, backward=b, pos=pos, low=low, high=high,
-                                free=needed))
-            m.Add(pos == low).OnlyEnforceIf(a.Not())
-            if needed:
-                m.AddImplication(b, a)
-                m.Add(pos >= nf).OnlyEnforceIf(b)
-                m.Add(pos <= nf - 1).OnlyEnforceIf([a, b.Not()])
-            if j:  # a prefix, in order of position
-                prev = copies[j - 1]
-                m.AddImplication(a, prev.active)
-                m.Add(pos >= prev.pos + 1).OnlyEnforceIf(a)
-        if self.problem.ops[v].kind is not Kind.TUPLE:
-            self._at_most(v, copies, max_copies)
-        return copies
-
-    def _runs_of_tuple(self, g: int, t: int, needed: bool, max_copies: int) -> list[_Copy]:
-        """The runs of a tensor taken out of tuple op t: one optional copy per run of t, at its
-        position; its first backward copy at t's first (make_schedule: a recomputed getitem's
-        `recompute_at` is its tuple's)."""
-        m = self.model
-        copies: list[_Copy] = []
-        for k, c in enumerate(self.further[t]):
-            a = m.NewBoolVar(f"a{g}_{k}")
-            m.AddImplication(a, c.active)
-            m.Add(c.pos >= g + 1).OnlyEnforceIf(a)  # after the tensor's own op
-            if needed and c.free:
-                b = m.NewBoolVar(f"b{g}_{k}")
-                m.AddImplication(b, a)
-                m.AddImplication(b, c.backward)
-                m.AddBoolOr([b]).OnlyEnforceIf([a, c.backward])
-            else:
-                b = m.NewConstant(0)
-                if c.free:
-                    m.AddImplication(a, c.backward.Not())
-            copies.append(_Copy(made=None, active=a, backward=b, pos=c.pos, low=c.low, high=c.high,
-                                free=needed and c.free, shared=True))
-        moved = self._at_most(g, copies, max_copies)
-        theirs = self.further[t]
-        for k, c in enumerate(copies):
-            if theirs[k].free and moved is not None:
-                earlier = [theirs[k - 1].backward] if k else []
-                m.AddBoolOr(earlier + [c.active]).OnlyEnforceIf([theirs[k].backward, moved])
-        return copies
-
-    def _at_most(self, v: int, copies: list[_Copy], max_copies: int):
-        """At most `max_copies` runs besides the first backward one; that one's literal."""
-        m = self.model
-        if not any(c.free for c in copies):
-            m.Add(sum(c.active for c in copies) <= max_copies)
-            return None
-        moved = self.moved[v] = m.NewBoolVar(f"r{v}")
-        m.AddMaxEquality(moved, [c.backward for c in copies])
-        m.Add(sum(c.active for c in copies) <= max_copies + moved)
-        return moved
 
     def _first_after(self, t: int):
         """The slot of the first step after forward op t: a recomputation placed before op
@@ -313,7 +244,7 @@ class RichModel:
     def rec_time(self, pos, v: int):
         return pos * self.width + 1 + v
 
-    def _serve(self, u: int, copies: list[_Copy], reads: list[_Read]) -> None:
+    def _serve(self, u: int, copies: list[Copy], reads: list[_Read]) -> None:
         """Each read to one copy made before it and live until it. A value recomputed in the
         backward or loaded from host serves no backward read from a forward copy (a schedule's
         `recompute_at` precedes every backward reader; a load serves every backward read)."""

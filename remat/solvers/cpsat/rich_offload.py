@@ -53,85 +53,113 @@ class Transfers:
     def __init__(self, model, reads: dict[int, list]):
         self.model = model
         problem: Problem = model.problem
-        m, units, ops = model.model, model.units, problem.ops
-        nf = problem.num_forward
-        unit, bandwidth = units.cost, problem.host_bandwidth
+        ops, unit, bandwidth = problem.ops, model.units.cost, problem.host_bandwidth
         starts = [0.0]
         for op in ops:
             starts.append(starts[-1] + op.cost)
         self.down = [math.floor(t / unit) for t in starts]  # starts of reads, releases
         self.up = [math.ceil(t / unit) for t in starts]  # issues
-        horizon = self.up[-1] + sum(math.ceil(2 * ops[u].size / bandwidth / unit) + 2
-                                    for u in model.load)
+        self._horizon = self.up[-1] + sum(math.ceil(2 * ops[u].size / bandwidth / unit) + 2
+                                          for u in model.load)
         self.late: dict[int, object] = {}
         self.release: dict[int, object] = {}
-        late_end = self.late_end = m.NewIntVar(0, horizon, "late_end_of_forward")
-        outs, ins = [], []
+        self.late_end = model.model.NewIntVar(0, self._horizon, "late_end_of_forward")
+        self._outs, self._ins = [], []  # the intervals on each copy stream
+        self._out_span, self._in_span = {}, {}  # u: (start, end) of each transfer
         order = sorted(model.load, key=lambda u: (_last_forward_read(problem, u), u))
-        ends_out, starts_out, ends_in, starts_in = {}, {}, {}, {}
         for u in order:
-            load = model.load[u]
-            off = load.active
+            off = model.load[u].active
             length = math.ceil(ops[u].size / bandwidth / unit)
             last = _last_forward_read(problem, u)
-            # --- The copy to host, after the last forward reader.
-            s_out = m.NewIntVar(0, horizon, f"out_start{u}")
-            outs.append(m.NewOptionalFixedSizeIntervalVar(s_out, length, off, f"out{u}"))
-            m.Add(s_out >= self.up[last + 1]).OnlyEnforceIf(off)
-            starts_out[u], ends_out[u] = s_out, s_out + length
-            # --- Released before op rel: the copy has ended by its start.
-            rel = m.NewIntVar(last + 1, nf, f"release{u}")  # nf: at the forward's end
-            m.Add(rel == last + 1).OnlyEnforceIf(off.Not())
-            at_rel = m.NewIntVar(0, self.down[-1], f"release_time{u}")
-            m.AddElement(rel, self.down, at_rel)
-            within = m.NewBoolVar(f"released{u}")
-            m.Add(rel <= nf - 1).OnlyEnforceIf(within)
-            m.Add(rel == nf).OnlyEnforceIf(within.Not())
-            m.Add(s_out + length <= at_rel).OnlyEnforceIf([off, within])
-            # The backward begins once every copy to host has ended (overlap's join).
-            m.Add(late_end >= s_out + length - self.down[nf]).OnlyEnforceIf(off)
-            # Every step of op rel's block (its loads, its recomputations, the op) starts
-            # after the copy ended; the device copy is held through the block before.
-            original = model.storages[u][0]
-            m.Add(original.end >= rel * model.width - 1).OnlyEnforceIf(off)
-            self.release[u] = rel
-            # --- The load back, after its issue and after the copy to host.
-            s_in = m.NewIntVar(0, horizon, f"in_start{u}")
-            ins.append(m.NewOptionalFixedSizeIntervalVar(s_in, length, off, f"in{u}"))
-            issued = m.NewIntVar(0, self.up[-1], f"in_issue{u}")
-            m.AddElement(load.pos, self.up, issued)
-            m.Add(s_in >= issued).OnlyEnforceIf(off)
-            m.Add(s_in >= s_out + length).OnlyEnforceIf(off)
-            starts_in[u], ends_in[u] = s_in, s_in + length
-            # --- What the step may wait for it: after every read the load serves.
-            late = self.late[u] = m.NewIntVar(0, horizon, f"late{u}")
-            k = len(model.storages[u]) - 1  # the load is the storage's last copy
-            for i, read in enumerate(reads[u]):
-                x = model.x.get((u, i, k))
-                if x is None:
-                    continue
-                m.Add(late >= s_in + length - self._start(read.pos)).OnlyEnforceIf(x)
+            s_out = self._copy_to_host(u, off, length, last)
+            self._device_release(u, off, length, last, s_out)
+            s_in = self._load_back(u, off, length, s_out)
+            self._lateness(u, length, s_in, reads[u])
             self._restrict(u, off)
-        # --- FIFO on each copy stream.
+        self._fifo(order)
+        self._host_capacity()
+
+    def _copy_to_host(self, u: int, off, length: int, last: int):
+        """The copy to host, after the last forward reader; its start."""
+        m = self.model.model
+        s_out = m.NewIntVar(0, self._horizon, f"out_start{u}")
+        self._outs.append(m.NewOptionalFixedSizeIntervalVar(s_out, length, off, f"out{u}"))
+        m.Add(s_out >= self.up[last + 1]).OnlyEnforceIf(off)
+        self._out_span[u] = s_out, s_out + length
+        return s_out
+
+    def _device_release(self, u: int, off, length: int, last: int, s_out) -> None:
+        """u's device copy, released before op rel: the copy to host has ended by its start."""
+        model = self.model
+        m, nf = model.model, model.problem.num_forward
+        rel = m.NewIntVar(last + 1, nf, f"release{u}")  # nf: at the forward's end
+        m.Add(rel == last + 1).OnlyEnforceIf(off.Not())
+        at_rel = m.NewIntVar(0, self.down[-1], f"release_time{u}")
+        m.AddElement(rel, self.down, at_rel)
+        within = m.NewBoolVar(f"released{u}")
+        m.Add(rel <= nf - 1).OnlyEnforceIf(within)
+        m.Add(rel == nf).OnlyEnforceIf(within.Not())
+        m.Add(s_out + length <= at_rel).OnlyEnforceIf([off, within])
+        # The backward begins once every copy to host has ended (overlap's join).
+        m.Add(self.late_end >= s_out + length - self.down[nf]).OnlyEnforceIf(off)
+        # Every step of op rel's block (its loads, its recomputations, the op) starts
+        # after the copy ended; the device copy is held through the block before.
+        original = model.storages[u][0]
+        m.Add(original.end >= rel * model.width - 1).OnlyEnforceIf(off)
+        self.release[u] = rel
+
+    def _load_back(self, u: int, off, length: int, s_out):
+        """The load back, after its issue and after the copy to host; its start."""
+        m = self.model.model
+        s_in = m.NewIntVar(0, self._horizon, f"in_start{u}")
+        self._ins.append(m.NewOptionalFixedSizeIntervalVar(s_in, length, off, f"in{u}"))
+        issued = m.NewIntVar(0, self.up[-1], f"in_issue{u}")
+        m.AddElement(self.model.load[u].pos, self.up, issued)
+        m.Add(s_in >= issued).OnlyEnforceIf(off)
+        m.Add(s_in >= s_out + length).OnlyEnforceIf(off)
+        self._in_span[u] = s_in, s_in + length
+        return s_in
+
+    def _lateness(self, u: int, length: int, s_in, reads: list) -> None:
+        """What the step may wait for the load: after every read the load serves."""
+        model = self.model
+        m = model.model
+        late = self.late[u] = m.NewIntVar(0, self._horizon, f"late{u}")
+        k = len(model.storages[u]) - 1  # the load is the storage's last copy
+        for i, read in enumerate(reads):
+            x = model.x.get((u, i, k))
+            if x is None:
+                continue
+            m.Add(late >= s_in + length - self._start(read.pos)).OnlyEnforceIf(x)
+
+    def _fifo(self, order: list[int]) -> None:
+        """FIFO on each copy stream: copies to host in `order` (by last forward reader),
+        loads in the order of their positions; neither stream runs two at once."""
+        model = self.model
+        m, load = model.model, model.load
         for a, x in enumerate(order):
             for y in order[a + 1:]:
-                both = [model.load[x].active, model.load[y].active]
-                m.Add(ends_out[x] <= starts_out[y]).OnlyEnforceIf(both)
-        by_value = sorted(model.load)
+                both = [load[x].active, load[y].active]
+                m.Add(self._out_span[x][1] <= self._out_span[y][0]).OnlyEnforceIf(both)
+        by_value = sorted(load)
         for a, x in enumerate(by_value):
             for y in by_value[a + 1:]:
                 first = m.NewBoolVar(f"in_before{x}_{y}")  # x's load is issued first
-                m.Add(model.load[x].pos <= model.load[y].pos).OnlyEnforceIf(first)
-                m.Add(model.load[x].pos > model.load[y].pos).OnlyEnforceIf(first.Not())
-                both = [model.load[x].active, model.load[y].active]
-                m.Add(ends_in[x] <= starts_in[y]).OnlyEnforceIf([first, *both])
-                m.Add(ends_in[y] <= starts_in[x]).OnlyEnforceIf([first.Not(), *both])
-        m.AddNoOverlap(outs)
-        m.AddNoOverlap(ins)
-        # --- The host holds what is offloaded.
+                m.Add(load[x].pos <= load[y].pos).OnlyEnforceIf(first)
+                m.Add(load[x].pos > load[y].pos).OnlyEnforceIf(first.Not())
+                both = [load[x].active, load[y].active]
+                m.Add(self._in_span[x][1] <= self._in_span[y][0]).OnlyEnforceIf([first, *both])
+                m.Add(self._in_span[y][1] <= self._in_span[x][0]).OnlyEnforceIf(
+                    [first.Not(), *both])
+        m.AddNoOverlap(self._outs)
+        m.AddNoOverlap(self._ins)
+
+    def _host_capacity(self) -> None:
+        """The host holds what is offloaded."""
+        model, problem = self.model, self.model.problem
         if problem.host_capacity is not None:
-            m.Add(sum(ops[u].size * model.load[u].active for u in model.load)
-                  <= problem.host_capacity)
+            model.model.Add(sum(problem.ops[u].size * model.load[u].active for u in model.load)
+                            <= problem.host_capacity)
 
     def _start(self, pos):
         """The reduced start of the op at `pos` (an op index, or a position variable)."""
