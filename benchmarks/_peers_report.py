@@ -144,7 +144,8 @@ def check_budget(result: dict, budget: int) -> Check:
 
 
 # A check that remat misses and that no schedule of its execution model can meet, proven by
-# remat.solvers.relaxation.bound independently of remat's search: reported, not counted as remat's failure.
+# remat.solvers.relaxation.bound independently of remat's search: reported, not counted as remat's
+# failure.
 PASS, FAIL, UNATTAINABLE = "PASS", "FAIL", "UNATTAINABLE"
 
 

@@ -41,7 +41,8 @@ class Settings:
         return Settings(False, tuple(i / 10 for i in range(11)), 2, 10, 3, 120.0)
 
 
-# Seconds for each proven bound (remat.solvers.relaxation.bound): one CP-SAT solve per backward step tried.
+# Seconds for each proven bound (remat.solvers.relaxation.bound): one CP-SAT solve per backward step
+# tried.
 BOUND_SECONDS = 60.0
 
 
@@ -126,8 +127,8 @@ def _with_how(result):
 
 def proven_bounds(problem, rows: list[dict]) -> dict:
     """What no schedule of remat's execution model (the traced op order, recomputations
-    inserted) can beat, from remat.solvers.relaxation.bound: the least activation peak, and the least
-    recompute FLOPs at per-block checkpointing's measured peak. Independent of remat's search,
+    inserted) can beat, from remat.solvers.relaxation.bound: the least activation peak, and the
+    least recompute FLOPs at per-block checkpointing's measured peak. Independent of remat's search,
     so a check that remat fails can be told apart from a check that nothing can pass."""
     from remat.solvers.relaxation.bound import peak_bound, recompute_bound
 

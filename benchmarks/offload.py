@@ -9,15 +9,16 @@ Each model is `examples/llama.py`'s 7B or 70B shape (`LLAMA_7B`, `LLAMA_70B`: bf
 rank, meta tensors, three blocks traced and the middle one replicated), captured and profiled
 once for `--target` (op times: its roofline). Budgets are on the simulated peak of one rank's
 step (activations and the gradient shards the graph makes): the least peak recomputation
-reaches (found by the solver) plus `--fractions` of the range up to saving everything. Per budget, two solves of `remat.solvers.solve` with the same time limit:
+reaches (found by the solver) plus `--fractions` of the range up to saving everything. Per budget,
+two solves of `remat.solvers.solve` with the same time limit:
 - **recompute only**: the problem without a host link (the exact solver, `model="auto"`);
 - **offload + recompute**: the same problem with the target's host link (`Device.host_link`,
   each way) and `--host-memory` of host memory: the single model's plan, then the offload
   search (`remat.solvers.cpsat.offload_search`; the rich CP-SAT model is not built at this size).
 Columns: the recompute time, the transfers' time both ways and how much of it the compute hides
-(`remat.solvers.timeline.overlap`), the predicted step time (the ops' roofline times plus recomputations
-plus what the step waits for its transfers), the simulated activation peak, the bytes kept in
-host memory, the status and the solve's wall time. Times are predictions for the target, not
+(`remat.solvers.timeline.overlap`), the predicted step time (the ops' roofline times plus
+recomputations plus what the step waits for its transfers), the simulated activation peak, the bytes
+kept in host memory, the status and the solve's wall time. Times are predictions for the target, not
 measurements (benchmarks/gpu_check.py measures an overlapped offload on a GPU).
 """
 from __future__ import annotations

@@ -17,8 +17,8 @@ graphs op by op (boxed_nop): they are compared by what they save and recompute, 
 Each model runs in its own process so that dynamo's caches and memory do not leak between them.
 The tables and the verdicts are computed from the measurements; the plots and each model's
 JSON go to --out (--report-only renders that JSON again). Beside the measurements, each model
-gets bounds that no schedule of remat's execution model can beat (remat.solvers.relaxation.bound, proven
-independently of remat's search): the least activation peak, and the least recompute FLOPs at
+gets bounds that no schedule of remat's execution model can beat (remat.solvers.relaxation.bound,
+proven independently of remat's search): the least activation peak, and the least recompute FLOPs at
 per-block checkpointing's peak. A check that remat misses and that bound proves no schedule can
 meet is marked UNATTAINABLE. The exit status is 1 when a verdict fails (FAIL; UNATTAINABLE is
 reported, not counted) or a model's process crashed.

@@ -9,8 +9,9 @@ Models (examples/llama.py, meta tensors, bf16, sequence 4096, micro-batch 1): ``
 are the 7B's width (hidden 4096, 32 heads, MLP 11008) with 8, 16, 32, 64 and 80 layers, bf16-mixed
 AdamW, each with an activation budget of ``--fraction`` (60 %) of its save-all activation peak,
 so that every depth gets a plan to simulate and report. ``7b`` is `remat demo`'s 7B (32 layers,
-micro-batch 2, 8 data-parallel ranks, ZeRO-2, a budget of 80 GB for the whole step). ``70b`` is Llama-2-70B's shape (80 layers, hidden 8192, 64 heads, 8 key/value heads, MLP
-28672) on 64 ranks, ZeRO-3, 80 GB each.
+micro-batch 2, 8 data-parallel ranks, ZeRO-2, a budget of 80 GB for the whole step). ``70b`` is
+Llama-2-70B's shape (80 layers, hidden 8192, 64 heads, 8 key/value heads, MLP 28672) on 64 ranks,
+ZeRO-3, 80 GB each.
 
 Every model runs in a fresh process, so that its peak RSS (``ru_maxrss``, with torch imported)
 is its own; the phases are timed there:
@@ -19,15 +20,17 @@ is its own; the phases are timed there:
 - solve: `plan_prepared` with ``--solver``, ``--time-limit`` and ``--relative-gap`` (the solver
   stops once its plan is proven that close; a BudgetError is a row with its status, and the
   phases after it are "-");
-- simulate: `remat.solvers.timeline.simulate` of the plan (the simulator is the judge of every plan);
+- simulate: `remat.solvers.timeline.simulate` of the plan (the simulator is the judge of
+  every plan);
 - report: the report (its baselines solved) rendered.
 "limit" is the one chosen for the problem's size (the whole call's, as in `remat.optimize`,
 which starts counting before the capture: `SolverOptions.started`); "solve/limit" the solve's
 wall seconds and its own limit, what was left of it. "optimize" is the wall seconds from the
 capture's start to the plan, what `remat.optimize` takes (the layer sweep's save-all
-simulation for its budget included). "total" is the sum of the phases; in brackets and in "cpu", the process's CPU seconds (CP-SAT's
-workers add up); "import" the seconds to import torch and remat before them. Timings are wall seconds
-and depend on the load of the machine: the header prints the load average.
+simulation for its budget included). "total" is the sum of the phases; in brackets and in "cpu", the
+process's CPU seconds (CP-SAT's workers add up); "import" the seconds to import torch and remat
+before them. Timings are wall seconds and depend on the load of the machine: the header prints the
+load average.
 """
 from __future__ import annotations
 

@@ -54,8 +54,8 @@ def optimize(model: Any, budget: int | str | None = None, *,
     the plan keep saved values in host memory between the forward and the backward (at most
     `Training.host_memory` bytes), their transfers on copy streams beside the compute over the
     target's host link (`Device.host_link`), costed by what the step waits for them
-    (`remat.solvers.timeline.overlap`). Compiled execution: the solver's rich model and offload search
-    decide (`SolverOptions(model="rich"|"auto")`); eager execution: the block inputs that
+    (`remat.solvers.timeline.overlap`). Compiled execution: the solver's rich model and offload
+    search decide (`SolverOptions(model="rich"|"auto")`); eager execution: the block inputs that
     checkpoint saves, through saved-tensor hooks (`remat.solvers.timeline.eager_offload`).
     Offload plans fixed shapes (not with `dynamic=`).
 

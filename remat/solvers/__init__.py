@@ -3,7 +3,8 @@
 Floors, each importing only those before it: `core` (the contract: problem, schedule, options,
 deadline), `timeline` (the judge of both modes: simulate, overlap, the eager timeline),
 `baselines`, `relaxation` (bounds and repairs), `cpsat` (the compiled mode's exact models),
-`eager` (the eager mode's planners); `entry` on top holds the two entries, `solve` and `solve_eager`."""
+`eager` (the eager mode's planners); `entry` on top holds the two entries, `solve` and
+`solve_eager`."""
 from remat.solvers.core.options import SolverOptions
 from remat.solvers.core.problem import Kind, Op, Phase, Problem, Reason
 from remat.solvers.core.schedule import Schedule, Status

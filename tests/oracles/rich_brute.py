@@ -6,8 +6,8 @@ value, up to `max_copies` further copies, each at any forward position after the
 backward position after its first backward recomputation, plus, where the problem has a host
 link, the offload of any saved tensor with its load back at any backward op up to its first
 backward read, as long as the host holds what is offloaded (`Problem.host_capacity`). Every
-schedule is judged by `simulate` (memory) and `remat.solvers.timeline.overlap` (what the step waits for
-its transfers, part of the cost); nothing here shares the CP-SAT model's logic.
+schedule is judged by `simulate` (memory) and `remat.solvers.timeline.overlap` (what the step waits
+for its transfers, part of the cost); nothing here shares the CP-SAT model's logic.
 
 Which positions are enumerated, and why all of them. No placement dominates another:
 - a forward copy of v placed before a reader serves the same reads at any position between the

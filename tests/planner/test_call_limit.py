@@ -1,6 +1,7 @@
 """A time limit left to the problem's size is the whole planning call's: `remat.optimize`
 starts counting before the capture (`SolverOptions.started`), and the solver gets what is left
-(`remat.solvers.core.options.limit_left`). Clocks are injected: nothing here reads the wall clock."""
+(`remat.solvers.core.options.limit_left`). Clocks are injected: nothing here reads the wall
+clock."""
 from __future__ import annotations
 
 import pytest

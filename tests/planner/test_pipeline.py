@@ -1,11 +1,11 @@
-"""Pipeline stages (`remat.planner.parallel.pipeline`): the schedules' action orders, the composition of
-one micro-batch's passes over them, why checkpointing raised the peak under the zero-bubble
-schedules, and plans run with `torch.distributed.pipelining` on 2 gloo ranks.
+"""Pipeline stages (`remat.planner.parallel.pipeline`): the schedules' action orders, the
+composition of one micro-batch's passes over them, why checkpointing raised the peak under the
+zero-bubble schedules, and plans run with `torch.distributed.pipelining` on 2 gloo ranks.
 
 The distributed test plans examples/llama_pipeline.py's stages of the tests' Llama (4 layers,
-dropout on) for GPipe and 1F1B (2 stages), InterleavedZeroBubble (4 stages, 2 a rank) and ZBVZeroBubble
-(4 stages in a V: rank 1 runs both stages of its turn, which hand tensors on without a send) at
-budgets that make them recompute, and judges each rank against the same job without remat
+dropout on) for GPipe and 1F1B (2 stages), InterleavedZeroBubble (4 stages, 2 a rank) and
+ZBVZeroBubble (4 stages in a V: rank 1 runs both stages of its turn, which hand tensors on without a
+send) at budgets that make them recompute, and judges each rank against the same job without remat
 (parameters after two AdamW steps), against the schedule's order as the runtime ran it, and
 against the allocator: what the rank holds when the step starts as predicted, and its peak in
 one step within the budget, within 2 % of the prediction and not above it."""

@@ -1,10 +1,11 @@
-"""Pipeline x tensor parallel (`remat.planner.parallel.pipeline` on stages of a DTensor model): the tests'
-Llama (4 layers, dropout on) tensor-parallelized over 2 ranks and cut into 2 pipeline stages,
+"""Pipeline x tensor parallel (`remat.planner.parallel.pipeline` on stages of a DTensor model): the
+tests' Llama (4 layers, dropout on) tensor-parallelized over 2 ranks and cut into 2 pipeline stages,
 planned on a fake process group (examples/llama_3d.py's `plan_job`,
 `Training(tensor_parallel=2)`), run on a (pp, dp, tp) = (2, 1, 2) mesh of 4 gloo ranks under
-1F1B (GPipe's plans of the same stages are tests/planner/test_pipeline.py's); in the same launch, pipeline x FSDP2 on a (2, 2, 1) mesh under 1F1B
-(`fully_shard(reshard_after_forward=False)` in each stage, remat.planner.parallel.fsdp). Each
-at budgets that make both stages recompute; the 8-rank 3-D job is examples/llama_3d.py.
+1F1B (GPipe's plans of the same stages are tests/planner/test_pipeline.py's); in the same launch,
+pipeline x FSDP2 on a (2, 2, 1) mesh under 1F1B (`fully_shard(reshard_after_forward=False)` in each
+stage, remat.planner.parallel.fsdp). Each at budgets that make both stages recompute; the 8-rank 3-D
+job is examples/llama_3d.py.
 
 Judged per rank against the same job without remat (the first step's gradients bitwise equal,
 the parameters after two AdamW steps within 1e-6) and against the allocator: what the rank

@@ -1,5 +1,5 @@
-"""Tensor parallelism (`remat.planner.parallel.tensor_parallel`): eager plans for one rank of the tests'
-Llama parallelized with DTensor (examples/llama_tensor_parallel.py, sequence parallel on),
+"""Tensor parallelism (`remat.planner.parallel.tensor_parallel`): eager plans for one rank of the
+tests' Llama parallelized with DTensor (examples/llama_tensor_parallel.py, sequence parallel on),
 planned on a fake process group in this process, run on 4 gloo ranks in one launch:
 - TP on 2 ranks (the 4 ranks as two pairs, each pair its own job on its own data);
 - FSDP2 x TP on 4 ranks (`fully_shard` over "dp" of a (2, 2) mesh, TP over "tp").

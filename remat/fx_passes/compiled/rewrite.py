@@ -15,8 +15,8 @@ forward op is a copy of its node in the forward graph, and every later reader re
 a recomputed base are rebuilt from the newest copy. An offloaded value leaves the forward as a
 host copy made right after its last forward reader, and the backward copies it back to the
 device where `offload_at` says: on copy streams beside the compute, with the waits where
-`remat.solvers.timeline.overlap`'s timeline puts them (`offload_ops`; on the CPU the copies are plain
-copies, the waits nothing, and the memory the timeline's).
+`remat.solvers.timeline.overlap`'s timeline puts them (`offload_ops`; on the CPU the copies are
+plain copies, the waits nothing, and the memory the timeline's).
 
 Views are never saved or recomputed on their own: the schedule saves or recomputes their base,
 and the backward copies the view node again, lazily, just before its first reader. A view

@@ -23,9 +23,9 @@ Where the order comes from:
   (`remat.planner.parallel.pipeline`).
 
 ``ScheduleOrder.kept(rank, output, input_grad)``: what each runtime keeps of the tensors a
-stage hands on after the micro-batch is done with them (`remat.solvers.timeline.pipeline_rank.Kept`), read
-in torch 2.13's loops and checked against the allocator (a gloo send's work keeps its tensor
-while the work object lives):
+stage hands on after the micro-batch is done with them
+(`remat.solvers.timeline.pipeline_rank.Kept`), read in torch 2.13's loops and checked against the
+allocator (a gloo send's work keeps its tensor while the work object lives):
 - GPipe keeps the works of every forward and backward send in lists to the end of the step,
   and the last forward's output in its loop variable to the end.
 - 1F1B keeps a forward's output (its send ops and the loop's variable) to the end of the next

@@ -11,8 +11,8 @@ grad_bytes=None) -> Sharded``
     of the sharded problem back onto the graph problem, which is what the rewrite runs.
 
 What is modelled (torch.distributed.fsdp.fully_shard, 2.13, read in _fsdp_param_group.py):
-- Units: each repeated block ("layers.3", `remat.solvers.baselines.standard.block_of` of a parameter's
-  name) is one `fully_shard` unit; every other parameter belongs to the root unit.
+- Units: each repeated block ("layers.3", `remat.solvers.baselines.standard.block_of` of a
+  parameter's name) is one `fully_shard` unit; every other parameter belongs to the root unit.
 - ``zero_stage >= 2``: a unit's post-backward runs after the last backward op of the unit. It
   copies the unit's full gradients into a reduce-scatter buffer (``reduce_scatter.<unit>``, the
   gradients' bytes), reduce-scatters it, and keeps the shard as the `.grad` the optimizer reads

@@ -5,8 +5,8 @@ How a rank's memory is predicted (docs/parallelism.md): the schedule's action or
 rank (`remat.fx_passes.lowering.pipeline_order`), each stage's memory for one micro-batch under
 a candidate plan (`remat.planner.parallel.stage`: remat's eager timeline of the stage's step;
 `remat.planner.parallel.split` for the split backward of zero-bubble schedules), composed over
-the order (`remat.solvers.timeline.pipeline_rank.compose`), plus what the rank holds anyway: the stages'
-state (parameters, optimizer state; the gradients are counted from the stage's first
+the order (`remat.solvers.timeline.pipeline_rank.compose`), plus what the rank holds anyway: the
+stages' state (parameters, optimizer state; the gradients are counted from the stage's first
 backward), the runtime's receive buffers (one input and one output gradient per micro-batch,
 allocated before the first step and kept) and the micro-batches' inputs and targets.
 
@@ -85,7 +85,8 @@ class PipelinePlan:
     training: Training
     margins: dict[int, int] = field(default_factory=dict)
     handoffs: dict = field(default_factory=dict)
-    """Rank -> what its runtime keeps of the tensors handed on (`remat.solvers.timeline.pipeline_rank.Kept`)."""
+    """Rank -> what its runtime keeps of the tensors handed on
+    (`remat.solvers.timeline.pipeline_rank.Kept`)."""
     sizes: dict = field(default_factory=dict)
     """Stage -> (bytes of its output, bytes of its input's gradient, bytes of its loss: the
     last stage's) for one micro-batch."""

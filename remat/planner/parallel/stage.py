@@ -45,8 +45,8 @@ class Candidate:
 def simulated_memory(problem: Problem, blocks, cached: Sequence[int], *,
                      received_gradient: bool = False) -> MicrobatchMemory:
     """A micro-batch's passes under the eager policy caching `cached`, from remat's eager
-    timeline (`remat.solvers.timeline.eager`): the forward's steps, what lives across the gap between
-    the forward and the backward (the holds spanning it: the first backward step's own bytes
+    timeline (`remat.solvers.timeline.eager`): the forward's steps, what lives across the gap
+    between the forward and the backward (the holds spanning it: the first backward step's own bytes
     are not held in the gap, nor what it starts, such as the copy of the generator's state
     that a recomputation there keeps), the backward's steps, and when each parameter gradient
     is made. `received_gradient`: a stage before the last, whose backward starts from the

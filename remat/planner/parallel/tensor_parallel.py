@@ -49,9 +49,10 @@ __all__ = ["TensorParallelPlan", "fake_tensor_parallel", "plan_tensor_parallel",
 
 @dataclasses.dataclass
 class TensorParallelPlan:
-    """An eager plan for a tensor-parallel rank (`plan`, a `remat.planner.plans.eager_plan.EagerPlan`:
-    its peak, memory, recompute, report). `apply(model)` wraps the parallelized model's blocks
-    (after `parallelize_module`); `plan.block_policies` go to every rank of the job."""
+    """An eager plan for a tensor-parallel rank (`plan`, a
+    `remat.planner.plans.eager_plan.EagerPlan`: its peak, memory, recompute, report). `apply(model)`
+    wraps the parallelized model's blocks (after `parallelize_module`); `plan.block_policies` go to
+    every rank of the job."""
 
     plan: EagerPlan
     placements: dict[str, str]

@@ -47,7 +47,8 @@ class Plan:
         self.target = target
         self.solver_options = solver_options
         self.shapes = None
-        """remat.planner.plans.shapes.RangePlans for a plan made for a range of shapes (dynamic=)."""
+        """remat.planner.plans.shapes.RangePlans for a plan made for a range of shapes
+        (dynamic=)."""
 
     # -- the numbers
     @property

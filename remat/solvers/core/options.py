@@ -44,7 +44,8 @@ class SolverOptions:
     per 1,000 ops, at most 30 s)."""
     workers: int = 0
     """CP-SAT search workers; 0 lets OR-Tools pick one per core. (The bounds' relaxations
-    run the portfolio of `remat.solvers.relaxation.bound.WORKERS` that proves them, whatever this says.)"""
+    run the portfolio of `remat.solvers.relaxation.bound.WORKERS` that proves them, whatever this
+    says.)"""
     seed: int = 0
     """Random seed of the search, for repeatable runs."""
     relative_gap: float | None = None
@@ -88,8 +89,8 @@ class SolverOptions:
     (make_schedule's default), which the solver proves optimal far faster."""
     objective: str = "time"
     """What the strategies minimize: "time" (recompute seconds on the target device) or "flops"
-    (recompute FLOPs, seconds breaking ties); see `remat.solvers.core.objective`. Schedules come back
-    evaluated in seconds and FLOPs either way."""
+    (recompute FLOPs, seconds breaking ties); see `remat.solvers.core.objective`. Schedules come
+    back evaluated in seconds and FLOPs either way."""
     model: str = "auto"
     """The execution model the exact solver searches: "single" (each value recomputed at most
     once, in the backward), "rich" (up to `max_copies` recomputations per value, within the

@@ -1,7 +1,8 @@
 """The training step as the solver sees it: ops in execution order, with sizes and costs.
 
-This module is the contract between the torch side (`remat.fx_passes.lowering.lower` builds a Problem
-from a captured graph) and every strategy, the simulator and the rewrite. It never imports torch.
+This module is the contract between the torch side (`remat.fx_passes.lowering.lower` builds a
+Problem from a captured graph) and every strategy, the simulator and the rewrite. It never imports
+torch.
 
 Conventions (the execution model of docs/execution-model.md):
 - `Problem.ops` lists the ops in the order the step runs them: every forward op, then every
@@ -85,8 +86,8 @@ class Problem:
     source: dict = field(default_factory=dict, compare=False)
     # Bytes per second over the link to host memory, each way (the link is full duplex), in
     # bytes per unit of `Op.cost` (seconds, or the objective's): how long an offloaded value's
-    # transfers take (`remat.solvers.timeline.overlap` times them against the compute). None: the step
-    # may not offload.
+    # transfers take (`remat.solvers.timeline.overlap` times them against the compute). None: the
+    # step may not offload.
     host_bandwidth: float | None = None
     # Bytes of host memory the offloaded values may hold together (`Training.host_memory`);
     # None: as much as they need.

@@ -13,7 +13,8 @@ Beyond one recomputation (the richer execution model), a schedule may also
 - *offload* a saved value to host memory after its last forward reader and load it back before
   a backward op (`offload_at`); the transfers run on copy streams beside the compute, and cost
   the step only the time it waits for them (`remat.solvers.timeline.overlap`;
-  `Problem.host_bandwidth`), and the host holds the offloaded bytes (at most `Problem.host_capacity`).
+  `Problem.host_bandwidth`), and the host holds the offloaded bytes (at most
+  `Problem.host_capacity`).
 Every read of a value is served by its latest copy made before the read; each copy lives from
 the step that makes it to the last read it serves (`remat.solvers.timeline.simulate`).
 """

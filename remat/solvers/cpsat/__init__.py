@@ -6,7 +6,8 @@
 - `jit_model`: recomputations just in time (`free_positions=False`), hinted by `jit_hint`;
 - `search`: CP-SAT's parameters, the anytime trace, the progress line;
 - `hints`: the baselines that start the search (the hint pool, `HINT_POOL`) and the drop pass
-  (the plan read off the bound's relaxation, `remat.solvers.relaxation.relaxed`, competes with them);
+  (the plan read off the bound's relaxation, `remat.solvers.relaxation.relaxed`, competes with
+  them);
 - `least_peak`: the least-peak search and the BudgetError it supports;
 - `rich_model`: the richer execution model (recompute twice, within the forward, offload),
   its further runs built by `rich_runs`, hinted by `rich_hint`;

@@ -1,14 +1,14 @@
 """Strategy `optimal`: the search driver. One deadline (`remat.solvers.core.deadline.Deadline`,
 `options.time_limit` from the call's start) bounds everything it runs, in this order: the hint
-pool's baselines, the plan read off the bound's relaxation (`remat.solvers.relaxation.relaxed`, which proves
-a bound too), the least-peak search where nothing fits, the drop pass, the bound at the step
-where the hint binds, the model's construction, the least-cost stage, the least-peak-at-that-cost
-stage, and every fallback (a baseline skipped for time runs in what the later stages left).
-Each part gets a share of the limit, never more than what is left less the time kept to finish;
-each checks the deadline between its steps (a model's construction too) and every CP-SAT solve
-runs under its watchdog. What could not run is named in `info` ("skipped", "model_build",
-"peak_stage", "stopped_in"). In deterministic mode (`SolverOptions.deterministic`) the shares
-are of deterministic time: the same decisions in any process (`search.deadline_of`).
+pool's baselines, the plan read off the bound's relaxation (`remat.solvers.relaxation.relaxed`,
+which proves a bound too), the least-peak search where nothing fits, the drop pass, the bound at the
+step where the hint binds, the model's construction, the least-cost stage, the
+least-peak-at-that-cost stage, and every fallback (a baseline skipped for time runs in what the
+later stages left). Each part gets a share of the limit, never more than what is left less the time
+kept to finish; each checks the deadline between its steps (a model's construction too) and every
+CP-SAT solve runs under its watchdog. What could not run is named in `info` ("skipped",
+"model_build", "peak_stage", "stopped_in"). In deterministic mode (`SolverOptions.deterministic`)
+the shares are of deterministic time: the same decisions in any process (`search.deadline_of`).
 
 The status is the truth about the returned schedule's true (unrounded) cost: OPTIMAL only when
 it is within OPTIMAL_TOLERANCE of a proven bound; else FEASIBLE, with that bound and its gap.
@@ -37,10 +37,10 @@ from remat.solvers.timeline.evaluate import evaluate, make_schedule
 
 logger = logging.getLogger(__name__)
 
-# Shares of the time limit (the relaxations of remat.solvers.relaxation.bound run with their own worker
-# count, bound.WORKERS, whatever `options.workers` gives the search): the hint pool's baselines;
-# the plan read off the relaxation; the drop pass; the least-peak search when no baseline fits
-# (of what is left; it stops once the budget is met); the bound proven from backward steps;
+# Shares of the time limit (the relaxations of remat.solvers.relaxation.bound run with their own
+# worker count, bound.WORKERS, whatever `options.workers` gives the search): the hint pool's
+# baselines; the plan read off the relaxation; the drop pass; the least-peak search when no baseline
+# fits (of what is left; it stops once the budget is met); the bound proven from backward steps;
 # the stage that lowers the peak at the found cost.
 BASELINE_SHARE = 0.25
 UNTIL_ONE_FITS_SHARE = 0.4  # the pool's while none of it fits yet

@@ -31,9 +31,10 @@ lengths up, starts of reads and releases down).
 
 Where the model does not follow the exact timeline, it restricts itself: an offloaded value has
 no further copy, and no reader of it runs again within the forward (its copy to host then
-leaves after its last forward reader op); its device copy is released before a forward op whose reduced
-start follows its copy's end, or at the forward's end (the real timeline may release it
-sooner, where the compute waits for a load). The exhaustive search (`tests.oracles.rich_brute`) spans those schedules too.
+leaves after its last forward reader op); its device copy is released before a forward op whose
+reduced start follows its copy's end, or at the forward's end (the real timeline may release it
+sooner, where the compute waits for a load). The exhaustive search (`tests.oracles.rich_brute`)
+spans those schedules too.
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ timeline). Torch-free.
 peak fits and improves (caches more) while it still fits; `cheapest_prefix` is a seed found in
 a few evaluations; `with_offloads` plans again with, where the problem has a host link, the
 block inputs whose transfers hide kept in host memory (`remat.solvers.timeline.eager_offload`
-says which may go; `choose_offloads` picks them), for when that costs less. The exact planner, which they hint, is
-`remat.solvers.eager.search.optimal_eager` (it offloads nothing).
+says which may go; `choose_offloads` picks them), for when that costs less. The exact planner, which
+they hint, is `remat.solvers.eager.search.optimal_eager` (it offloads nothing).
 """
 from __future__ import annotations
 

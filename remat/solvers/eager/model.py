@@ -1,5 +1,6 @@
-"""The CP-SAT model of the eager execution mode (`remat.solvers.timeline.eager`): which ops each block's
-selective-checkpoint policy caches, solved exactly against `eager_timeline`. See `EagerModel`.
+"""The CP-SAT model of the eager execution mode (`remat.solvers.timeline.eager`): which ops each
+block's selective-checkpoint policy caches, solved exactly against `eager_timeline`. See
+`EagerModel`.
 """
 from __future__ import annotations
 

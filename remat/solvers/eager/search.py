@@ -1,6 +1,6 @@
 """Exact eager plans: the cheapest per-block selective-checkpoint policy whose eager peak
-(`remat.solvers.timeline.eager.eager_timeline`) fits the budget, solved with `EagerModel` and reported
-like the compiled mode's plans: OPTIMAL within OPTIMAL_TOLERANCE of a proven bound, else
+(`remat.solvers.timeline.eager.eager_timeline`) fits the budget, solved with `EagerModel` and
+reported like the compiled mode's plans: OPTIMAL within OPTIMAL_TOLERANCE of a proven bound, else
 FEASIBLE with that bound and its gap.
 
 First the model checked at a few slots (`eager_slots`, SLOT_STAGE_SHARE of the least-cost

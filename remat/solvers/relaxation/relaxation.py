@@ -1,5 +1,5 @@
-"""The relaxation behind `remat.solvers.relaxation.bound`: the joint model over backward steps (see that
-module's docstring for why it bounds every schedule), built and solved under the call's
+"""The relaxation behind `remat.solvers.relaxation.bound`: the joint model over backward steps (see
+that module's docstring for why it bounds every schedule), built and solved under the call's
 `Deadline`. `remat.solvers.relaxation.relaxed` reads plans off it.
 """
 from __future__ import annotations

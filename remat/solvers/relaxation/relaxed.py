@@ -1,12 +1,12 @@
-"""A plan read off the bound's relaxation (`remat.solvers.relaxation.bound.Relaxation`), and the bound the
-same solves prove: a primal heuristic that starts next to the bound.
+"""A plan read off the bound's relaxation (`remat.solvers.relaxation.bound.Relaxation`), and the
+bound the same solves prove: a primal heuristic that starts next to the bound.
 
 The relaxation at the first backward step decides, for every forward value, kept or recomputed;
 recompute what it recomputes, save the rest, and the plan costs exactly the bound. It leaves out
 the room those recomputations take when their own backward runs, so the plan may peak above the
 budget, at the step where the top block's recomputations are live. Each such plan is repaired
-where it peaks (`remat.solvers.relaxation.repair`: the 70B's two-step plan, 1.9 GB over, fits at 3 % above
-the bound in 0.5 s); and, in turn:
+where it peaks (`remat.solvers.relaxation.repair`: the 70B's two-step plan, 1.9 GB over, fits at 3 %
+above the bound in 0.5 s); and, in turn:
 - add that step to the relaxation (a joint model over a few steps: the bound rises, and the next
   plan knows the room the step needs), while a solve is quick beside the time left;
 - then shrink the rooms by the excess until a plan fits, and bisect between the rooms that fit

@@ -1,6 +1,6 @@
 """A plan that peaks above its budget, made to fit by recomputing more where it peaks: the
-repair of the plans read off the bound's relaxation (`remat.solvers.relaxation.relaxed`), which leave out
-the room that recomputations take when their own backward runs."""
+repair of the plans read off the bound's relaxation (`remat.solvers.relaxation.relaxed`), which
+leave out the room that recomputations take when their own backward runs."""
 from __future__ import annotations
 
 import logging

@@ -1,7 +1,7 @@
 """Second backward runs where a plan peaks: the rich space's part of the repair
-(`remat.solvers.relaxation.repair`). A value recomputed for its first backward reader is held from there to
-its last; where that hold is what peaks, running it once more just before the next reader after
-the peak (`Schedule.again`) frees its bytes in between, for one more run of the op. Mamba at
+(`remat.solvers.relaxation.repair`). A value recomputed for its first backward reader is held from
+there to its last; where that hold is what peaks, running it once more just before the next reader
+after the peak (`Schedule.again`) frees its bytes in between, for one more run of the op. Mamba at
 60 % of its save-all peak: the relaxation's plan recomputes `mul_22` (372 KB) before op 348 and
 holds it to its reader at 361, 366 KB over at op 353; run again before 361, it fits.
 """

@@ -28,8 +28,8 @@ fork_rng keeps while it runs, the Python numbers autograd nodes keep as tensors
 
 The planners: the heuristic `remat.solvers.eager.heuristic.plan_eager` (status HEURISTIC; from
 seed cache sets it repairs, caching less, until the eager peak fits and improves, caching
-more, while it still fits; with offloads of block inputs, `remat.solvers.timeline.eager_offload`), and
-the exact `remat.solvers.eager.search.optimal_eager` (CP-SAT over this timeline, every
+more, while it still fits; with offloads of block inputs, `remat.solvers.timeline.eager_offload`),
+and the exact `remat.solvers.eager.search.optimal_eager` (CP-SAT over this timeline, every
 rule above followed: `EagerModel`; it plans no offload), which the heuristic hints.
 """
 from __future__ import annotations
@@ -121,8 +121,8 @@ def eager_holds(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun], *,
     pipeline stage's, between its forward and its backward) is read off the holds, not off a
     step's live bytes. `loads`: value -> the backward op its load is placed before; `issues`:
     value -> the forward op after which its copy to host is issued
-    (`remat.solvers.timeline.eager_offload.offload_points`): an offloaded value's device copy lives from
-    its op to its last forward read or the end of its copy to host, its loaded copy from its
+    (`remat.solvers.timeline.eager_offload.offload_points`): an offloaded value's device copy lives
+    from its op to its last forward read or the end of its copy to host, its loaded copy from its
     load to what would have held it in the backward."""
     ops = problem.ops
     nf = problem.num_forward
