@@ -128,8 +128,7 @@ class SolverSummary:
     """The solver's objective: "time", or "flops" (then `bound` is scaled from the FLOPs bound
     so that `gap` is the FLOPs objective's)."""
     bound_from: str = ""
-    """Which proof gave `bound`: CP-SAT's search, or backward steps
-    (remat.solvers.relaxation.bound)."""
+    """Which proof gave `bound`: CP-SAT's search, or backward steps (relaxation.bound)."""
     model: str = ""
     """The execution model that answered ("single" or "rich", `SolverOptions.model`); under
     "auto" the status, bound and gap are over the rich space."""
