@@ -11,11 +11,13 @@
 - `rich_model`: the richer execution model (recompute twice, within the forward, offload),
   hinted by `rich_hint`;
 - `rich_search`: `SolverOptions.model` "rich" and "auto" (the single model first, the rich one
-  where a bound over its space leaves room);
+  where a bound over its space leaves room), which searches the rich model with
+  `rich_model_search`;
 - `driver`: `optimal` itself, its deadline and its stages;
 - `eager_model`, `eager_search`: the eager mode's own exact planner (which ops each block's
-  selective-checkpoint policy caches, against `remat.solvers.eager`'s timeline); `eager_slots`
-  its relaxation checked at a few slots, the bound and often the plan.
+  selective-checkpoint policy caches, against `remat.solvers.eager`'s timeline), the model's
+  holds built by `eager_storage`; `eager_slots` its relaxation checked at a few slots, the
+  bound and often the plan.
 """
 from remat.solvers.cpsat.driver import optimal
 from remat.solvers.cpsat.hints import BASELINES, HINT_POOL, _best_baseline
