@@ -20,7 +20,8 @@ from remat.planner.plans.eager_plan import plan_eager_mode
 from remat.planner.plans.prepare import prepare
 from remat.solvers import SolverOptions, Strategy
 from remat.solvers.core.schedule import Status
-from remat.solvers.timeline.eager import block_runs, eager_schedule
+from remat.solvers.timeline.eager import eager_schedule
+from remat.solvers.timeline.eager_blocks import block_runs
 from examples.llama import LLAMA_TEST, tiny_llama
 
 CONFIG = replace(LLAMA_TEST, seq=32)
@@ -229,7 +230,7 @@ def test_hugging_face_gpt2_trains_like_eager_and_refuses_a_kv_cache():
 def test_blocks_renumbered_onto_a_sharded_problem_keep_their_order():
     """Sharding inserts collectives among the graph's ops: the blocks' fields follow their ops
     (a position between two ops stays between them, -1 stays before the first)."""
-    from remat.solvers.timeline.eager import EagerBlocks
+    from remat.solvers.timeline.eager_blocks import EagerBlocks
 
     blocks = EagerBlocks(ops={"layers.0": (1, 2, 3)}, owner={5: "layers.0"},
                          packer={5: 3, 6: -1}, cacheable=frozenset({2}), node_end={5: 6},

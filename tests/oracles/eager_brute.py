@@ -10,7 +10,8 @@ from __future__ import annotations
 import itertools
 
 from remat.errors import BudgetError
-from remat.solvers.timeline.eager import EagerBlocks, eager_schedule
+from remat.solvers.timeline.eager import eager_schedule
+from remat.solvers.timeline.eager_blocks import EagerBlocks
 from remat.solvers.core.problem import Problem
 from remat.solvers.core.schedule import Schedule, Status
 

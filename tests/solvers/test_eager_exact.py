@@ -13,7 +13,8 @@ from remat.solvers.core.schedule import OPTIMAL_TOLERANCE
 from remat.solvers.eager.model import EagerModel
 from remat.solvers.eager.search import eager_units, least_eager_peak, optimal_eager
 from remat.solvers.core.deadline import Deadline
-from remat.solvers.timeline.eager import EagerBlocks, eager_schedule
+from remat.solvers.timeline.eager import eager_schedule
+from remat.solvers.timeline.eager_blocks import EagerBlocks
 from remat.solvers.eager.heuristic import cheapest_prefix, plan_eager
 from tests.oracles.eager_brute import budget_between, eager_brute_force
 from remat.solvers.core.options import SolverOptions

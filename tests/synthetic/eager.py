@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from remat.solvers.timeline.eager import EagerBlocks
+from remat.solvers.timeline.eager_blocks import EagerBlocks
 from remat.solvers.core.problem import Kind, Problem, recompute_blocker, tuple_of
 from tests.synthetic.problems import random_problem
 

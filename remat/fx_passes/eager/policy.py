@@ -40,7 +40,7 @@ from remat.fx_passes.eager.runs import joined_runs, module_path, run_name, split
 from remat.fx_passes.eager.unused import unused_tensors
 from remat.fx_passes.lowering.lower import op_nodes
 from remat.fx_passes.tracing.rng import rng_state, state_bytes
-from remat.solvers.timeline.eager import EagerBlocks
+from remat.solvers.timeline.eager_blocks import EagerBlocks
 from remat.solvers.core.problem import (Kind, Phase, Problem, Reason, recompute_blocker,
                                    tuple_of)
 

@@ -15,7 +15,8 @@ from typing import Any, Sequence
 
 from remat.errors import BudgetError
 from remat.solvers import Problem, SolverOptions, StepKind
-from remat.solvers.timeline.eager import block_runs, eager_holds, eager_schedule
+from remat.solvers.timeline.eager import eager_holds, eager_schedule
+from remat.solvers.timeline.eager_blocks import block_runs
 from remat.solvers.timeline.pipeline_rank import MicrobatchMemory, Pass, passes_from_live
 from remat.solvers.timeline.simulate import timeline_of
 

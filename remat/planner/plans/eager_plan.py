@@ -87,7 +87,7 @@ class EagerPlan(Plan):
         """Per block: the (shape, dtype) of the inputs it offloads, and the blocks whose
         offloaded inputs load when it unpacks its own (`remat.solvers.timeline.eager_offload`)."""
         from remat.fx_passes.lowering.lower import op_nodes
-        from remat.solvers.timeline.eager import block_runs
+        from remat.solvers.timeline.eager_blocks import block_runs
         from remat.solvers.timeline.eager_offload import offloadable
 
         schedule, problem = self.schedule, self.eager_problem

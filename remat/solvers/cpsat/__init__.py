@@ -12,7 +12,8 @@
 - `rich_model`: the richer execution model (recompute twice, within the forward, offload),
   its further runs built by `rich_runs`, hinted by `rich_hint`;
 - `rich_search`: `SolverOptions.model` "rich" and "auto" (the single model first, the rich one
-  where a bound over its space leaves room);
+  where a bound over its space leaves room), which searches the rich model with
+  `rich_model_search`;
 - `offload_search`: offloads added to a plan where the host link hides them;
 - `driver`: `optimal` itself, its deadline and its stages;
 - `tiled`: Strategy `tiled`, long stacks solved window by window with `optimal`.

@@ -103,45 +103,11 @@ class _Call(CallOutcomes):
         return self.work().within(fraction * self.limit - less)
 
     def run(self) -> Schedule:
-        problem, budget, units, info = self.problem, self.budget, self.units, self.info
-        # --- The hint: the caller's, else the pool's best; near the floor, the least peak.
-        self.progress.update(stage="running the baselines")
-        hint = self.options.hint
-        if hint is not None:
-            began = time.perf_counter()
-            hint = evaluate(problem, hint)
-            self.pool.seconds_per_evaluation = time.perf_counter() - began
-            self.deadline.charge(modelled("evaluation", len(problem)))
-        if hint is None or hint.peak > budget:
-            hint = self.pool.best(budget, self.part(BASELINE_SHARE),
-                                  until_one_fits=self.part(UNTIL_ONE_FITS_SHARE))
-        # The plan a backward step's relaxation suggests, repaired to fit: far cheaper than
-        # any baseline's on stacks of blocks, and sometimes the only one that fits.
-        relaxed, relaxed_bound = None, Bound(0.0, (), True)
-        # Under "auto" and "rich" the call's bound is over the rich space: the steps joined are
-        # proven over it in this stage (`rich`), which has RICH_JOINT_SHARE more time for them.
-        rich = [] if self.rich_bound_wanted() else None
-        plans = self.part(RELAXED_SHARE, PART_EVALUATIONS * self.evaluation())
-        part = self.part(RELAXED_SHARE + RICH_JOINT_SHARE * (rich is not None),
-                         PART_EVALUATIONS * self.evaluation())
-        if part.check("reading a plan off the relaxation"):
-            self.progress.update(stage="reading a plan off the relaxation")
-            one_step: list[Bound] = []
-            relaxed, relaxed_bound = relaxed_schedule(problem, budget, time_limit=part.limit,
-                                                      lowest=self.lowest, deadline=part,
-                                                      one_step=one_step, rich=rich, plans=plans,
-                                                      relative_gap=max(
-                                                          self.options.relative_gap,
-                                                          OPTIMAL_TOLERANCE))
-            if one_step and math.isfinite(one_step[0].value):  # for the rich space's bound
-                info["one_step_bound"] = one_step[0].value
-            if rich and rich[0].value > 0:
-                info["rich_joint_bound"] = rich[0].value
-                info["rich_joint_steps"] = rich[0].steps
-            if len(relaxed_bound.steps) > 1:
-                info["relaxation_steps"] = relaxed_bound.steps
-        else:
-            info["relaxation"] = "skipped: no time left"
+        """The stages in order: the hint (baselines, the relaxation's plan, the least peak
+        where nothing fits, the drop pass), a bound where it binds, the model, the least cost
+        and the least peak at that cost."""
+        hint = self.baseline_hint()
+        relaxed, relaxed_bound = self.read_relaxation()
         if relaxed is not None and (hint is None or relaxed.cost < hint.cost):
             hint = relaxed
         self.progress.update(cost=hint.cost if hint is not None else None,
@@ -154,76 +120,144 @@ class _Call(CallOutcomes):
             # the least-peak search does (or proves that none fits).
             model = self.build()
             if model is None:
-                # A short limit on a loaded machine (a call whose capture took most of it) may
-                # have skipped every baseline: those that fit beat no plan at all.
-                hint = self.second_chance(None)
-                if hint is None or hint.peak > budget:
-                    return self.nothing_found("no time left to build the model")
-                info["from_hint"] = True
-                return self.result(hint, self.best_bound(0.0, relaxed_bound))
-            if model.fixed_peak > units.capacity(budget):
+                return self.without_model(None, relaxed_bound, must_fit=True)
+            if model.fixed_peak > self.units.capacity(self.budget):
                 return self.fail(model)
-            work = self.work()
-            self.search_least_peak(model, work.within(LEAST_PEAK_SHARE * work.left()),
-                                   target=units.capacity(budget))
-            if self.least is not None and self.least.peak <= budget:
-                hint = self.least
-            elif self.least is not None and self.least_proven:
-                raise self.too_small()
+            hint = self.least_peak_hint(model)
         if self.pool.skipped:
-            info["skipped"] = dict(self.pool.skipped)
+            self.info["skipped"] = dict(self.pool.skipped)
         if hint is not None:
-            # The relaxation's plan too recomputes more than fitting needs (gpt2 at half its
-            # save-all peak: 0.118 ms, 0.090 ms after the drop pass in 0.5 s).
-            part = self.part(HINT_SHARE, self.evaluation())
-            self.progress.update(cost=hint.cost)
-            if part.check("improving the hint"):
-                self.progress.update(stage="improving the hint")
-                hint = drop_pass(problem, budget, hint, part)
-            info["hint"] = hint.strategy
-
-        # --- A bound proven at the step where the hint peaks, where the budget binds, unless
-        # the relaxation's solves proved one there already (or one over several steps).
-        step_bound = relaxed_bound
-        part = self.part(BOUND_SHARE, (1 + PART_EVALUATIONS) * self.evaluation())
-        if len(relaxed_bound.steps) < 2 and part.check("proving a bound"):
-            self.deadline.charge(modelled("evaluation", len(problem)))
-            binding = binding_step(problem, hint) if hint is not None else None
-            if binding not in relaxed_bound.steps:
-                self.progress.update(stage="proving a bound")
-                found = recompute_bound(problem, budget, time_limit=part.limit, deadline=part,
-                                        steps=[binding] if binding is not None else [])
-                step_bound = max(found, relaxed_bound, key=lambda bound: bound.value)
+            hint = self.drop_recomputations(hint)
+        step_bound = self.prove_step_bound(hint, relaxed_bound)
         if step_bound.value == math.inf:  # no schedule fits: find the least peak for the error
             return self.fail(model)
         if self.close_enough(hint, step_bound.value):
             # The relaxation's plan is often proven this close already (7B: 0.1 % at 2.8 s);
             # the search would spend the rest of the limit not improving it.
-            info["stopped"] = (f"the hint is proven within relative_gap "
-                               f"{self.options.relative_gap:g} before the search")
+            self.info["stopped"] = (f"the hint is proven within relative_gap "
+                                    f"{self.options.relative_gap:g} before the search")
             return self.result(hint, self.best_bound(0.0, step_bound))
         if model is None:
             model = self.build()
             if model is None:  # no time to search: the hint as it is, with what is proven
-                hint = self.second_chance(hint)
-                if hint is None:
-                    return self.nothing_found("no time left to build the model")
-                info["from_hint"] = True
-                return self.result(hint, self.best_bound(0.0, step_bound))
-        m = model.model
-        capacity = units.capacity(budget)
-        if model.fixed_peak > capacity:
+                return self.without_model(hint, step_bound, must_fit=False)
+        if model.fixed_peak > self.units.capacity(self.budget):
             return self.fail(model)
-        if step_bound.steps:
-            info.update(step_bound=step_bound.value, step_bound_at=step_bound.where(problem))
-            self.progress.update(bound=step_bound.value)
-            # Told the bound, CP-SAT's own bound starts there. Each op's cost rounds down by
-            # less than a unit, so the model's cost of any schedule is at least this.
-            m.Add(model.cost >= math.floor(step_bound.value / units.cost) - len(model.rec))
+        self.start_from_bound(model, step_bound)
+        return self.least_cost(model, hint, step_bound)
 
-        # --- Stage 1: least recompute cost under the capacity (budget rounded DOWN to units).
+    def baseline_hint(self) -> Schedule | None:
+        """The hint: the caller's, else the pool's best (None: none ran in time)."""
+        self.progress.update(stage="running the baselines")
+        hint = self.options.hint
+        if hint is not None:
+            began = time.perf_counter()
+            hint = evaluate(self.problem, hint)
+            self.pool.seconds_per_evaluation = time.perf_counter() - began
+            self.deadline.charge(modelled("evaluation", len(self.problem)))
+        if hint is None or hint.peak > self.budget:
+            hint = self.pool.best(self.budget, self.part(BASELINE_SHARE),
+                                  until_one_fits=self.part(UNTIL_ONE_FITS_SHARE))
+        return hint
+
+    def read_relaxation(self) -> tuple[Schedule | None, Bound]:
+        """The plan a backward step's relaxation suggests, repaired to fit (None: none), and
+        the bound its solves prove: far cheaper than any baseline's on stacks of blocks, and
+        sometimes the only plan that fits."""
+        relaxed, relaxed_bound = None, Bound(0.0, (), True)
+        # Under "auto" and "rich" the call's bound is over the rich space: the steps joined are
+        # proven over it in this stage (`rich`), which has RICH_JOINT_SHARE more time for them.
+        rich = [] if self.rich_bound_wanted() else None
+        plans = self.part(RELAXED_SHARE, PART_EVALUATIONS * self.evaluation())
+        part = self.part(RELAXED_SHARE + RICH_JOINT_SHARE * (rich is not None),
+                         PART_EVALUATIONS * self.evaluation())
+        if not part.check("reading a plan off the relaxation"):
+            self.info["relaxation"] = "skipped: no time left"
+            return relaxed, relaxed_bound
+        self.progress.update(stage="reading a plan off the relaxation")
+        one_step: list[Bound] = []
+        relaxed, relaxed_bound = relaxed_schedule(
+            self.problem, self.budget, time_limit=part.limit, lowest=self.lowest, deadline=part,
+            one_step=one_step, rich=rich, plans=plans,
+            relative_gap=max(self.options.relative_gap, OPTIMAL_TOLERANCE))
+        if one_step and math.isfinite(one_step[0].value):  # for the rich space's bound
+            self.info["one_step_bound"] = one_step[0].value
+        if rich and rich[0].value > 0:
+            self.info["rich_joint_bound"] = rich[0].value
+            self.info["rich_joint_steps"] = rich[0].steps
+        if len(relaxed_bound.steps) > 1:
+            self.info["relaxation_steps"] = relaxed_bound.steps
+        return relaxed, relaxed_bound
+
+    def least_peak_hint(self, model) -> Schedule | None:
+        """Where no plan is known: the least-peak search's schedule where it fits (None where
+        it found none that does, unproven); BudgetError where it proves that none fits."""
+        work = self.work()
+        self.search_least_peak(model, work.within(LEAST_PEAK_SHARE * work.left()),
+                               target=self.units.capacity(self.budget))
+        if self.least is not None and self.least.peak <= self.budget:
+            return self.least
+        if self.least is not None and self.least_proven:
+            raise self.too_small()
+        return None
+
+    def drop_recomputations(self, hint: Schedule) -> Schedule:
+        """The hint less what it recomputes that fitting does not need, in HINT_SHARE. The
+        relaxation's plan too recomputes more than fitting needs (gpt2 at half its save-all
+        peak: 0.118 ms, 0.090 ms after the drop pass in 0.5 s)."""
+        part = self.part(HINT_SHARE, self.evaluation())
+        self.progress.update(cost=hint.cost)
+        if part.check("improving the hint"):
+            self.progress.update(stage="improving the hint")
+            hint = drop_pass(self.problem, self.budget, hint, part)
+        self.info["hint"] = hint.strategy
+        return hint
+
+    def prove_step_bound(self, hint: Schedule | None, relaxed_bound: Bound) -> Bound:
+        """A bound proven at the step where the hint peaks, where the budget binds, unless
+        the relaxation's solves proved one there already (or one over several steps)."""
+        step_bound = relaxed_bound
+        part = self.part(BOUND_SHARE, (1 + PART_EVALUATIONS) * self.evaluation())
+        if len(relaxed_bound.steps) < 2 and part.check("proving a bound"):
+            self.deadline.charge(modelled("evaluation", len(self.problem)))
+            binding = binding_step(self.problem, hint) if hint is not None else None
+            if binding not in relaxed_bound.steps:
+                self.progress.update(stage="proving a bound")
+                found = recompute_bound(self.problem, self.budget, time_limit=part.limit,
+                                        deadline=part,
+                                        steps=[binding] if binding is not None else [])
+                step_bound = max(found, relaxed_bound, key=lambda bound: bound.value)
+        return step_bound
+
+    def without_model(self, hint: Schedule | None, bound: Bound, must_fit: bool) -> Schedule:
+        """Where the model could not be built in time: the hint, or a baseline skipped before
+        (`second_chance`), with what is proven. A short limit on a loaded machine (a call
+        whose capture took most of it) may have skipped every baseline: those that fit beat
+        no plan at all. `must_fit`: a schedule above the budget is no answer."""
+        hint = self.second_chance(hint)
+        if hint is None or (must_fit and hint.peak > self.budget):
+            return self.nothing_found("no time left to build the model")
+        self.info["from_hint"] = True
+        return self.result(hint, self.best_bound(0.0, bound))
+
+    def start_from_bound(self, model, step_bound: Bound) -> None:
+        """Tells the model the bound proven from backward steps: CP-SAT's own bound starts
+        there."""
+        if step_bound.steps:
+            self.info.update(step_bound=step_bound.value,
+                             step_bound_at=step_bound.where(self.problem))
+            self.progress.update(bound=step_bound.value)
+            # Each op's cost rounds down by less than a unit, so the model's cost of any
+            # schedule is at least this.
+            model.model.Add(model.cost >= math.floor(step_bound.value / self.units.cost)
+                            - len(model.rec))
+
+    def least_cost(self, model, hint: Schedule | None, step_bound: Bound) -> Schedule:
+        """Stage 1: least recompute cost under the capacity (budget rounded DOWN to units),
+        then the least peak at that cost (stage 2), and the schedule."""
+        units, m = self.units, model.model
         self.progress.update(stage="searching for the least cost")
-        m.Add(model.peak <= capacity)
+        m.Add(model.peak <= units.capacity(self.budget))
         m.Minimize(model.cost)
         if hint is not None:
             model.hint(hint)
@@ -233,7 +267,7 @@ class _Call(CallOutcomes):
         reserve = (PEAK_STAGE_SHARE * self.limit if hint is None or hint.recomputed else 0.0)
         solver = cp_solver(self.options, work, work.left() - reserve, self.progress, units)
         status = run_solver(solver, m, work, "searching for the least cost", trace)
-        info.update(stage1_time=solver.WallTime(), trace=trace.trace)
+        self.info.update(stage1_time=solver.WallTime(), trace=trace.trace)
         searched = solver.BestObjectiveBound() * units.cost
         # CP-SAT's bound holds for the true problem only where the model's bytes are exact.
         bound = self.best_bound(searched if units.exact_bytes and math.isfinite(searched) else 0.0,
@@ -241,51 +275,62 @@ class _Call(CallOutcomes):
         if status == cp_model.INFEASIBLE:
             return self.fail(model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            hint = self.second_chance(hint)
-            if hint is not None and hint.peak <= budget:  # a caller's hint need not fit
-                # Out of time before CP-SAT accepted any schedule; the hint fits (simulated).
-                info["from_hint"] = True
-                found = self.result(hint, bound)
-                # The hint's status is its own: OPTIMAL where the bound proves its cost least.
-                logger.warning("optimal: CP-SAT found no schedule within %.1f s; returning the "
-                               "hint (%s), %s", self.limit, hint.strategy, found.status.value)
-                return found
-            return self.nothing_found(solver.StatusName(status))
+            return self.unsearched(hint, bound, solver.StatusName(status))
         best_cost = round(solver.ObjectiveValue())
         recomputed, positions = model.decision(solver.Value)
-        model_peak = solver.Value(model.peak)
+        recomputed, positions = self.lower_peak(model, best_cost, recomputed, positions,
+                                                solver.Value(model.peak))
+        self.progress.update(stage="finishing")
+        schedule = make_schedule(self.problem, recomputed, recompute_at=positions)
+        if hint is not None and hint.peak <= self.budget and hint.cost < schedule.cost:
+            schedule = hint  # CP-SAT started from it; its own answer can only be as good
+        return self.result(schedule, bound)
 
-        # --- Stage 2: least peak at that cost (keeps the live-range ends tight, too). Bounded
-        # by its share; pointless when nothing is recomputed (the peak is then fixed).
+    def unsearched(self, hint: Schedule | None, bound: float, status: str) -> Schedule:
+        """Out of time before CP-SAT accepted any schedule: the hint (or a baseline skipped
+        before) where it fits (simulated); a caller's hint need not."""
+        hint = self.second_chance(hint)
+        if hint is not None and hint.peak <= self.budget:
+            self.info["from_hint"] = True
+            found = self.result(hint, bound)
+            # The hint's status is its own: OPTIMAL where the bound proves its cost least.
+            logger.warning("optimal: CP-SAT found no schedule within %.1f s; returning the "
+                           "hint (%s), %s", self.limit, hint.strategy, found.status.value)
+            return found
+        return self.nothing_found(status)
+
+    def lower_peak(self, model, best_cost: int, recomputed, positions, model_peak: int):
+        """Stage 2: least peak at the least cost (keeps the live-range ends tight, too): the
+        decision, the first stage's where this one does not run or finds nothing. Bounded by
+        its share; pointless when nothing is recomputed (the peak is then fixed)."""
+        info = self.info
         part = self.part(PEAK_STAGE_SHARE, self.evaluation())
         if not recomputed:
             info["peak_stage"] = "skipped: nothing is recomputed"
-        elif not part.check("lowering the peak at that cost") or part.left() <= 0.05:
+            return recomputed, positions
+        if not part.check("lowering the peak at that cost") or part.left() <= 0.05:
             info["peak_stage"] = "skipped: no time left"
-        else:
-            self.progress.update(stage="lowering the peak at that cost")
-            self.deadline.charge(modelled("evaluation", len(problem)))
-            first = make_schedule(problem, recomputed, recompute_at=positions)
-            self.progress.update(stage="lowering the peak: solving")
-            m.Add(model.cost <= best_cost)
-            m.Minimize(model.peak)
-            m.ClearHints()  # the first stage's hint would stand beside this one's
-            model.hint(first)
-            solver = cp_solver(self.options, part)
-            status2 = run_solver(solver, m, part, "lowering the peak: solving")
-            if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-                recomputed, positions = model.decision(solver.Value)
-                model_peak = solver.Value(model.peak)
-                info["peak_proven"] = status2 == cp_model.OPTIMAL
-                info["peak_stage"] = "proven" if info["peak_proven"] else "stopped at its share"
-            else:  # the first stage's answer stands; its live-range ends need not be tight
-                info["peak_stage"] = f"CP-SAT answered {solver.StatusName(status2)}"
-            info["model_peak"] = model_peak * units.byte
-        self.progress.update(stage="finishing")
-        schedule = make_schedule(problem, recomputed, recompute_at=positions)
-        if hint is not None and hint.peak <= budget and hint.cost < schedule.cost:
-            schedule = hint  # CP-SAT started from it; its own answer can only be as good
-        return self.result(schedule, bound)
+            return recomputed, positions
+        self.progress.update(stage="lowering the peak at that cost")
+        self.deadline.charge(modelled("evaluation", len(self.problem)))
+        first = make_schedule(self.problem, recomputed, recompute_at=positions)
+        self.progress.update(stage="lowering the peak: solving")
+        m = model.model
+        m.Add(model.cost <= best_cost)
+        m.Minimize(model.peak)
+        m.ClearHints()  # the first stage's hint would stand beside this one's
+        model.hint(first)
+        solver = cp_solver(self.options, part)
+        status = run_solver(solver, m, part, "lowering the peak: solving")
+        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            recomputed, positions = model.decision(solver.Value)
+            model_peak = solver.Value(model.peak)
+            info["peak_proven"] = status == cp_model.OPTIMAL
+            info["peak_stage"] = "proven" if info["peak_proven"] else "stopped at its share"
+        else:  # the first stage's answer stands; its live-range ends need not be tight
+            info["peak_stage"] = f"CP-SAT answered {solver.StatusName(status)}"
+        info["model_peak"] = model_peak * self.units.byte
+        return recomputed, positions
 
     def rich_bound_wanted(self) -> bool:
         """Whether the call's bound must hold over the rich space ("auto", "rich")."""

@@ -18,9 +18,9 @@ from remat.solvers.core.options import SolverOptions
 from remat.solvers.core.problem import Problem
 from remat.solvers.core.strategy import Strategy
 from remat.solvers.core.schedule import Schedule
+from remat.solvers.timeline.evaluate import evaluate, make_schedule
 
 # The share of the time limit the floor's proof (bound.peak_bound) may take for the message.
-from remat.solvers.timeline.evaluate import evaluate, make_schedule
 FLOOR_SHARE = 0.1
 
 

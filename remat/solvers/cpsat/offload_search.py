@@ -28,9 +28,9 @@ from remat.solvers.core.deadline import Deadline, modelled
 from remat.solvers.timeline.overlap import host_bytes
 from remat.solvers.core.problem import Kind, Problem, tuple_of
 from remat.solvers.core.schedule import Schedule, drop_unneeded
+from remat.solvers.timeline.evaluate import evaluate, make_schedule
 
 # How many earlier load positions a value is tried at besides its recomputation's (halving
-from remat.solvers.timeline.evaluate import evaluate, make_schedule
 # the distance to the backward's start each time).
 EARLIER_TRIES = 3
 # How many of the largest saved values the first move considers.

@@ -16,9 +16,9 @@ from ortools.sat.python import cp_model
 from remat.solvers.core.options import SolverOptions
 from remat.solvers.core.problem import Kind, Problem
 from remat.solvers.core.schedule import Schedule, drop_unneeded
+from remat.solvers.timeline.evaluate import make_schedule
 
 # Sizes are counted in integer units; beyond this many units in all, the unit grows.
-from remat.solvers.timeline.evaluate import make_schedule
 MAX_UNITS = 2 ** 40
 # The objective stays below this many cost units in all; beyond it the cost unit grows and the
 # smallest costs may round to zero units (OPTIMAL is judged in true costs all the same). At

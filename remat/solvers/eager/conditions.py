@@ -1,5 +1,5 @@
 """The conditions under which a storage is held to a slot or later, for the slot relaxation
-(`eager_slots`), in few rows.
+(`slots`), in few rows.
 
 A storage's hold lists its candidate last slots with the literals that must all hold for it
 to be held there (`EagerModel.holds`). At a checked slot t, the relaxation's boolean "held to

@@ -3,7 +3,7 @@ weighted by whole quanta of their costs, which CP-SAT proves in far less time th
 cost, and which makes the least cost's linear relaxation nearly tight once it is a row.
 
 Bamba's costs are kernel launches: 178 of its 192 cache units cost 1.00e6 to 1.05e6 units,
-the rest nothing. At the nine slots of its hard round (`eager_slots`), the least cost's linear
+the rest nothing. At the nine slots of its hard round (`slots`), the least cost's linear
 relaxation is 24.2e6 against an optimum of 28.7e6, and CP-SAT took 3 to 30 s to prove it; the
 least count of the launches that run (every weight 1) was proven to be 28 in 0.7 to 1 s on one
 worker (its linear relaxation: 23.5), and with "at least 28 run" as a row, the least cost's

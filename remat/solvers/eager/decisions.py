@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from functools import cached_property
 
-from remat.solvers.timeline.eager import EagerBlocks
+from remat.solvers.timeline.eager_blocks import EagerBlocks
 from remat.solvers.core.problem import Kind, Problem
 
 TRUE = True  # a literal that always holds (an op that always runs, a term with no condition)

@@ -16,7 +16,8 @@ from remat.errors import BudgetError
 from remat.solvers.core.deadline import Deadline
 from remat.solvers.core.problem import Kind, Problem
 from remat.solvers.core.schedule import Schedule
-from remat.solvers.timeline.eager import EagerBlocks, block_runs, eager_schedule
+from remat.solvers.timeline.eager import eager_schedule
+from remat.solvers.timeline.eager_blocks import EagerBlocks, block_runs
 from remat.solvers.timeline.eager_offload import offloadable
 
 __all__ = ["cheapest_prefix", "choose_offloads", "plan_eager", "with_offloads"]

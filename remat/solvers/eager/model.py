@@ -4,29 +4,17 @@ block's selective-checkpoint policy caches, solved exactly against `eager_timeli
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ortools.sat.python import cp_model
 
-from remat.solvers.eager.decisions import TRUE, EagerDecisions, check_structure, negated
+from remat.solvers.eager.decisions import TRUE, EagerDecisions, check_structure
+from remat.solvers.eager.storage import StorageHolds
 from remat.solvers.cpsat.units import Profile, Units
 from remat.solvers.core.deadline import Deadline, ticker
-from remat.solvers.timeline.eager import EagerBlocks, block_runs
-from remat.solvers.core.problem import Kind, Problem, recompute_blocker, tuple_of
+from remat.solvers.timeline.eager_blocks import EagerBlocks, block_runs
+from remat.solvers.core.problem import Kind, Problem
 
 
-@dataclass
-class _Hold:
-    """A storage held from slot `start` while `presence` holds, to the latest of `terms`: (slot,
-    literals that must all hold for the storage to be held to that slot)."""
-
-    size: int
-    start: int
-    presence: object  # TRUE or a literal
-    terms: list
-
-
-class EagerModel(EagerDecisions):
+class EagerModel(StorageHolds, EagerDecisions):
     """The eager mode's decisions are one boolean per *cache unit*: a cacheable op, or the
     tensors of one multi-output op (`EagerBlocks.groups`), which a policy caches together.
     Everything else follows from them (`block_runs`): a block's trigger, early stop and end do
@@ -66,18 +54,34 @@ class EagerModel(EagerDecisions):
         """OutOfTime when `deadline` passes while the model is built (DBRX's: 1.5 to 4.5 s
         under a load of 7, where the limit was 3.5 s)."""
         self.problem, self.blocks, self.units = problem, blocks, units
-        tick = ticker(deadline, "eager: building the model")
-        ops, nf = problem.ops, problem.num_forward
-        m = self.model = cp_model.CpModel()
+        self._tick = ticker(deadline, "eager: building the model")
+        self.model = cp_model.CpModel()
         size, temp = units.sizes(problem)
         check_structure(problem, blocks)
+        may = self._runs_with_nothing_cached()
+        self._cache_booleans(may)
+        self._slots()
+        held, finished = self._checkpoint_holds()
+        self._holds(size, held, finished)
+        profile, temp_at = self._fixed_profile(temp)
+        events = self._hold_events(profile)
+        self._pair_rows()
+        self.fixed = profile.levels(self.slots)
+        self.fixed_peak = max(self.fixed, default=0)
+        self._memory_chain(events, temp_at, temp)
+        self._cost()
 
-        # --- Step 1: the runs with nothing cached; P, what each block may recompute.
-        self.runs = runs = block_runs(problem, blocks, ())
-        run_of = {v: run for run in runs for v in blocks.ops[run.name]}
-        may = {v: run for run in runs for v in run.recomputed}
+    def _runs_with_nothing_cached(self) -> dict:
+        """Step 1: the runs with nothing cached (`runs`, and each op's run); P, what each
+        block may recompute (by op: its run)."""
+        self.runs = runs = block_runs(self.problem, self.blocks, ())
+        self._run_of = {v: run for run in runs for v in self.blocks.ops[run.name]}
+        return {v: run for run in runs for v in run.recomputed}
 
-        # --- Step 2: one boolean per cache unit that holds an op of P.
+    def _cache_booleans(self, may: dict) -> None:
+        """Step 2: one boolean per cache unit that holds an op of P (`cache`), and the literal
+        under which each recomputation of P runs (`runs_lit`)."""
+        problem, blocks, ops, m = self.problem, self.blocks, self.problem.ops, self.model
         unit_of: dict[int, tuple[int, ...]] = {}
         for group in blocks.groups:
             for v in group:
@@ -96,8 +100,12 @@ class EagerModel(EagerDecisions):
         cached_lit = {u: x for unit, x in self.cache.items() for u in unit}
         self.decidable = frozenset(cached_lit)
         """The ops whose caching the model decides (cached together by units)."""
-        # A recomputation runs unless its op is cached; a tuple op (never cached itself:
-        # check_structure) unless every tensor taken out of it is (block_runs).
+        self._runs_literals(may, cached_lit)
+
+    def _runs_literals(self, may: dict, cached_lit: dict) -> None:
+        """A recomputation runs unless its op is cached; a tuple op (never cached itself:
+        check_structure) unless every tensor taken out of it is (block_runs)."""
+        problem, ops, m = self.problem, self.problem.ops, self.model
         self.runs_lit = {v: cached_lit[v].Not() if v in cached_lit else TRUE for v in may}
         self._some_uncached: list[tuple[object, list]] = []  # (rerun, its units' literals)
         for t in (v for v in may if ops[v].kind is Kind.TUPLE and problem.users[v]):
@@ -111,11 +119,14 @@ class EagerModel(EagerDecisions):
                     self._some_uncached.append((rerun, lits))
                 self.runs_lit[t] = rerun
 
-        # --- Step 3: the slots.
-        slot = list(range(nf)) + [0] * (len(ops) - nf)
+    def _slots(self) -> None:
+        """Step 3: the slots: each op's (`_slot`), each recomputation's (`again`), and whether
+        each runs (`active`)."""
+        problem, nf = self.problem, self.problem.num_forward
+        slot = list(range(nf)) + [0] * (len(problem.ops) - nf)
         again: dict[int, int] = {}
         self.active: list = [TRUE] * nf
-        at_trigger = {run.trigger: run for run in runs if run.trigger is not None}
+        at_trigger = {run.trigger: run for run in self.runs if run.trigger is not None}
         for b in problem.backward:
             run = at_trigger.get(b)
             for v in sorted(run.recomputed) if run is not None else ():
@@ -123,134 +134,24 @@ class EagerModel(EagerDecisions):
                 self.active.append(self.runs_lit[v])
             slot[b] = len(self.active)
             self.active.append(TRUE)
-        self.slots, self.again = len(self.active), again
+        self.slots, self.again, self._slot = len(self.active), again, slot
         self._bools: dict[int, object] = {x.Index(): x for x in [
             *self.cache.values(), *(runs for runs, _ in self._some_uncached)]}
         self._none: dict[tuple[int, int], object] = {}  # _first_running's chain literals
         self._none_defs: list[tuple[object, object, object]] = []
-        node_end = blocks.node_end
 
-        def read_at(r: int) -> int:  # eager autograd frees a node's tensors when it ends
-            return slot[node_end.get(r, r)]
-
-        def first_running(start: int, lits: list) -> list:
-            """Terms that hold a storage to the first slot from `start` that runs."""
-            return [(k, lits + ([none] if none is not TRUE else []))
-                    for k, none in self._first_running(start)]
-
-        # --- Step 4: what checkpoint itself holds (eager_timeline's held_to), by storage:
-        # to the end of the autograd node of the block's last read (checkpoint's frame).
-        finished = {run.name: read_at(run.end) for run in runs if run.end is not None}
-        held: dict[int, list] = {}
-        for run in runs:
-            if run.end is None:
-                continue
-            kept = list(run.inputs) + [v for v in blocks.ops[run.name] if ops[v].kind is not
-                                       Kind.VIEW and recompute_blocker(problem, v) is not None]
-            for s in kept:
-                held.setdefault(s, []).append((finished[run.name], []))
-        for unit, x in self.cache.items():
-            for v in unit:
-                run = run_of.get(v)
-                if run is None or run.end is None:
-                    continue
-                if v > run.stop:  # the recomputation stops before it: held to the block's end
-                    held.setdefault(v, []).append((finished[run.name], [x]))
-                    continue
-                # The cache gives it to the recomputation, at its first step; then the block's
-                # Python variables hold it as in the forward (`forward_life`), to the last
-                # recomputation that runs before the op they held it to.
-                first = again[min(run.recomputed)] if run.recomputed else slot[run.trigger]
-                lives_to = blocks.forward_life.get(v, -1)
-                held.setdefault(v, []).extend(first_running(first, [x]) + [
-                    (again[u], [x, self.runs_lit[u]]) for u in run.recomputed
-                    if u <= lives_to and u not in unit])
-
-        # --- Step 5: the holds (eager_timeline's, slot for step).
-        holds: list[_Hold] = []
-        pairs: list[tuple[int, list]] = []  # (original's hold, its copy's next) and the reads
-        readers, pinned = problem.storage_readers, problem.pinned
-        for i, op in enumerate(ops):
-            tick()
-            if problem.root[i] != i or op.size == 0:
-                continue
-            t = tuple_of(problem, i)
-            made = slot[i] if t is None else slot[t] + 1
-            if i in pinned:
-                holds.append(_Hold(size[i], made, TRUE, [(self.slots - 1, [])]))
-                continue
-            if i >= nf:  # eager_timeline's node_end and python_backward rules: fixed slots
-                python = i in blocks.python_backward
-                last = [(slot[r] if python and node_end.get(r, r) == node_end.get(i, i)
-                         else read_at(r), []) for r in (i, *readers[i])]
-                holds.append(_Hold(size[i], made, TRUE, last))
-                continue
-            run = run_of.get(i)
-            block = run.name if run is not None else None
-            rec = self.runs_lit.get(i)  # None: never recomputed
-            original = [(made, [])] + held.get(i, [])
-            copy: list = []
-            lives_to = blocks.forward_life.get(i)
-            if lives_to is not None:
-                original.append((slot[lives_to], []))
-                if rec is not None:
-                    copy += [(again[v], [self.runs_lit[v]]) for v in run.recomputed
-                             if v <= lives_to]
-            for r in readers[i]:
-                if r < nf:
-                    original.append((slot[r], []))
-                    if r in again:  # read again by a recomputation
-                        lit = self.runs_lit[r]
-                        if rec is not None and run_of.get(r) is run:
-                            original.append((again[r], [lit, negated(rec)]))
-                            copy.append((again[r], [lit]))
-                        else:
-                            original.append((again[r], [lit]))
-                elif rec is not None and blocks.owner.get(r) == block:
-                    original.append((read_at(r), [negated(rec)]))
-                    copy.append((read_at(r), []))
-                else:
-                    original.append((read_at(r), []))
-            holds.append(_Hold(size[i], made, TRUE, original))
-            if rec is not None and rec is not TRUE:  # read by its block's recomputations:
-                pairs.append((len(holds) - 1, [(again[r], self.runs_lit[r]) for r in readers[i]
-                                               if r in again and run_of.get(r) is run]))
-            if rec is not None:
-                start = again[i] if t is None else again[t] + 1
-                if not copy or t is not None:
-                    # Made at the step after its tuple op's: the first slot from `start` that
-                    # runs, which need not be its own when a sibling's is empty (cached).
-                    copy += first_running(start, [])
-                holds.append(_Hold(size[i], start, rec,
-                                   [(k, lits + ([rec] if rec is not TRUE else []))
-                                    for k, lits in copy]))
-        state = units.bytes_up(blocks.state_bytes)
-        for run in runs:
-            if run.end is not None and state:  # checkpoint's generator snapshot
-                first = slot[blocks.ops[run.name][0]]
-                holds.append(_Hold(state, first, TRUE, [(finished[run.name], [])]))
-        for amount, names in blocks.unread_inputs:  # fixed: first forward to the last end
-            ends = [finished[n] for n in names if n in finished]
-            if ends:
-                first = min(slot[blocks.ops[n][0]] for n in names)
-                holds.append(_Hold(units.bytes_up(amount), first, TRUE, [(max(ends), [])]))
-        for amount, v, b in blocks.kept_numbers:  # fixed: after the op to its node's end
-            holds.append(_Hold(units.bytes_up(amount), slot[v] + 1, TRUE, [(read_at(b), [])]))
-        for amount, first, last, _ in blocks.unused_tensors:  # fixed: first to last op
-            holds.append(_Hold(units.bytes_up(amount), slot[first], TRUE, [(slot[last], [])]))
-        for h in holds:  # a literal that always holds says nothing; one that never does, drops
-            h.terms = [(k, [x for x in lits if x is not TRUE]) for k, lits in h.terms
-                       if not any(x is False for x in lits)]
-        self.holds = holds
-
-        # --- Step 6: the fixed profile, and the events of what the decisions move.
+    def _fixed_profile(self, temp: list[int]) -> tuple[Profile, dict[int, list]]:
+        """Step 6: the fixed profile (each op's temp at its slot), and the bytes of each
+        recomputation step that runs under a literal (`temp_at`)."""
+        blocks, units, slot, run_of = self.blocks, self.units, self._slot, self._run_of
         profile = Profile()
         temp_at: dict[int, list] = {}
-        for i in range(len(ops)):
+        for i in range(len(self.problem.ops)):
             profile.hold(temp[i], slot[i], slot[i])
         # A recomputation step holds its temp, and on the CPU fork_rng's copy of the
         # generator's state (kept while the block's recomputation runs, its steps only).
-        forked = {v for run in runs if run.trigger is not None for v in run.recomputed}
+        state = units.bytes_up(blocks.state_bytes)
+        forked = {v for run in self.runs if run.trigger is not None for v in run.recomputed}
         # And the Python numbers that the recomputed graph keeps, from their op on: at each
         # recomputation step after it (eager_holds: to the recomputation's end); so do the
         # unused tensors made in a block, from their first op's recomputation on.
@@ -262,13 +163,20 @@ class EagerModel(EagerDecisions):
             for u in run_of[v].recomputed if v in run_of else ():
                 if u > after:
                     numbers[u] = numbers.get(u, 0) + units.bytes_up(amount)
-        for v, k in again.items():
+        for v, k in self.again.items():
             amount = temp[v] + (state if v in forked else 0) + numbers.get(v, 0)
             if amount:
                 if self.runs_lit[v] is TRUE:
                     profile.hold(amount, k, k)
                 else:
                     temp_at[k] = [(amount, self.runs_lit[v])]
+        return profile, temp_at
+
+    def _hold_events(self, profile: Profile) -> dict[int, list]:
+        """The events of what the decisions move: per hold, its fixed part in `profile`, and
+        a chain of "held to candidate slot e or later" literals (`ends`), each bounded below
+        by the terms at e; by slot, the (coefficient, literal) changes they make."""
+        m = self.model
         events: dict[int, list] = {}
 
         def event(t: int, coef: int, x) -> None:
@@ -276,8 +184,8 @@ class EagerModel(EagerDecisions):
                 events.setdefault(t, []).append((coef, x))
 
         self.ends: list[list[tuple[int, object]]] = []  # per hold: (candidate end, literal)
-        for h in holds:
-            tick()
+        for h in self.holds:
+            self._tick()
             fixed_end = max([h.start] + [k for k, lits in h.terms if not lits])
             moving = sorted({k for k, lits in h.terms if lits and k > fixed_end})
             if h.presence is TRUE:
@@ -299,24 +207,28 @@ class EagerModel(EagerDecisions):
             for k, lits in h.terms:
                 if k in at:  # held to k when every literal holds (and to what is before)
                     m.Add(at[k] >= sum(lits) - (len(lits) - 1))
-        # A storage that a recomputation reads is held there, by the original or the copy:
-        # implied, but the LP sees it only in sum (each term alone is a conjunction).
-        self.pairs = pairs
-        for index, reads in pairs:
+        return events
+
+    def _pair_rows(self) -> None:
+        """A storage that a recomputation reads is held there, by the original or the copy:
+        implied, but the LP sees it only in sum (each term alone is a conjunction)."""
+        for index, reads in self.pairs:
             for k, lit in reads:
                 either = [self._held_at(index, k), self._held_at(index + 1, k)]
-                m.Add(sum(x for x in either if x is not TRUE) + sum(x is TRUE for x in either)
-                      >= lit)
-        self.fixed = profile.levels(self.slots)
-        self.fixed_peak = max(self.fixed, default=0)
+                self.model.Add(sum(x for x in either if x is not TRUE)
+                               + sum(x is TRUE for x in either) >= lit)
 
-        # --- Step 7: the memory chain and the peak, checked wherever something rises.
-        total = sum(h.size for h in holds) + sum(temp) + 1
+    def _memory_chain(self, events: dict[int, list], temp_at: dict[int, list],
+                      temp: list[int]) -> None:
+        """Step 7: the memory chain (`decided`, the level of what the decisions move, slot by
+        slot) and the peak, checked wherever something rises."""
+        m = self.model
+        total = sum(h.size for h in self.holds) + sum(temp) + 1
         self.peak = m.NewIntVar(self.fixed_peak, max(total, self.fixed_peak), "peak")
         self.events, self.temp_at, self.decided = events, temp_at, []
         level = 0
         for t in range(self.slots):
-            tick()
+            self._tick()
             change = events.get(t)
             if change:
                 current = m.NewIntVar(0, total, f"decided[{t}]")
@@ -326,6 +238,11 @@ class EagerModel(EagerDecisions):
             if change or t in temp_at or t == 0 or self.fixed[t] > self.fixed[t - 1]:
                 m.Add(level + self.fixed[t] + sum(c * x for c, x in temp_at.get(t, ()))
                       <= self.peak)
+
+    def _cost(self) -> None:
+        """The objective: the cost units of the recomputations that run under a literal
+        (`cost`), and the seconds of those that always run (`fixed_cost`)."""
+        ops, units = self.problem.ops, self.units
         moving = [(v, lit) for v, lit in self.runs_lit.items() if lit is not TRUE]
         self.cost = cp_model.LinearExpr.WeightedSum(
             [lit for _, lit in moving], [units.cost_of(ops[v].cost) for v, _ in moving])

@@ -3,7 +3,7 @@
 reported like the compiled mode's plans: OPTIMAL within OPTIMAL_TOLERANCE of a proven bound, else
 FEASIBLE with that bound and its gap.
 
-First the model checked at a few slots (`eager_slots`, SLOT_STAGE_SHARE of the least-cost
+First the model checked at a few slots (`slots`, SLOT_STAGE_SHARE of the least-cost
 stage's time): its bound, and where its policy fits everywhere at that bound, the plan, which
 the search over every slot then need not find; else the search starts from the best policy
 found, with the bound as its floor.
@@ -27,11 +27,12 @@ from ortools.sat.python import cp_model
 
 from remat.errors import BudgetError, SolverError
 from remat.solvers.eager.model import EagerModel
-from remat.solvers.eager.slots import slot_bound
+from remat.solvers.eager.slots import SlotBound, slot_bound
 from remat.solvers.cpsat.search import cp_solver
 from remat.solvers.cpsat.units import MAX_UNITS, Units
 from remat.solvers.core.deadline import Deadline, OutOfTime
-from remat.solvers.timeline.eager import EagerBlocks, eager_schedule
+from remat.solvers.timeline.eager import eager_schedule
+from remat.solvers.timeline.eager_blocks import EagerBlocks
 from remat.solvers.eager.heuristic import plan_eager
 from remat.solvers.core.objective import with_objective
 from remat.solvers.core.options import SolverOptions
@@ -44,7 +45,7 @@ STRATEGY = "eager_optimal"
 # The share of the time limit kept for lowering the peak at the least cost found.
 PEAK_STAGE_SHARE = 0.1
 # The share of the least-cost stage's time that the slot relaxation may take first
-# (`eager_slots`); where it proves its policy optimal, the search over every slot is skipped.
+# (`slots`); where it proves its policy optimal, the search over every slot is skipped.
 SLOT_STAGE_SHARE = 0.8
 # The share of the slot stage's time left that repairing one relaxed policy may take.
 REPAIR_SHARE = 0.7
@@ -112,120 +113,172 @@ def _optimal_eager(problem: Problem, blocks: EagerBlocks, budget: int, options: 
     options = options.by_size(len(problem))
     deadline = deadline or Deadline(options.time_limit)
     deadline.enter("eager: the model")
-    costed = with_objective(problem, options.objective)
-    units = eager_units(costed, blocks, options)
-    info: dict = {"execution": "eager", "model": "eager", "bound_from": "CP-SAT search",
-                  "objective": options.objective, "byte_unit": units.byte,
-                  "exact": units.exact_bytes}
-    start = None if hint is None else eager_schedule(costed, blocks, hint, budget=budget)
-    if start is not None and start.peak > budget:
-        start = None  # a policy that does not fit starts nothing
-    if not deadline.check("eager: the model"):
-        return _result(problem, blocks, start, 0.0, budget, deadline, info, "no time to build")
-    building = deadline.elapsed()
-    try:
-        model = EagerModel(costed, blocks, units, deadline)
-    except OutOfTime:
-        return _result(problem, blocks, start, 0.0, budget, deadline, info, "no time to build")
-    setup = SOLVE_SETUP_SHARE * (deadline.elapsed() - building)
-    info.update(cache_units=len(model.cache), slots=model.slots,
-                variables=len(model.model.Proto().variables))
-    m, capacity = model.model, units.capacity(budget)
-    if model.fixed_peak > capacity:  # what no policy moves exceeds the budget already
-        return _least(problem, blocks, budget, options, deadline, info)
+    return _EagerCall(problem, blocks, budget, options, hint, deadline).run()
 
-    m.Add(model.peak <= capacity)
-    m.Minimize(model.cost)
-    reserve = PEAK_STAGE_SHARE * deadline.limit
 
-    # --- Stage 0: the model checked at a few slots, grown where its policy overflows: a
-    # bound, and where its policy fits everywhere, the least-cost policy (`eager_slots`).
-    relaxed = None
-    part = deadline.within(SLOT_STAGE_SHARE * max(0.0, deadline.left() - reserve))
-    # Its bound is the model's, which holds for exact bytes only; its first evaluations of
-    # the model take about as long as loading it into CP-SAT (DBRX: 1 s under a load of 6).
-    if units.exact_bytes and part.left() >= setup:
+class _EagerCall:
+    """One call of `_optimal_eager`: the problem in the objective's costs, its units, the best
+    policy known that fits (`start`), the model, and what the result reports (`info`)."""
+
+    def __init__(self, problem: Problem, blocks: EagerBlocks, budget: int,
+                 options: SolverOptions, hint: Iterable[int] | None, deadline: Deadline):
+        self.problem, self.blocks, self.budget = problem, blocks, budget
+        self.options, self.deadline = options, deadline
+        self.costed = with_objective(problem, options.objective)
+        self.units = eager_units(self.costed, blocks, options)
+        self.info: dict = {"execution": "eager", "model": "eager", "bound_from": "CP-SAT search",
+                           "objective": options.objective, "byte_unit": self.units.byte,
+                           "exact": self.units.exact_bytes}
+        start = None if hint is None else eager_schedule(self.costed, blocks, hint,
+                                                         budget=budget)
+        if start is not None and start.peak > budget:
+            start = None  # a policy that does not fit starts nothing
+        self.start: Schedule | None = start
+        self.model: EagerModel | None = None
+        self.setup = 0.0  # the least time a CP-SAT stage needs to load the model
+        self.reserve = 0.0  # the time kept for the least-peak stage
+        # The least-cost stage's answer: the policy, its cost in units and the bound proven.
+        self.cached: frozenset[int] | None = None
+        self.best, self.bound = 0, 0.0
+
+    def run(self) -> Schedule:
+        """The model, the slot bound (stage 0), the least cost (stage 1) unless the slots
+        proved it, and the least peak at that cost (stage 2)."""
+        if not self.build():
+            return self.result(self.start, 0.0, "no time to build")
+        model, capacity = self.model, self.units.capacity(self.budget)
+        if model.fixed_peak > capacity:  # what no policy moves exceeds the budget already
+            return self.least()
+        model.model.Add(model.peak <= capacity)
+        model.model.Minimize(model.cost)
+        self.reserve = PEAK_STAGE_SHARE * self.deadline.limit
+        relaxed = self.slot_stage(capacity)
+        if relaxed is not None and math.isinf(relaxed.bound):  # no policy fits even at those slots
+            return self.least()
+        floor = 0.0 if relaxed is None else relaxed.bound
+        if relaxed is not None and relaxed.cached is not None:
+            found = eager_schedule(self.costed, self.blocks, relaxed.cached, budget=self.budget)
+            if self.start is None or found.cost < self.start.cost:
+                self.start = found
+        ended = self.least_cost_stage(relaxed, floor)
+        if ended is not None:
+            return ended
+        self.least_peak_stage()
+        found = eager_schedule(self.costed, self.blocks, self.cached, budget=self.budget)
+        if self.start is None or found.cost <= self.start.cost:
+            self.start = found  # else CP-SAT's answer rounded cost away: the hint stays
+        return self.result(self.start, self.bound, "searched")
+
+    def build(self) -> bool:
+        """Builds the model where the deadline allows; the time it took sets `setup`."""
+        deadline = self.deadline
+        if not deadline.check("eager: the model"):
+            return False
+        building = deadline.elapsed()
+        try:
+            self.model = EagerModel(self.costed, self.blocks, self.units, deadline)
+        except OutOfTime:
+            return False
+        self.setup = SOLVE_SETUP_SHARE * (deadline.elapsed() - building)
+        self.info.update(cache_units=len(self.model.cache), slots=self.model.slots,
+                         variables=len(self.model.model.Proto().variables))
+        return True
+
+    def slot_stage(self, capacity: int) -> SlotBound | None:
+        """Stage 0: the model checked at a few slots, grown where its policy overflows: a
+        bound, and where its policy fits everywhere, the least-cost policy (`slots`).
+        None where it does not run."""
+        deadline, units = self.deadline, self.units
+        part = deadline.within(SLOT_STAGE_SHARE * max(0.0, deadline.left() - self.reserve))
+        # Its bound is the model's, which holds for exact bytes only; its first evaluations of
+        # the model take about as long as loading it into CP-SAT (DBRX: 1 s under a load of 6).
+        if not (units.exact_bytes and part.left() >= self.setup):
+            return None
         deadline.enter("eager: slot bound")
-
-        def repair(cached):
-            """A relaxed policy that overflows, made to fit by the heuristic: what it and the
-            best policy known both cache, improved (caching more while it fits), and the
-            relaxed policy repaired (caching less until it fits), then improved."""
-            known = frozenset(start.info["cached"]) if start is not None else frozenset()
-            try:
-                return plan_eager(costed, blocks, budget, [known & cached, cached],
-                                  part.within(REPAIR_SHARE * part.left())).info["cached"]
-            except BudgetError:
-                return None
-
-        relaxed = slot_bound(model, capacity, options, part,
-                             starts=() if start is None else [start.info["cached"]],
+        relaxed = slot_bound(self.model, capacity, self.options, part,
+                             starts=() if self.start is None else [self.start.info["cached"]],
                              solve=lambda solver, cp, stage: _run(_lp_first(solver), cp, part,
                                                                   stage),
-                             repair=repair)
-        info.update(slot_bound=relaxed.bound * units.cost + model.fixed_cost,
-                    slots_checked=len(relaxed.slots), slot_rounds=relaxed.rounds)
-        if math.isinf(relaxed.bound):  # no policy fits even at those slots
-            return _least(problem, blocks, budget, options, deadline, info)
-    floor = 0.0 if relaxed is None else relaxed.bound
-    if relaxed is not None and relaxed.cached is not None:
-        found = eager_schedule(costed, blocks, relaxed.cached, budget=budget)
-        if start is None or found.cost < start.cost:
-            start = found
+                             repair=lambda cached: self.repair(cached, part))
+        self.info.update(slot_bound=relaxed.bound * units.cost + self.model.fixed_cost,
+                         slots_checked=len(relaxed.slots), slot_rounds=relaxed.rounds)
+        return relaxed
 
-    # --- Stage 1: least cost under the capacity, unless the slots proved it.
-    if relaxed is not None and relaxed.optimal:
-        info.update(bound_from="slot bound", stage1_time=0.0)
-        cached, best = relaxed.cached, model.units_cost(relaxed.cached)
-        bound = floor * units.cost + model.fixed_cost
-    elif deadline.left() - reserve < setup:  # CP-SAT would only load the model by then
-        deadline.stop("eager: least cost", "no time left to load the model")
-        if floor > 0:
-            info["bound_from"] = "slot bound"
-        return _result(problem, blocks, start, floor * units.cost + model.fixed_cost, budget,
-                       deadline, info, "no time for the least-cost search")
-    else:
+    def repair(self, cached, part: Deadline):
+        """A relaxed policy that overflows, made to fit by the heuristic: what it and the
+        best policy known both cache, improved (caching more while it fits), and the
+        relaxed policy repaired (caching less until it fits), then improved."""
+        known = frozenset(self.start.info["cached"]) if self.start is not None else frozenset()
+        try:
+            return plan_eager(self.costed, self.blocks, self.budget, [known & cached, cached],
+                              part.within(REPAIR_SHARE * part.left())).info["cached"]
+        except BudgetError:
+            return None
+
+    def least_cost_stage(self, relaxed: SlotBound | None, floor: float) -> Schedule | None:
+        """Stage 1: least cost under the capacity, unless the slots proved it. Sets `cached`,
+        `best` and `bound`; the result where the stage ends the call, else None."""
+        model, units, deadline = self.model, self.units, self.deadline
+        if relaxed is not None and relaxed.optimal:
+            self.info.update(bound_from="slot bound", stage1_time=0.0)
+            self.cached, self.best = relaxed.cached, model.units_cost(relaxed.cached)
+            self.bound = floor * units.cost + model.fixed_cost
+            return None
+        if deadline.left() - self.reserve < self.setup:  # CP-SAT would only load the model
+            deadline.stop("eager: least cost", "no time left to load the model")
+            if floor > 0:
+                self.info["bound_from"] = "slot bound"
+            return self.result(self.start, floor * units.cost + model.fixed_cost,
+                               "no time for the least-cost search")
         deadline.enter("eager: least cost")
         if floor > 0:  # the search stops where a policy meets it
-            m.Add(model.cost >= math.ceil(floor - 1e-6))
-        if start is not None:
-            model.hint(start.info["cached"])
-        status, solver = _solve(model, options, deadline, deadline.left() - reserve,
+            model.model.Add(model.cost >= math.ceil(floor - 1e-6))
+        if self.start is not None:
+            model.hint(self.start.info["cached"])
+        status, solver = _solve(model, self.options, deadline, deadline.left() - self.reserve,
                                 "least cost")
-        info["stage1_time"] = solver.WallTime()
+        self.info["stage1_time"] = solver.WallTime()
         bound = solver.BestObjectiveBound() if units.exact_bytes else 0.0
         if floor > (bound if math.isfinite(bound) else 0.0):
-            bound, info["bound_from"] = floor, "slot bound"
-        bound = max(0.0, bound) * units.cost + model.fixed_cost if math.isfinite(bound) \
+            bound, self.info["bound_from"] = floor, "slot bound"
+        self.bound = max(0.0, bound) * units.cost + model.fixed_cost if math.isfinite(bound) \
             else model.fixed_cost
         if status == cp_model.INFEASIBLE:
-            return _least(problem, blocks, budget, options, deadline, info)
+            return self.least()
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return _result(problem, blocks, start, bound, budget, deadline, info,
-                           solver.StatusName(status))
-        cached = model.decision(solver.Value)
-        best = round(solver.ObjectiveValue())
+            return self.result(self.start, self.bound, solver.StatusName(status))
+        self.cached = model.decision(solver.Value)
+        self.best = round(solver.ObjectiveValue())
+        return None
 
-    # --- Stage 2: least peak at that cost.
-    if deadline.left() > max(0.05, setup):
+    def least_peak_stage(self) -> None:
+        """Stage 2: least peak at the least cost found, where the time allows."""
+        model, deadline = self.model, self.deadline
+        if deadline.left() <= max(0.05, self.setup):
+            self.info["peak_stage"] = "skipped: no time left"
+            return
         deadline.enter("eager: least peak at that cost")
-        m.Add(model.cost <= best)
-        m.Minimize(model.peak)
-        model.hint(cached)
-        status2, solver = _solve(model, options, deadline,
+        model.model.Add(model.cost <= self.best)
+        model.model.Minimize(model.peak)
+        model.hint(self.cached)
+        status2, solver = _solve(model, self.options, deadline,
                                  min(deadline.left(), PEAK_STAGE_SHARE * deadline.limit),
                                  "least peak")
         if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            cached = model.decision(solver.Value)
-            info["peak_stage"] = "proven" if status2 == cp_model.OPTIMAL else "stopped"
+            self.cached = model.decision(solver.Value)
+            self.info["peak_stage"] = "proven" if status2 == cp_model.OPTIMAL else "stopped"
         else:
-            info["peak_stage"] = f"CP-SAT answered {solver.StatusName(status2)}"
-    else:
-        info["peak_stage"] = "skipped: no time left"
-    found = eager_schedule(costed, blocks, cached, budget=budget)
-    if start is None or found.cost <= start.cost:
-        start = found  # else CP-SAT's answer rounded cost away: the hint stays
-    return _result(problem, blocks, start, bound, budget, deadline, info, "searched")
+            self.info["peak_stage"] = f"CP-SAT answered {solver.StatusName(status2)}"
+
+    def result(self, schedule: Schedule | None, bound: float, how: str) -> Schedule:
+        """`_result` for this call."""
+        return _result(self.problem, self.blocks, schedule, bound, self.budget, self.deadline,
+                       self.info, how)
+
+    def least(self) -> Schedule:
+        """`_least` for this call: where the model finds that nothing fits."""
+        return _least(self.problem, self.blocks, self.budget, self.options, self.deadline,
+                      self.info)
 
 
 def least_eager_peak(problem: Problem, blocks: EagerBlocks, options: SolverOptions, *,

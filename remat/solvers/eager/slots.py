@@ -9,7 +9,7 @@ optimum found only after 74 s). At one slot t, the same bytes are a knapsack ove
 units: what no decision moves (`EagerModel.fixed`), the recomputation steps' temps that run,
 and per storage held across t, its size times one boolean bounded below by every condition
 (a conjunction of the model's literals) that holds it to t or later, in few rows
-(`eager_conditions`: Bamba's relaxation at five slots has 1,200 constraints where it had
+(`conditions`: Bamba's relaxation at five slots has 1,200 constraints where it had
 48,000, and reaches the policy that fits in 20 to 27 s at a load of 7 where it took 44 s).
 Dropping every other
 slot's check leaves a relaxation (any policy that fits everywhere fits at the chosen slots),
@@ -17,27 +17,27 @@ so its least cost bounds the model's, exactly where it is solved to optimality a
 CP-SAT's proven bound otherwise. Where its policy fits at every slot (`EagerModel.peak_of`),
 that policy is optimal; else the slot where it peaks highest above the capacity joins (one a
 round: adding several made the rounds harder than the rounds they saved; Gemma-3 alone, at a
-load of 7: 4.3 s to its eighth round one slot at a time, 9.4 s three at a time), a floor at the bound so far is added (more slots cost no less), and the
-relaxation is solved again. A round's policy that overflows is handed to `repair` (the
-caller's: the heuristic's repair and improvement), whose policy, where it fits, is the plan
-when it meets the bound; a repair that finds nothing cheaper than the best policy known is
-not tried again. A start that fits (the heuristic's policy) is the best policy known from the
-outset, and its tightest slots (`tightest`) start the relaxation: the cheapest policy tends to
-be tight there too (DBRX: its relaxed policy then fits in the first round, the optimum, with
-no repair). The rounds are solved LP-first, as the whole model is (`eager_search._lp_first`:
-Bamba's seventh slot took 19 s to prove without, 1.8 s with).
+load of 7: 4.3 s to its eighth round one slot at a time, 9.4 s three at a time), a floor at the
+bound so far is added (more slots cost no less), and the relaxation is solved again. A round's
+policy that overflows is handed to `repair` (the caller's: the heuristic's repair and improvement),
+whose policy, where it fits, is the plan when it meets the bound; a repair that finds nothing
+cheaper than the best policy known is not tried again. A start that fits (the heuristic's policy) is
+the best policy known from the outset, and its tightest slots (`tightest`) start the relaxation: the
+cheapest policy tends to be tight there too (DBRX: its relaxed policy then fits in the first round,
+the optimum, with no repair). The rounds are solved LP-first, as the whole model is
+(`search._lp_first`: Bamba's seventh slot took 19 s to prove without, 1.8 s with).
 
 A storage that a recomputation reads is held until then by its original or by its copy: each
 alone is a conjunction in the model's literals, which a fractional policy escapes in the
 linear relaxation; their sum is at least "the reader runs" (`EagerModel.pairs`), added at the
 slots checked.
 
-On the zoo's eager problems (`benchmarks/eager_gap.py`, alone at 7.5 s on a busy machine,
-docs/solver-measurements.md): DBRX is proven optimal in the first round (the whole model proved it in
+On the zoo's eager problems (`benchmarks/eager_gap.py`, each solved alone at 7.5 s on a busy
+machine): DBRX is proven optimal in the first round (the whole model proved it in
 74 s), Swin is proven optimal, Gemma, Gemma-2, Gemma-3 and Qwen3 come within 0.4 %. Bamba's
 cost rounds climbed a round at a time down one recomputation of its Mamba scan, and the round
 that adds the ninth slot (520) took 3 to 17 s alone, the linear relaxation there being at 25e6
-units where its optimum is 28.7e6: 7 to 10 % in 10 s. The count rounds (`eager_count`), run
+units where its optimum is 28.7e6: 7 to 10 % in 10 s. The count rounds (`count`), run
 first, prove that 28 of its kernel launches run in two rounds, and the least cost's root bound
 under that row is within 0.2 % of its plan: 0.14 to 0.17 % at 10 s at a load of 5 to 7.
 """
@@ -106,7 +106,7 @@ class SlotRelaxation:
         costs = [units.cost_of(ops[v].cost) for v, _ in moving]
         running = [self._lit(lit) for _, lit in moving]
         self.cost = cp_model.LinearExpr.WeightedSum(running, costs)
-        # The recomputations that run, weighted by whole quanta of their costs (`eager_count`).
+        # The recomputations that run, weighted by whole quanta of their costs (`count`).
         self.quantum, weights = count_weights(costs)
         self.count = cp_model.LinearExpr.WeightedSum(running, weights)
         m.Minimize(self.cost)
@@ -243,94 +243,154 @@ def slot_bound(model, capacity: int, options: SolverOptions, deadline: Deadline,
     one; the last one hints the first solve). `solve(solver, cp_model, stage)`: runs a CP-SAT
     solve under the deadline (the caller's guard). `repair(cached)`: a policy that fits
     made from a relaxed one that does not, or None (the heuristic's repair)."""
-    relax = SlotRelaxation(model, capacity)
-    starts = [frozenset(model.decidable), *map(frozenset, starts)]
-    best, best_cost = None, math.inf
-    for cached in starts:
-        levels = slot_levels(model, cached)
-        added = overflowing(levels, capacity, 1)
-        if not added:  # it fits: where it is tightest, the cheapest policy tends to be too
-            added = tightest(levels, capacity, TIGHT_SLOTS)
-            if model.units_cost(cached) < best_cost:
-                best, best_cost = cached, model.units_cost(cached)
-        for t in added:
-            relax.add_slot(t)
-    relax.hint(starts[-1])
-    bound, rounds, repairing = 0.0, 0, repair is not None
-    counts = CountRows(relax, options, solve) if relax.quantum else None
+    return _RowGeneration(model, capacity, options, deadline, solve, repair).run(starts)
 
-    def done(optimal: bool = False) -> SlotBound:
-        # Met to the options' gap, as CP-SAT's own search stops: DBRX's relaxed policy came
-        # within 44 units of 77e6 above the count rounds' bound, and the search over every
-        # slot then took 6 s to say so under load.
-        return SlotBound(bound, best, optimal or met(bound), tuple(relax.slots), rounds)
 
-    def met(at_least: float) -> bool:
+class _RowGeneration:
+    """One `slot_bound`: the relaxation, the bound proven so far, the rounds run, and the best
+    policy known to fit at every slot."""
+
+    def __init__(self, model, capacity: int, options: SolverOptions, deadline: Deadline,
+                 solve, repair):
+        self.model, self.capacity, self.options, self.deadline = model, capacity, options, deadline
+        self.solve, self.repair = solve, repair
+        self.relax = SlotRelaxation(model, capacity)
+        self.best: frozenset[int] | None = None
+        self.best_cost = math.inf
+        self.bound, self.rounds = 0.0, 0
+        self.repairing = repair is not None  # until a repair finds nothing cheaper
+
+    def run(self, starts) -> SlotBound:
+        """The starts' slots, the count rounds where the costs allow them, then the rounds."""
+        starts = [frozenset(self.model.decidable), *map(frozenset, starts)]
+        self.add_start_slots(starts)
+        self.relax.hint(starts[-1])
+        counts = (CountRows(self.relax, self.options, self.solve) if self.relax.quantum
+                  else None)
+        if counts is not None:
+            ended = self.count_rounds(counts, starts[-1])
+            if ended is not None:
+                return ended
+        while self.deadline.check("eager: slot bound"):
+            ended = self.round()
+            if ended is not None:
+                return ended
+        return self.done()
+
+    def add_start_slots(self, starts: list[frozenset[int]]) -> None:
+        """Each start's highest slot above the capacity; for one that fits, its tightest
+        slots, and it is the best policy known where it costs least."""
+        for cached in starts:
+            levels = slot_levels(self.model, cached)
+            added = overflowing(levels, self.capacity, 1)
+            if not added:  # it fits: where it is tightest, the cheapest policy tends to be too
+                added = tightest(levels, self.capacity, TIGHT_SLOTS)
+                self.keep(cached)
+            for t in added:
+                self.relax.add_slot(t)
+
+    def keep(self, cached: frozenset[int]) -> None:
+        """`cached`, a policy that fits at every slot, is the best known where it costs less."""
+        cost = self.model.units_cost(cached)
+        if cost < self.best_cost:
+            self.best, self.best_cost = cached, cost
+
+    def done(self) -> SlotBound:
+        """What the rounds proved and found; optimal where the best policy meets the bound to
+        the options' gap, as CP-SAT's own search stops (DBRX's relaxed policy came within 44
+        units of 77e6 above the count rounds' bound, and the search over every slot then took
+        6 s to say so under load)."""
+        return SlotBound(self.bound, self.best, self.met(self.bound), tuple(self.relax.slots),
+                         self.rounds)
+
+    def nothing_fits(self) -> SlotBound:
+        """No policy fits at the slots checked: none fits at all."""
+        return SlotBound(math.inf, None, False, tuple(self.relax.slots), self.rounds)
+
+    def met(self, at_least: float) -> bool:
         """The best policy known meets the bound (to the options' relative gap, as CP-SAT's
         own search stops)."""
-        return best_cost <= at_least * (1 + (options.relative_gap or 0))
+        return self.best_cost <= at_least * (1 + (self.options.relative_gap or 0))
 
-    if counts is not None:
-        # The count rounds first (`eager_count`): Bamba's bound within 0.2 % after three, in
-        # 3 s at a load of 5, where the cost rounds took 20 s and more to get there.
-        bound, rounds = counts.rounds(deadline, lambda cached: slot_levels(model, cached),
-                                      capacity, met)
-        if math.isinf(bound):  # no policy fits at these slots: none fits at all
-            return SlotBound(math.inf, None, False, tuple(relax.slots), rounds)
-        if met(bound) or not deadline.check("eager: slot bound"):
-            return done()
-        relax.m.Add(relax.cost >= math.ceil(bound - 1e-6))
-        relax.hint(best if best is not None else starts[-1])
-    while deadline.check("eager: slot bound"):
-        rounds += 1
-        solver = cp_solver(options, deadline, deadline.left())
+    def count_rounds(self, counts: CountRows, last_start: frozenset[int]) -> SlotBound | None:
+        """The count rounds first (`count`): Bamba's bound within 0.2 % after three, in
+        3 s at a load of 5, where the cost rounds took 20 s and more to get there. The result
+        where they end the call, else None (the cost rounds start above their bound)."""
+        self.bound, self.rounds = counts.rounds(
+            self.deadline, lambda cached: slot_levels(self.model, cached), self.capacity,
+            self.met)
+        if math.isinf(self.bound):
+            return self.nothing_fits()
+        if self.met(self.bound) or not self.deadline.check("eager: slot bound"):
+            return self.done()
+        self.relax.m.Add(self.relax.cost >= math.ceil(self.bound - 1e-6))
+        self.relax.hint(self.best if self.best is not None else last_start)
+        return None
+
+    def round(self) -> SlotBound | None:
+        """One round: solve the relaxation at its slots, keep its policy (or its repair) where
+        it fits, and add the slot where it overflows most. The result where the round ends
+        the call, else None."""
+        self.rounds += 1
+        solver = cp_solver(self.options, self.deadline, self.deadline.left())
         # A round's policy only shows where to check next: near its optimum is enough.
-        solver.parameters.relative_gap_limit = max(options.relative_gap or 0.0, ROUND_GAP)
-        status = solve(solver, relax.m, "slot bound")
-        if status == cp_model.INFEASIBLE:  # no policy fits at these slots: none fits at all
-            return SlotBound(math.inf, None, False, tuple(relax.slots), rounds)
+        solver.parameters.relative_gap_limit = max(self.options.relative_gap or 0.0, ROUND_GAP)
+        status = self.solve(solver, self.relax.m, "slot bound")
+        if status == cp_model.INFEASIBLE:
+            return self.nothing_fits()
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            break
-        bound = max(bound, solver.BestObjectiveBound())
-        cached = relax.decision(solver.Value)
-        levels = slot_levels(model, cached)
+            return self.done()
+        self.bound = max(self.bound, solver.BestObjectiveBound())
+        relaxed = self.relax.decision(solver.Value)
+        relaxed_levels = slot_levels(self.model, relaxed)
         log.debug("eager slot bound: round %d, %d slots, %s in %.2f s, bound %d, its policy "
-                  "peaks at %d of %d", rounds, len(relax.slots), solver.StatusName(status),
-                  solver.WallTime(), bound, max(levels, default=0), capacity)
-        relaxed, relaxed_levels = cached, levels
-        if (max(levels, default=0) > capacity and repairing
-                and deadline.check("eager: slot bound, repair")):
-            fixed = repair(cached)
+                  "peaks at %d of %d", self.rounds, len(self.relax.slots),
+                  solver.StatusName(status), solver.WallTime(), self.bound,
+                  max(relaxed_levels, default=0), self.capacity)
+        cached, levels = self.repaired(relaxed, relaxed_levels)
+        if levels is None or max(levels, default=0) <= self.capacity:
+            self.keep(cached)
+            if levels is not None:  # the relaxed policy fits
+                if self.best_cost > self.bound and status == cp_model.OPTIMAL:
+                    self.close(cached)
+                return self.done()
+        if self.met(self.bound) or status != cp_model.OPTIMAL:
+            return self.done()  # met, or cut by the deadline: what it proved stands
+        return self.add_overflowing(relaxed, relaxed_levels)
+
+    def repaired(self, cached: frozenset[int], levels: list[int]
+                 ) -> tuple[frozenset[int], list[int] | None]:
+        """The round's policy and its levels, or where it overflows, the repair's policy that
+        fits (its levels None: not the relaxation's)."""
+        if (max(levels, default=0) > self.capacity and self.repairing
+                and self.deadline.check("eager: slot bound, repair")):
+            fixed = self.repair(cached)
             if fixed is not None:
                 cached, levels = frozenset(fixed), None
             # A repair that finds nothing cheaper than the best policy known is not tried
             # again: it costs a second or more a round (Bamba: 1.2 s, and never cheaper
             # than the heuristic's policy, while its bound took ten rounds).
-            repairing = fixed is not None and model.units_cost(fixed) < best_cost
-        if levels is None or max(levels, default=0) <= capacity:
-            cost = model.units_cost(cached)
-            if cost < best_cost:
-                best, best_cost = cached, cost
-            if levels is not None:  # the relaxed policy fits
-                if best_cost > bound and status == cp_model.OPTIMAL:
-                    # Stopped at the round gap: the rest of the way is short from its policy
-                    # (BERT: 171 units of 23e6 left, 0.9 s of the search over every slot).
-                    relax.hint(cached)
-                    solver = cp_solver(options, deadline, deadline.left())
-                    if solve(solver, relax.m, "slot bound, closing") in (cp_model.OPTIMAL,
-                                                                          cp_model.FEASIBLE):
-                        bound = max(bound, solver.BestObjectiveBound())
-                return done()
-        if met(bound):
-            return done()
-        if status != cp_model.OPTIMAL:
-            break  # cut by the deadline: what it proved stands
-        added = [t for t in overflowing(relaxed_levels, capacity, SLOTS_PER_ROUND)
-                 if t not in relax.slots]
+            self.repairing = fixed is not None and self.model.units_cost(fixed) < self.best_cost
+        return cached, levels
+
+    def close(self, cached: frozenset[int]) -> None:
+        """Stopped at the round gap: the rest of the way is short from its policy (BERT: 171
+        units of 23e6 left, 0.9 s of the search over every slot)."""
+        self.relax.hint(cached)
+        solver = cp_solver(self.options, self.deadline, self.deadline.left())
+        if self.solve(solver, self.relax.m, "slot bound, closing") in (cp_model.OPTIMAL,
+                                                                       cp_model.FEASIBLE):
+            self.bound = max(self.bound, solver.BestObjectiveBound())
+
+    def add_overflowing(self, relaxed: frozenset[int], levels: list[int]) -> SlotBound | None:
+        """The slot where the relaxed policy overflows most joins, above a floor at the bound
+        so far (more slots cost no less); the result where nothing is left to add."""
+        added = [t for t in overflowing(levels, self.capacity, SLOTS_PER_ROUND)
+                 if t not in self.relax.slots]
         if not added:  # cannot happen: the relaxed policy fits where checked
-            break
+            return self.done()
         for t in added:
-            relax.add_slot(t)
-        relax.m.Add(relax.cost >= math.ceil(bound - 1e-6))  # more slots cost no less
-        relax.hint(relaxed)
-    return done()
+            self.relax.add_slot(t)
+        self.relax.m.Add(self.relax.cost >= math.ceil(self.bound - 1e-6))
+        self.relax.hint(relaxed)
+        return None
