@@ -18,10 +18,12 @@ from typing import Any
 import torch
 
 from remat.errors import RematError
-from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
+from remat.fx_passes.eager.block_policy import BlockPolicy
 from remat.fx_passes.eager.call_guard import current, guard_calls, mismatch_cause
 from remat.fx_passes.eager.offload import EagerOffloads
 from remat.fx_passes.eager.runs import module_path, run_index
+from remat.fx_passes.eager.selective import policy_contexts
+from remat.fx_passes.eager.traced import register, traced_checkpoint
 from remat.fx_passes.tracing.call_checks import autocast_state, uncached_autocast
 from remat.fx_passes.tracing.plain import records_graph, refuse_backward, wrong_mode_message
 
@@ -49,6 +51,8 @@ def apply_eager(model: torch.nn.Module, policies: dict[str, BlockPolicy]) -> tor
     # Offload: None unless some block's policy, for some bucket, offloads inputs.
     offloads = EagerOffloads.of(policies)
     planned = guard_calls(model, policies)
+    for p in planned.values():  # found again by key where torch.compile traces the blocks
+        register(p)
     turns: list[_Turn] = []
     for path, names in by_module.items():
         module = model.get_submodule(path)
@@ -117,6 +121,8 @@ def _checkpointed(module: torch.nn.Module, forward, planned: Any,
                   offloads: EagerOffloads | None, *args, **kwargs):
     from torch.utils.checkpoint import checkpoint
 
+    if torch.compiler.is_compiling():  # dynamo traces the block (remat.fx_passes.eager.traced)
+        return traced_checkpoint(module, forward, planned, *args, **kwargs)
     policy = current(planned)  # the block's policy for the call's shapes
     if not records_graph(module.parameters(), args, kwargs):
         return forward(*args, **kwargs)
@@ -130,7 +136,7 @@ def _checkpointed(module: torch.nn.Module, forward, planned: Any,
     def contexts():
         counter = itertools.count()
         counters.append(counter)
-        return _contexts(policy, counter, lambda: mismatch_cause(planned, module, autocast))
+        return policy_contexts(policy, counter, lambda: mismatch_cause(planned, module, autocast))
 
     # Offload: saved-tensor hooks around checkpoint's call, so that they see the
     # block's inputs it saves (only in a planned training call: the plain paths above save
@@ -147,26 +153,3 @@ def _checkpointed(module: torch.nn.Module, forward, planned: Any,
                 "shapes, flags such as use_cache, or code paths): plan with the inputs and "
                 f"settings you train with{mismatch_cause(planned, module, autocast)}")
     return out
-
-
-def _contexts(policy: BlockPolicy, counter, cause=lambda: ""):
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    # torch 2.13 asks once per op, in the forward, and replays the answers in the
-    # recomputation; 2.11 asks again for each op it recomputes (`ctx.is_recompute`), and
-    # must get the forward's answer for the same position.
-    recomputed = itertools.count()
-
-    def decide(ctx, op, *args, **kwargs):
-        k = next(recomputed if ctx.is_recompute else counter)
-        name = canonical(str(op))
-        if k >= len(policy.ops) or policy.ops[k] != name:
-            expected = policy.ops[k] if k < len(policy.ops) else "nothing more"
-            raise RematError(
-                f"block {policy.path!r}: op {k} of the run is {name} where the plan's capture "
-                f"had {expected}; the block's ops differ between capture and run: plan with "
-                f"the inputs and settings you train with{cause()}")
-        return CheckpointPolicy.MUST_SAVE if k in policy.cache else \
-            CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(decide)

@@ -1,0 +1,119 @@
+"""An applied block under torch.compile: `torch.compile(model)` of a model an eager plan
+wrapped, and per-block compile (`torch.compile(block)` for each block, as torchtitan does).
+
+Dynamo turns `torch.utils.checkpoint` into its activation-checkpoint operator only when
+`context_fn` is a module-level function, or a `functools.partial` of one whose arguments are
+constants; the closure eager mode passes is refused ("checkpoint not implemented for
+NestedUserFunctionVariable context_fn"). So each block's plan is registered under a string key
+when the plan is applied, and a traced block passes `partial(compiled_contexts, key)`.
+AOTAutograd calls it while it traces the step, and the policy answers op by op; the
+partitioner keeps what it caches and puts the rest, recomputed, into the backward graph, where
+Inductor may fuse it.
+
+The ops a traced block dispatches are mostly those eager mode dispatches, not all: attention
+with dropout on the CPU runs another kernel path under tracing (``native_dropout`` where eager
+allocates with ``empty_like`` and draws with ``bernoulli_``). So the traced policy follows the
+plan's op list in order and matches each op to the next planned op of the same name within a
+few positions (`LOOKAHEAD`); an op with no such match is recomputed when it is cheap to run
+again (no plan position to read it from). Random ops are always cached: on the CPU a traced
+recomputation draws new numbers (no RNG functionalization there), and the gradients would
+differ from the forward's masks.
+
+What eager mode checks around each block call (the op count, offloads through saved-tensor
+hooks) has no traced counterpart: a plan that offloads is refused under torch.compile."""
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+
+from remat.errors import RematError
+from remat.fx_passes.eager.call_guard import current
+from remat.fx_passes.eager.block_policy import canonical
+from remat.fx_passes.tracing.plain import records_graph, refuse_backward, wrong_mode_message
+
+__all__ = ["LOOKAHEAD", "aligned_contexts", "compiled_contexts", "register",
+           "traced_checkpoint"]
+
+# key -> a block's planned policy (a BlockPolicy, or one per bucket with its call checks).
+# Holding the policies keeps their ids unique for as long as a key may be looked up.
+_POLICIES: dict[str, Any] = {}
+_KEYS: dict[int, str] = {}
+
+
+def register(planned: Any) -> str:
+    """The key a traced block finds `planned` by (registered once per object)."""
+    key = _KEYS.get(id(planned))
+    if key is None:
+        key = f"{current(planned).path}@{len(_POLICIES)}"
+        _POLICIES[key], _KEYS[id(planned)] = planned, key
+    return key
+
+
+@torch._dynamo.assume_constant_result
+def _key_of(planned: Any) -> str:
+    # Run by dynamo at trace time, its result a constant of the traced frame: the partial
+    # below then has constant arguments, which dynamo accepts as a context_fn.
+    return _KEYS[id(planned)]
+
+
+def compiled_contexts(key: str):
+    """The checkpoint contexts of the block registered under `key`, as AOTAutograd asks for
+    them while it traces the block."""
+    planned = _POLICIES[key]
+    by_bucket = getattr(getattr(planned, "guarded", None), "by_bucket", ())
+    if len(by_bucket) > 1:
+        raise RematError(
+            f"block {current(planned).path!r}: a plan for a range of shapes has a policy per "
+            "bucket, which torch.compile cannot choose between at each call; plan one shape "
+            "for a compiled model, or run the plan without torch.compile")
+    policy = current(planned)
+    if policy.offload:
+        raise RematError(
+            f"block {policy.path!r}: the plan offloads this block's inputs through "
+            "saved-tensor hooks, which torch.compile does not run; plan with offload=False "
+            "for a compiled model")
+    return aligned_contexts(policy)
+
+
+# How far ahead of the next planned op a traced op is looked for among the plan's ops.
+LOOKAHEAD = 8
+
+
+def aligned_contexts(policy):
+    """Checkpoint contexts that follow `policy`'s op list in order, matching each dispatched
+    op to the next planned op of its name within `LOOKAHEAD` positions (module docstring)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    # One cursor per pass: the forward asks, and (torch 2.11) the recomputation asks again
+    # for the same ops in the same order.
+    cursors = {False: 0, True: 0}
+
+    def decide(ctx, op, *args, **kwargs):
+        if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+            return CheckpointPolicy.MUST_SAVE
+        name = canonical(str(op))
+        start = cursors[ctx.is_recompute]
+        for k in range(start, min(start + LOOKAHEAD, len(policy.ops))):
+            if policy.ops[k] == name:
+                cursors[ctx.is_recompute] = k + 1
+                return CheckpointPolicy.MUST_SAVE if k in policy.cache else \
+                    CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(decide)
+
+
+def traced_checkpoint(module: torch.nn.Module, forward, planned: Any, *args, **kwargs):
+    """The block's call as dynamo traces it: checkpoint with the plan's policy."""
+    from torch.utils.checkpoint import checkpoint
+
+    policy = current(planned)
+    if not records_graph(module.parameters(), args, kwargs):
+        return forward(*args, **kwargs)
+    if policy.training is not None and module.training != policy.training:
+        return refuse_backward(forward(*args, **kwargs), wrong_mode_message(
+            policy.training, module.training, f"block {policy.path!r}: "))
+    return checkpoint(forward, *args, use_reentrant=False,
+                      context_fn=partial(compiled_contexts, _key_of(planned)), **kwargs)
