@@ -123,10 +123,10 @@ class CallSpec:
             else:
                 specs.append(InputSpec(key, value=value if isinstance(value, _PLAIN) else None))
         return cls(inputs=tuple(specs), shape_range=shape_range, autocast=tuple(autocast),
-                   trainable=frozenset(n for n, p in model.named_parameters()
+                   trainable=frozenset(n for n, p in _named_parameters(model)
                                        if p.requires_grad),
                    param_dtypes=tuple((n, _dtype(p.dtype))
-                                      for n, p in model.named_parameters()),
+                                      for n, p in _named_parameters(model)),
                    training=model.training)
 
     # -- checking a call
@@ -229,7 +229,7 @@ class CallSpec:
     def parameters_cause(self, model: torch.nn.Module, prefix: str = "") -> str | None:
         """The parameters (of `model`, whose names start with `prefix` in the planned model)
         that changed requires_grad or dtype since the plan was made."""
-        params = [(prefix + n, p) for n, p in model.named_parameters()]
+        params = [(prefix + n, p) for n, p in _named_parameters(model)]
         frozen = [n for n, p in params if not p.requires_grad and n in self.trainable]
         thawed = [n for n, p in params if p.requires_grad and n not in self.trainable]
         if frozen or thawed:
@@ -251,6 +251,13 @@ class CallSpec:
     # -- saying it
     def describe(self) -> str:
         return "; ".join(s.describe() for s in self.inputs)
+
+
+def _named_parameters(model: torch.nn.Module):
+    """`model`'s parameters by the names they had before torch.compile wrapped a module
+    (`torch.compile(block)` puts the block under ``_orig_mod``, as per-block compile does)."""
+    for name, p in model.named_parameters():
+        yield name.replace("_orig_mod.", ""), p
 
 
 def _value(args: tuple, kwargs: dict, key: str | int) -> Any:

@@ -1,0 +1,123 @@
+"""An eager plan under torch.compile: `torch.compile(model)` of an applied model, and
+per-block compile (`torch.compile(block)` for each block, torchtitan's pattern), run the
+plan's decisions: the matmuls the plan recomputes are counted in the compiled backward graphs,
+and the gradients equal plain torch.compile's. Plain torch.compile recomputes no matmul; the
+compiled plan recomputes at most the plan's (eager checkpoint reruns every uncached op up to
+its stop, the partitioner only those whose outputs the backward reads: a block's last matmul,
+read by nothing but the residual add, is not run again).
+
+AOTAutograd with graph-recording compilers (no Inductor: its C++ compile is slow on the CPU)
+sees exactly what Inductor would be handed; dropout is off so that the compiled steps draw no
+random numbers and plain torch.compile is a bitwise reference."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.backends.common import aot_autograd
+
+import remat
+from remat.errors import RematError
+from remat.fx_passes.eager.call_guard import current
+from remat.solvers import SolverOptions
+from tests import models
+
+ADDMM = "aten.addmm.default"
+
+
+@pytest.fixture(scope="module")
+def planned():
+    model, inputs = models.gpt(models.GPTConfig(dropout=0.0))
+    save_all = remat.optimize(copy.deepcopy(model), activation_budget=10**12,
+                              example_inputs=inputs, solver="save_all").activation_peak
+    plan = remat.optimize(copy.deepcopy(model), activation_budget=int(0.6 * save_all),
+                          example_inputs=inputs, execution="eager",
+                          solver_options=SolverOptions(time_limit=5))
+    return model, inputs, plan
+
+
+def recording():
+    """A backend that records the forward and backward graphs AOTAutograd compiles."""
+    graphs: dict[str, list[torch.fx.GraphModule]] = {"forward": [], "backward": []}
+
+    def compiler(phase):
+        def compile_graph(gm, example_inputs):
+            graphs[phase].append(gm)
+            return gm.forward
+        return compile_graph
+
+    return graphs, aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+
+
+def count(graphs, target: str) -> int:
+    return sum(str(n.target) == target for gm in graphs for n in gm.graph.nodes
+               if n.op == "call_function")
+
+
+def planned_recomputations(plan, target: str) -> int:
+    """How many times the plan's block policies recompute `target` (positions not cached)."""
+    total = 0
+    for planned in plan.block_policies.values():
+        policy = current(planned)
+        total += sum(name == target for k, name in enumerate(policy.ops) if k not in policy.cache)
+    return total
+
+
+def step(call, model, inputs):
+    model.zero_grad(set_to_none=True)
+    call(*inputs).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def plain_compiled(model, inputs):
+    reference = copy.deepcopy(model)
+    graphs, backend = recording()
+    return step(torch.compile(reference, backend=backend), reference, inputs), graphs
+
+
+def test_torch_compile_of_an_applied_model_runs_the_plans_recomputations(planned):
+    model, inputs, plan = planned
+    expected = planned_recomputations(plan, ADDMM)
+    assert expected > 0  # the plan recomputes matmuls: the count below can tell
+    reference, plain = plain_compiled(model, inputs)
+    applied = plan.apply(copy.deepcopy(model))
+    graphs, backend = recording()
+    grads = step(torch.compile(applied, backend=backend), applied, inputs)
+    assert count(plain["backward"], ADDMM) == 0
+    assert 0 < count(graphs["backward"], ADDMM) <= expected
+    for name, grad in grads.items():
+        assert torch.equal(grad, reference[name]), name
+
+
+def test_each_block_compiled_on_its_own_runs_the_plans_recomputations(planned):
+    model, inputs, plan = planned
+    reference, plain = plain_compiled(model, inputs)
+    applied = plan.apply(copy.deepcopy(model))
+    graphs, backend = recording()
+    for i, block in enumerate(applied.h):  # torchtitan: torch.compile(block), then fully_shard
+        applied.h[i] = torch.compile(block, backend=backend)
+    grads = step(applied, applied, inputs)
+    assert count(plain["backward"], ADDMM) == 0
+    assert 0 < count(graphs["backward"], ADDMM) <= planned_recomputations(plan, ADDMM)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference[name.replace("._orig_mod", "")],
+                                   rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_plan_with_a_policy_per_bucket_is_refused_under_torch_compile(planned):
+    """Batch 1 dispatches other ops than batches 2 to 4: a policy for each, which a traced
+    block cannot choose between."""
+    model, (idx, targets), _ = planned
+    plan = remat.optimize(copy.deepcopy(model), activation_budget=10**12,
+                          example_inputs=(idx, targets), execution="eager",
+                          solver="checkpoint_blocks", dynamic={"batch": (1, 4)})
+    applied = plan.apply(copy.deepcopy(model))
+    _, backend = recording()
+    # raised while AOTAutograd traces, so dynamo wraps it in its BackendCompilerFailed
+    with pytest.raises(Exception, match="a plan for a range of shapes") as raised:
+        torch.compile(applied, backend=backend)(idx, targets).backward()
+    cause = raised.value
+    while cause is not None and not isinstance(cause, RematError):
+        cause = cause.__cause__ or cause.__context__
+    assert isinstance(cause, RematError)
