@@ -23,7 +23,7 @@ Three more checks, each a short table:
 - **op times against the roofline**: every op of the graph timed alone (CUDA events, median of
   3) against `remat.fx_passes.measuring.timing.roofline` for the target: the total, the median ratio,
   and the ops with the largest measured times;
-- **offload** (issues 15 and 26): the save-all schedule with its largest saved tensors kept
+- **offload**: the save-all schedule with its largest saved tensors kept
   in host memory where the transfer timeline hides them, run with its copies on copy streams:
   the allocator's peak against the simulated device peak (the same contract, within
   [-2 %, 0 %]), and the measured extra step time against the predicted exposed time

@@ -37,8 +37,8 @@ def cpu_memory_events() -> Iterator[list[tuple[int, int]]]:
     they ran. `paired` turns one or more such lists into the sizes that count.
 
     Only frees of blocks allocated inside the measurement count. The profiler remembers the size of
-    every block allocated while any profiling session runs; a block freed while none runs
-    keeps its entry, and a new block at the same address, freed inside a later session, is
+    every block allocated while any profiler runs; a block freed while none runs
+    keeps its entry, and a new block at the same address, freed inside a later profile, is
     then reported with the stale size: a free that never was (a planned ViT step read 18 %
     low). Pairing each free with an allocation seen here by address drops those, and the
     frees of blocks that were held before (the baseline)."""

@@ -5,7 +5,7 @@
 - **measured** (real capture): each op runs once alone, on real tensors of its inputs' shapes,
   strides and dtypes, and the allocator says how high it went above what was allocated before
   it; its output bytes (what the simulator already counts for the op) are taken off. On the
-  CPU the allocator's events come from torch.profiler, one session for the whole graph, each
+  CPU the allocator's events come from torch.profiler, one profile for the whole graph, each
   op delimited by two marker allocations of sizes nothing else allocates; on CUDA,
   ``max_memory_allocated`` around each op.
 - **model** (meta/fake capture, no real run possible): `remat.fx_passes.measuring.workspace`'s model per
