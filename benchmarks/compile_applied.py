@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tabulate import tabulate  # noqa: E402
-from torch._dynamo.backends.common import aot_autograd  # noqa: E402
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.debugging import boxed_nop  # noqa: E402
 
 import remat  # noqa: E402
 from remat.solvers import SolverOptions  # noqa: E402
@@ -45,8 +46,8 @@ def recording_aot_eager():
 
     def backward(gm, example_inputs):
         graphs.append(gm)
-        return gm.forward
-    return graphs, aot_autograd(fw_compiler=lambda gm, _: gm.forward, bw_compiler=backward)
+        return boxed_nop(gm, example_inputs)  # aot_eager's: frees each input after its use
+    return graphs, aot_autograd(fw_compiler=boxed_nop, bw_compiler=backward)
 
 
 def run(fraction: float, backends: list[str]) -> list[list]:
