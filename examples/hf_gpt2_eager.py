@@ -46,7 +46,7 @@ def gpt2(seed: int = 0):
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config).train()
     model.loss_type = "ForCausalLM"
-    model.config.use_cache = False  # training keeps no key/value cache (plan.apply checks)
+    model.config.use_cache = False  # training keeps no key/value cache (optimize checks)
     return model
 
 

@@ -61,7 +61,7 @@ def for_trainer(model: Any, budget: int | str | None = None, *,
     if (budget is None) == (activation_budget is None):
         raise ValueError("give exactly one of budget= (the whole step, e.g. \"20GB\") and "
                          "activation_budget= (the activations alone)")
-    check_no_cache(model)
+    check_no_cache(model, "for_trainer")
     options = dict(budget=budget, activation_budget=activation_budget, training=training,
                    target=target, solver=solver, solver_options=solver_options, blocks=blocks,
                    dynamic=dynamic, dynamic_dims=dynamic_dims)

@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 
 from remat.fx_passes.measuring.devices import device as target_device
 from remat.planner.job.budget import parse_size
-from remat.planner.plans.eager_plan import plan_eager_mode
+from remat.planner.plans.eager_plan import check_no_cache, plan_eager_mode
 from remat.planner.plans.plan import Plan, counting_from_now, plan_prepared
 from remat.planner.plans.prepare import prepare
 from remat.planner.plans.shapes import plan_range
@@ -45,7 +45,9 @@ def optimize(model: Any, budget: int | str | None = None, *,
     `returns`: what `Plan.module` returns ("output": what the model returns, see there).
     `execution="eager"` plans for per-block selective checkpointing in an eager loop
     (FSDP2, DDP): `model = plan.apply(model)` wraps the blocks (the repeated children, or the
-    modules named in `blocks`) in place; see `remat.planner.plans.eager_plan`. A model
+    modules named in `blocks`) in place; see `remat.planner.plans.eager_plan`. It refuses,
+    before capturing anything, a Hugging Face model whose forward would build a key/value
+    cache (use_cache=True on a config that builds one: `cache_configs`). A model
     tensor-parallelized with DTensor (`parallelize_module`) is planned per TP rank, in
     execution="eager" only (`remat.planner.parallel.tensor_parallel`: a `TensorParallelPlan`), its
     sharding read from its placements and checked against `Training(tensor_parallel=...,
@@ -80,6 +82,9 @@ def optimize(model: Any, budget: int | str | None = None, *,
         # the planned shapes; a range's buckets are not.
         raise ValueError("offload=True plans fixed shapes: its host buffers and transfers are "
                          "sized for the example's; plan without dynamic=, or without offload")
+
+    if execution == "eager":  # refused before the capture, not after the planning
+        check_no_cache(model, "remat.optimize(..., execution=\"eager\")")
 
     from remat.planner.job.tensor_layout import check_tensor_parallel
 

@@ -239,11 +239,11 @@ def test_blocks_renumbered_onto_a_sharded_problem_keep_their_order():
     blocks = EagerBlocks(ops={"layers.0": (1, 2, 3)}, owner={5: "layers.0"},
                          packer={5: 3, 6: -1}, cacheable=frozenset({2}), node_end={5: 6},
                          position={2: 3.5}, forward_life={1: 3}, state_bytes=7,
-                         groups=((2, 3),))
+                         groups=((2, 3),), unpacks=frozenset({5}))
     index = {0: 0, 1: 2, 2: 3, 3: 4, 4: 6, 5: 8, 6: 9}  # collectives at 1, 5 and 7
     moved = blocks.renumbered(index)
     assert moved.ops == {"layers.0": (2, 3, 4)}
     assert moved.owner == {8: "layers.0"} and moved.packer == {8: 4, 9: -1}
     assert moved.cacheable == {3} and moved.node_end == {8: 9} and moved.groups == ((3, 4),)
     assert moved.position == {3: 4.5} and moved.forward_life == {2: 4}
-    assert moved.state_bytes == 7
+    assert moved.state_bytes == 7 and moved.unpacks == {8}

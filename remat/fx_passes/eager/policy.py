@@ -171,6 +171,11 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
     forward_life = {j: last for pol in policies.values() for j, last in pol.life}
     groups = tuple(joint for pol in policies.values() for joint in pol.joint if len(joint) > 1)
     cpu = torch.device(captured.device).type == "cpu"
+    # A backward op that reads a weight or an input of the step (a placeholder, no op of the
+    # problem) unpacks what its block's node saved through checkpoint's hooks all the same.
+    tangents = set(captured.tangents)
+    unpacks = frozenset(b for b in owner if not is_size_arithmetic(nodes[b]) and any(
+        n.op == "placeholder" and n.name not in tangents for n in nodes[b].all_input_nodes))
     blocks = EagerBlocks(ops={p: tuple(m) for p, m in ops.items()}, owner=owner,
                          state_bytes=state_bytes(torch.device("cpu")) if cpu else 0,
                          packer=packer, cacheable=cacheable, groups=groups,
@@ -178,7 +183,7 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
                          python_backward=_python_backward(problem, nodes),
                          unread_inputs=unread,
                          kept_numbers=_kept_numbers(problem, nodes, captured.device),
-                         unused_tensors=unused)
+                         unused_tensors=unused, unpacks=unpacks)
     return blocks, policies
 
 

@@ -221,17 +221,21 @@ def eager_step(prepared, paths: Sequence[str], *, observed=None, policies=None, 
     return structure, policies, problem, to_graph
 
 
-def check_no_cache(model: Any) -> None:
-    """Refuse a Hugging Face model whose config keeps a key/value cache: its blocks append to
-    the cache in the forward and again when checkpoint recomputes them, so the recomputation
-    sees other shapes (what `gradient_checkpointing_enable()` avoids by turning it off)."""
+def check_no_cache(model: Any, where: str = "plan.apply(model)") -> None:
+    """Refuse a Hugging Face model whose forward builds a key/value cache (`cache_configs`):
+    its blocks append to the cache in the forward and again when checkpoint recomputes them,
+    so the recomputation sees other shapes (what `gradient_checkpointing_enable()` avoids by
+    turning it off). `where` names the call refused: remat.optimize refuses before it
+    captures anything, plan.apply the model it is given."""
     caching = cache_configs(model)
     if caching:
+        remedy = "; ".join(f"{config}.use_cache = False" for config in caching)
         raise RematError(
-            f"plan.apply(model): {', '.join(caching)} has use_cache=True; its blocks would "
-            "append to the key/value cache again when recomputed; set use_cache = False there "
-            "before optimize (training needs no cache; a submodule may keep a config of its "
-            "own, as T5's decoder does)")
+            f"{where}: {', '.join(caching)} {'has' if len(caching) == 1 else 'have'} "
+            "use_cache=True, with which the model's forward builds a key/value cache; its "
+            "checkpointed blocks would append to the cache again when recomputed. Set "
+            f"{remedy} before remat.optimize (training needs no cache; a submodule may keep a "
+            "config of its own, as T5's decoder does, which model.config does not reach)")
 
 
 def _as_tuple(inputs: Any) -> tuple:

@@ -217,18 +217,37 @@ def _warn_on_mismatch(model: Any, training: Training) -> None:
 
 
 def cache_configs(model: Any) -> list[str]:
-    """The modules (by path, "model" for the root) whose own config has use_cache=True. A
-    submodule may keep a config copy of its own: T5's decoder does, so
-    ``model.config.use_cache = False`` does not reach it."""
+    """The configs (by path: "model.config" for the root's) with use_cache=True whose model
+    builds a key/value cache in its forward (`builds_cache`). A submodule may keep a config
+    copy of its own: T5's decoder does, so ``model.config.use_cache = False`` does not reach
+    it."""
     found, seen = [], set()
     for name, module in model.named_modules():
         config = getattr(module, "config", None)
         if config is None or id(config) in seen:
             continue
         seen.add(id(config))
-        if getattr(config, "use_cache", False) is True:
+        if getattr(config, "use_cache", False) is True and builds_cache(config, module):
             found.append(f"model.{name}.config" if name else "model.config")
     return found
+
+
+def builds_cache(config: Any, module: Any) -> bool:
+    """Whether `module`, which keeps `config` (use_cache=True), may build a key/value cache
+    in its forward. Not when it is an encoder: transformers declares ``is_decoder`` on the
+    configs of the models that are built as either (BERT, RoBERTa, ESM...), and their base
+    model turns use_cache off unless the config says decoder (``BertModel.forward``:
+    ``if self.config.is_decoder: ... else: use_cache = False``); the layers it built keep the
+    flag (``BertLayer.is_decoder``). Everything else may: an encoder-decoder's config
+    (``is_encoder_decoder``), a decoder's (``is_decoder=True``: T5's decoder stack), a config
+    without the flag (Llama, GPT-2), and one whose model never set it on a layer (GPT-NeoX
+    declares ``is_decoder=False`` and caches all the same)."""
+    if getattr(config, "is_encoder_decoder", False) is True \
+            or getattr(config, "is_decoder", None) is not False:
+        return True
+    flags = [m.is_decoder for m in module.modules()
+             if isinstance(getattr(m, "is_decoder", None), bool)]
+    return not flags or any(flags)
 
 
 def _param_shapes(model: Any) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -60,6 +60,11 @@ class EagerBlocks:
     Gemma-2's softcapping, freed when the recomputed graph is)."""
     unused_tensors: tuple[tuple[int, int, int, bool], ...] = ()
     """(bytes, first op, last op, made in a block): `remat.fx_passes.eager.unused`'s tensors."""
+    unpacks: frozenset[int] = frozenset()
+    """backward ops of a block that read a tensor its autograd nodes saved which is no op of
+    the problem (a weight, an input of the step: Whisper's first convolution saves only
+    these): checkpoint packed it all the same, so reading it recomputes the block, and its
+    frame (the generator's state) lives to the op's node's end."""
 
     def block_of(self) -> dict[int, str]:
         return {v: name for name, ops in self.ops.items() for v in ops}
@@ -87,7 +92,8 @@ class EagerBlocks:
             python_backward=frozenset(map(at, self.python_backward)),
             unread_inputs=self.unread_inputs,
             kept_numbers=tuple((n, at(v), at(b)) for n, v, b in self.kept_numbers),
-            unused_tensors=tuple((n, at(a), at(z), m) for n, a, z, m in self.unused_tensors))
+            unused_tensors=tuple((n, at(a), at(z), m) for n, a, z, m in self.unused_tensors),
+            unpacks=frozenset(map(at, self.unpacks)))
 
 
 @dataclass(frozen=True)
@@ -122,8 +128,9 @@ def block_runs(problem: Problem, blocks: EagerBlocks, cached: Iterable[int]) -> 
                          if s < nf and s not in members})
         visible = members | set(inputs)
         mine = sorted(owned.get(name, ()))
-        reading = [b for b in mine if any(root[s] in visible or s in visible
-                                          for s in storage_inputs[b] if s < nf)]
+        reading = [b for b in mine if b in blocks.unpacks
+                   or any(root[s] in visible or s in visible
+                          for s in storage_inputs[b] if s < nf)]
         if not reading:
             runs.append(BlockRun(name, None, None, (), tuple(sorted(cached & members)),
                                  tuple(inputs), None))
