@@ -132,11 +132,13 @@ def test_a_plan_holds_from_step_to_step_while_the_tokens_per_expert_change(execu
     routings = {tokens_per_expert(net, x) for x in xs}
     assert len(routings) > 5 and any(TOKENS in r for r in routings)
     options = SolverOptions(time_limit=5)
-    # the least budget the mode reaches: everything else recomputed
+    # near the least budget the mode reaches: nearly everything else recomputed. The least
+    # found in 5 s depends on the CPU the search got (18,632 B alone, 20,424 B in a second
+    # call beside busy processes): a quarter above it, any call finds a plan
     with pytest.raises(remat.BudgetError) as refused:
         remat.optimize(net, activation_budget=1, example_inputs=(xs[0],), returns="loss",
                        execution=execution, solver_options=options)
-    plan = remat.optimize(net, activation_budget=refused.value.smallest,
+    plan = remat.optimize(net, activation_budget=refused.value.smallest * 5 // 4,
                           example_inputs=(xs[0],), returns="loss", execution=execution,
                           solver_options=options)
     assert plan.schedule.recomputed
