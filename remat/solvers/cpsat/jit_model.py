@@ -11,7 +11,7 @@ from remat.solvers.core.deadline import Deadline, ticker
 from remat.solvers.core.problem import Kind, Problem, recompute_blocker, tuple_of
 from remat.solvers.core.schedule import Schedule
 from remat.solvers.cpsat.jit_hint import hint
-from remat.solvers.cpsat.units import Units, provide_what_is_needed
+from remat.solvers.cpsat.units import Units, memory_chain, provide_what_is_needed
 
 
 class JitModel:
@@ -342,20 +342,9 @@ class JitModel:
         m = self.model
         total = sum(self._size) + sum(self._temp) + 1
         self.peak = m.NewIntVar(self.fixed_peak, max(total, self.fixed_peak), "peak")
-        self.decided: list = []
-        temp_at = self.temp_at = self._recomputation_temps()
-        level = 0
-        for t in range(self.slots):
-            self._tick()
-            change = self.events.get(t)
-            if change:
-                current = m.NewIntVar(0, total, f"decided[{t}]")
-                m.Add(current == level + sum(c * x for c, x in change))
-                level = current
-            self.decided.append(level)
-            if change or t in temp_at or t == 0 or self.fixed[t] > self.fixed[t - 1]:
-                extra = temp_at.get(t, [])
-                m.Add(level + self.fixed[t] + sum(c * x for c, x in extra) <= self.peak)
+        self.temp_at = self._recomputation_temps()
+        self.decided = memory_chain(m, self.events, self.temp_at, self.fixed, self.slots, total,
+                                    self.peak, self._tick)
 
     def _recomputation_temps(self) -> dict[int, list[tuple[int, object]]]:
         """The temp of a recomputation at the sub-slot of its position: temp * (le[v,p] - the

@@ -77,6 +77,28 @@ class Units:
         return max(0, math.floor(seconds / self.cost))
 
 
+def memory_chain(m: cp_model.CpModel, events: dict, temp_at: dict, fixed, slots: int,
+                 total: int, peak, tick) -> list:
+    """The memory chain both slot models build (the just-in-time model and the eager one):
+    decided[t] = decided[t-1] + the decisions' events at slot t (a new variable only where
+    some event moves it), and at each slot where the memory can rise (an event, a temporary,
+    the first slot, the fixed bytes growing), decided + fixed + the slot's temporaries <= peak;
+    a slot where nothing rises is bounded by the one before it. `tick` is called once a slot
+    (the deadline's). Returns decided, slot by slot."""
+    decided, level = [], 0
+    for t in range(slots):
+        tick()
+        change = events.get(t)
+        if change:
+            current = m.NewIntVar(0, total, f"decided[{t}]")
+            m.Add(current == level + sum(c * x for c, x in change))
+            level = current
+        decided.append(level)
+        if change or t in temp_at or t == 0 or fixed[t] > fixed[t - 1]:
+            m.Add(level + fixed[t] + sum(c * x for c, x in temp_at.get(t, ())) <= peak)
+    return decided
+
+
 def provide_what_is_needed(m: cp_model.CpModel, problem: Problem, candidates, direct,
                            save: dict, rec: dict, readers) -> None:
     """What the backward needs is saved or recomputed, once; nothing else is. A candidate read

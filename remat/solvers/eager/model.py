@@ -8,7 +8,7 @@ from ortools.sat.python import cp_model
 
 from remat.solvers.eager.decisions import TRUE, EagerDecisions, check_structure
 from remat.solvers.eager.storage import StorageHolds
-from remat.solvers.cpsat.units import Profile, Units
+from remat.solvers.cpsat.units import Profile, Units, memory_chain
 from remat.solvers.core.deadline import Deadline, ticker
 from remat.solvers.timeline.eager_blocks import EagerBlocks, block_runs
 from remat.solvers.core.problem import Kind, Problem
@@ -225,19 +225,9 @@ class EagerModel(StorageHolds, EagerDecisions):
         m = self.model
         total = sum(h.size for h in self.holds) + sum(temp) + 1
         self.peak = m.NewIntVar(self.fixed_peak, max(total, self.fixed_peak), "peak")
-        self.events, self.temp_at, self.decided = events, temp_at, []
-        level = 0
-        for t in range(self.slots):
-            self._tick()
-            change = events.get(t)
-            if change:
-                current = m.NewIntVar(0, total, f"decided[{t}]")
-                m.Add(current == level + sum(c * x for c, x in change))
-                level = current
-            self.decided.append(level)
-            if change or t in temp_at or t == 0 or self.fixed[t] > self.fixed[t - 1]:
-                m.Add(level + self.fixed[t] + sum(c * x for c, x in temp_at.get(t, ()))
-                      <= self.peak)
+        self.events, self.temp_at = events, temp_at
+        self.decided = memory_chain(m, events, temp_at, self.fixed, self.slots, total, self.peak,
+                                    self._tick)
 
     def _cost(self) -> None:
         """The objective: the cost units of the recomputations that run under a literal
