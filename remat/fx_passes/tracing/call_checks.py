@@ -130,16 +130,21 @@ class CallSpec:
                    training=model.training)
 
     # -- checking a call
-    def check(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def check(self, model: torch.nn.Module, args: tuple, kwargs: dict, *,
+              autocast: bool = True) -> None:
         """Raise RematError naming the first cause by which this call differs from the
         planned one (inputs, their dtypes and shapes, autocast, parameters that require grad,
-        parameter dtypes), with the remedy; before any work is done."""
-        cause = self.cause(model, args, kwargs)
+        parameter dtypes), with the remedy; before any work is done. `autocast=False` leaves
+        the autocast state to be checked where the planned ops run (a forward pre-hook runs
+        outside a forward that accelerate wraps in its autocast)."""
+        cause = self.cause(model, args, kwargs, autocast=autocast)
         if cause is not None:
             raise RematError(cause)
 
-    def cause(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> str | None:
-        return (self._inputs_cause(args, kwargs) or self.autocast_cause()
+    def cause(self, model: torch.nn.Module, args: tuple, kwargs: dict, *,
+              autocast: bool = True) -> str | None:
+        return (self._inputs_cause(args, kwargs)
+                or (self.autocast_cause() if autocast else None)
                 or self.parameters_cause(model))
 
     def _inputs_cause(self, args: tuple, kwargs: dict) -> str | None:
