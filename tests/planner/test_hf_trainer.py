@@ -2,6 +2,8 @@
 data, dropout on) trained for a few steps with an eval set, then `Trainer.evaluate()` and
 `generate()`; every logged loss, the evaluation and the generated tokens equal the untouched
 model's trained the same way, and the plan really recomputed."""
+import copy
+import inspect
 import tempfile
 
 import pytest
@@ -97,6 +99,28 @@ def test_the_trainer_s_mixed_precision_is_planned_for():
     assert numbers(logged) == numbers(expected[0])
     assert evaluated["eval_loss"] == expected[1]["eval_loss"]
     assert torch.equal(tokens, expected[2])
+
+
+def evaluate(model) -> dict:
+    from transformers import Trainer, TrainingArguments
+
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[], disable_tqdm=True,
+                                 per_device_eval_batch_size=BATCH)
+        return Trainer(model=model, args=args, eval_dataset=data(8)).evaluate()
+
+
+def test_the_trainer_evaluates_a_compiled_plan_s_module():
+    """The Trainer keeps the dataset columns that the model's forward names, and computes an
+    evaluation loss where it names labels: plan.module's forward carries the model's
+    signature (with (*args, **kwargs), every batch came out empty)."""
+    model = gpt2().train()
+    untouched = copy.deepcopy(model)
+    plan = remat.optimize(model, activation_budget=10**9, example_kwargs=collated(data(BATCH)),
+                          solver="checkpoint_blocks")
+    assert inspect.signature(plan.module.forward) == inspect.signature(model.forward)
+    assert type(plan.module).__name__ == "PlannedGPT2LMHeadModel"
+    assert evaluate(plan.module)["eval_loss"] == evaluate(untouched)["eval_loss"]
 
 
 def test_training_before_the_plan_is_made_is_refused():
