@@ -43,3 +43,24 @@ def test_gpt2_with_labels_as_a_keyword():
 @pytest.mark.slow
 def test_llama_with_labels_as_a_keyword():
     plan_and_compare("llama")
+
+
+def test_sweep_and_max_batch_take_keyword_inputs():
+    """A Hugging Face model is called with keywords: sweep takes `example_kwargs` and
+    max_batch `make_kwargs(n)`, as optimize takes `example_kwargs`."""
+    model, kwargs = build("gpt2")
+    result = remat.sweep(model, ["2GB", "3GB"], example_kwargs=kwargs,
+                         solver="checkpoint_blocks")
+    assert [p.feasible for p in result.points] == [True, True]
+    assert set(result.plans[0].prepared.kwargs) == set(kwargs)
+
+    def make_kwargs(n: int) -> dict:
+        ids = kwargs["input_ids"][:1].repeat(n, 1)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+    found = remat.max_batch(model, "2GB", make_kwargs=make_kwargs, solver="save_all", limit=4)
+    assert found.micro_batch == 4 and found.tried == ((1, True), (2, True), (4, True))
+    assert found.plan.prepared.kwargs["input_ids"] == ((4, kwargs["input_ids"].shape[1]),
+                                                       torch.int64)
+    with pytest.raises(ValueError, match="make_inputs\\(n\\).*make_kwargs\\(n\\)"):
+        remat.max_batch(model, "1GB")
