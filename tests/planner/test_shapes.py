@@ -165,6 +165,11 @@ def test_each_cause_is_named(fixed):
     with pytest.raises(RematError, match="positional input 0 is int32 but the plan was made "
                                          "for int64"):
         run(tokens.int(), targets)
+    # Unchecked: FakeTensorDeviceMismatchError deep in the compile (another device than the
+    # CPU's is what a GPU run meets; meta is the one a CPU has beside it).
+    with pytest.raises(RematError, match="positional input 0 is on meta but the plan was made "
+                                         "with it on cpu: .* move it there"):
+        run(tokens.to("meta"), targets)
     weight = model.layers[0].attention.wq.weight
     weight.requires_grad_(False)
     try:
