@@ -18,7 +18,7 @@ from tabulate import tabulate
 from remat.errors import BudgetError
 from remat.planner.job.budget import format_size, parse_size
 from remat.planner.plans.plan import Plan, plan_prepared
-from remat.planner.plans.prepare import Prepared, prepare
+from remat.planner.plans.prepare import Prepared, prepare, warn_eval_mode
 from remat.planner.plans.report import price
 from remat.planner.job.training import Training
 from remat.solvers import Schedule, SolverOptions, Strategy, solve
@@ -127,6 +127,7 @@ def sweep(model: Any, budgets: Sequence[int | str], *, example_inputs: Sequence[
     Hugging Face model: ``example_kwargs={"input_ids": ..., "labels": ...}``)."""
     sizes = sorted({parse_size(b) for b in budgets})
     if prepared is None:
+        warn_eval_mode(model, "remat.sweep")
         prepared = prepare(model, example_inputs, example_kwargs=example_kwargs,
                            training=training, target=target, loss_fn=loss_fn)
     return sweep_prepared(model, prepared, sizes, target=target, solver=solver,
@@ -255,6 +256,7 @@ def max_batch(model: Any, budget: int | str, *,
                          "(positional, a tuple) or make_kwargs(n) (keywords, a dict, e.g. "
                          "{\"input_ids\": ..., \"labels\": ...}), or both")
     size = parse_size(budget)
+    warn_eval_mode(model, "remat.max_batch")
     tried: list[tuple[int, bool]] = []
     best: tuple[int, Plan] | None = None
 

@@ -64,3 +64,25 @@ def test_sweep_and_max_batch_take_keyword_inputs():
                                                        torch.int64)
     with pytest.raises(ValueError, match="make_inputs\\(n\\).*make_kwargs\\(n\\)"):
         remat.max_batch(model, "1GB")
+
+
+def test_a_model_in_eval_mode_is_planned_with_a_warning(caplog):
+    """from_pretrained returns a model in eval mode: planned as it is (an evaluation step),
+    the warning says so and how to plan for training, before any work."""
+    import logging
+
+    model, kwargs = build("gpt2")
+    model.eval()
+    with caplog.at_level(logging.WARNING, logger="remat.planner.plans.prepare"):
+        plan = remat.optimize(model, activation_budget=10**9, example_kwargs=kwargs,
+                              solver="checkpoint_blocks", execution="eager")
+    assert plan.training_mode == "eval"
+    warned = [r.getMessage() for r in caplog.records if "eval mode" in r.getMessage()]
+    assert len(warned) == 1
+    assert "remat.optimize: GPT2LMHeadModel is in eval mode" in warned[0]
+    assert "dropout is off" in warned[0] and "call model.train() before" in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="remat.planner.plans.prepare"):
+        remat.optimize(model.train(), activation_budget=10**9, example_kwargs=kwargs,
+                       solver="checkpoint_blocks", execution="eager")
+    assert not any("eval mode" in r.getMessage() for r in caplog.records)
