@@ -86,3 +86,27 @@ def test_a_model_in_eval_mode_is_planned_with_a_warning(caplog):
         remat.optimize(model.train(), activation_budget=10**9, example_kwargs=kwargs,
                        solver="checkpoint_blocks", execution="eager")
     assert not any("eval mode" in r.getMessage() for r in caplog.records)
+
+
+def test_a_range_plan_compiles_at_its_first_call_under_a_flops_profiler():
+    """torch.profiler(with_flops=True) reads the sizes of every op's inputs, fake tensors
+    included: tracing under it fixed the range's symbolic sizes, and the graph did not match
+    the plan ("graph nodes ['add', ...] are not ops of the problem"). The compile runs
+    unrecorded; the compiled graphs run recorded, their FLOPs counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, kwargs = build("qwen2")
+    kwargs = {k: v[:2] for k, v in kwargs.items()}
+    eager = copy.deepcopy(model)
+    plan = remat.optimize(model, activation_budget=10**9, example_kwargs=kwargs,
+                          solver="checkpoint_blocks", dynamic={"seq": (4, 7)})
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        loss = plan.module(**kwargs).loss  # the first call: it compiles
+        loss.backward()
+    torch.testing.assert_close(loss, eager(**kwargs).loss)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    counted = {e.key: e.flops for e in prof.key_averages()}
+    assert counted.get("aten::mm", 0) > 0  # the planned graphs' matmuls, recorded
+    with profile(activities=[ProfilerActivity.CPU]) as after:
+        torch.ones(3).add(1)
+    assert "aten::add" in {e.key for e in after.key_averages()}  # recording is back on
