@@ -2,7 +2,8 @@
 
 The CLI prints; the library logs (progress of the long phases goes to stderr through logging).
 A FACTORY is a callable of no arguments returning `(model, example_inputs)` or
-`(model, example_inputs, example_kwargs)`.
+`(model, example_inputs, example_kwargs)`. MODULE is found as ``python -m`` finds it, the
+working directory first.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import importlib
 import importlib.util
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -34,13 +36,49 @@ def load_factory(spec: str) -> Callable[[], Any]:
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(module_spec)
         sys.modules.setdefault(path.stem, module)
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except ImportError as e:
+            raise ValueError(f"{spec!r}: importing {where} failed: {_import_failure(e)}") \
+                from e
     else:
-        module = importlib.import_module(where)
+        module = _import_module(spec, where)
     factory = getattr(module, name, None)
     if not callable(factory):
         raise ValueError(f"{spec!r}: {where} has no callable {name!r}")
     return factory
+
+
+def _import_module(spec: str, where: str) -> Any:
+    """The module `where`, found as ``python -m`` finds it: the working directory first on the
+    path (a console script's path starts at its own folder instead, so ``remat plan
+    mymodel:build`` would not find mymodel.py beside the user). A failed import is a
+    ValueError naming the module and the remedy."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
+    try:
+        return importlib.import_module(where)
+    except ImportError as e:
+        missing = getattr(e, "name", None)
+        if isinstance(e, ModuleNotFoundError) and missing and \
+                (where == missing or where.startswith(missing + ".")):
+            top = where.split(".")[0]
+            raise ValueError(
+                f"{spec!r}: no module named {where!r} in the working directory ({here}) nor "
+                f"on the Python path: run remat in the folder that holds {top}.py (or the "
+                f"package {top}/), add that folder to PYTHONPATH, or give the file: "
+                f"PATH.py:{spec.rpartition(':')[2]}") from e
+        raise ValueError(f"{spec!r}: importing module {where!r} failed: "
+                         f"{_import_failure(e)}") from e
+
+
+def _import_failure(error: ImportError) -> str:
+    missing = getattr(error, "name", None)
+    if isinstance(error, ModuleNotFoundError) and missing:
+        return (f"it imports {missing!r}, which is not installed here: install it (or fix "
+                "the import)")
+    return f"{type(error).__name__}: {error}"
 
 
 FACTORY_RETURNS = ("(model, example_inputs) or (model, example_inputs, example_kwargs): an "

@@ -8,8 +8,9 @@ at the start of ``train()``, after it has put the model on its device and before
 wraps it (transformers 5.x; ``gradient_checkpointing_enable`` is its deprecated alias).
 `for_trainer` replaces that method on the instance: when the Trainer calls it, the model is
 planned for eager training (``optimize(..., execution="eager")``) on the device it trains on,
-in train mode, and the plan is applied in place (`EagerPlan.apply`). Hugging Face's own
-checkpointing is then not enabled: the plan decides what each block recomputes.
+in train mode, under the autocast the Trainer trains with (its ``bf16=`` / ``fp16=`` mixed
+precision, on its device), and the plan is applied in place (`EagerPlan.apply`). Hugging
+Face's own checkpointing is then not enabled: the plan decides what each block recomputes.
 
 Evaluation (``Trainer.evaluate()``, ``generate()``) runs the model plainly, without the plan
 (`remat.fx_passes.tracing.plain`). A model that would train before its plan was made (the
@@ -18,6 +19,7 @@ forward, not trained silently without it.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Sequence
 
@@ -90,13 +92,16 @@ class _PlanWhenEnabled:
         import remat
 
         model = self.model
+        autocast = _trainer_autocast()  # refused before any planning where unsupported
         # The Trainer trains in train mode; evaluation may have left the model in eval.
         modes = {module: module.training for module in model.modules()}
         model.train()
         self.planning = True  # planning runs the model's forward itself
         try:
-            plan = remat.optimize(model, example_kwargs=_on_device(self.example_kwargs, model),
-                                  execution="eager", **self.options)
+            with autocast:
+                plan = remat.optimize(model,
+                                      example_kwargs=_on_device(self.example_kwargs, model),
+                                      execution="eager", **self.options)
         finally:
             self.planning = False
             for module, mode in modes.items():
@@ -131,6 +136,44 @@ def _refuse_options(kwargs: dict | None, every_n_layers: int, offload: bool) -> 
             f"{given} have no meaning for its plan: remove them from "
             "TrainingArguments(activation_checkpointing_kwargs=...) (remat uses non-reentrant "
             "checkpoint; for host offload plan with execution=\"compiled\", offload=True)")
+
+
+def _trainer_autocast() -> contextlib.AbstractContextManager:
+    """The autocast the Trainer's training forward runs under, to plan under. accelerate wraps
+    the model's forward in it when ``train()`` prepares the model, right after calling
+    ``activation_checkpointing_enable()`` outside any autocast, from its state, which the
+    Trainer's ``TrainingArguments`` set (``bf16=`` or ``fp16=``; the device: ``use_cpu=`` or
+    the accelerator); the rules are accelerate's (``Accelerator.native_amp``,
+    ``get_mixed_precision_context_manager``). Called under an autocast of its own (a loop of
+    the user's), or with no accelerate state (no Trainer made one), the current state is the
+    one planned for."""
+    import torch
+
+    from remat.fx_passes.tracing.call_checks import autocast_state
+
+    try:
+        from accelerate.state import AcceleratorState
+        from accelerate.utils import DistributedType
+    except ImportError:
+        return contextlib.nullcontext()
+    if autocast_state() or not AcceleratorState._shared_state:
+        return contextlib.nullcontext()
+    state = AcceleratorState()
+    precision, device = state.mixed_precision, state.device.type
+    if state.distributed_type in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM) \
+            or precision not in ("fp16", "bf16", "fp8"):
+        return contextlib.nullcontext()  # the engine's own precision, or full precision
+    if precision == "fp8":
+        raise RematError(
+            "remat.for_trainer: mixed precision fp8 replaces the model's linear layers when the "
+            "Trainer prepares it, after the plan would be made, so the plan would not describe "
+            "the blocks that train; train with TrainingArguments(bf16=True) (or fp16=True)")
+    if precision == "fp16" and device == "cpu":
+        return contextlib.nullcontext()  # accelerate runs fp16 on a CPU without autocast
+    dtype = torch.float16 if precision == "fp16" else torch.bfloat16
+    log.info("remat.for_trainer: planning under torch.autocast(%r, dtype=%s), the Trainer's "
+             "mixed precision %s", device, dtype, precision)
+    return torch.autocast(device, dtype=dtype)
 
 
 def _on_device(kwargs: dict[str, Any], model: Any) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from remat.fx_passes.measuring.devices import device as target_device
 from remat.planner.job.budget import parse_size
 from remat.planner.plans.eager_plan import check_no_cache, plan_eager_mode
 from remat.planner.plans.plan import Plan, counting_from_now, plan_prepared
-from remat.planner.plans.prepare import prepare
+from remat.planner.plans.prepare import prepare, warn_eval_mode
 from remat.planner.plans.shapes import plan_range
 from remat.planner.job.training import Training
 from remat.solvers import SolverOptions, Strategy
@@ -41,7 +41,8 @@ def optimize(model: Any, budget: int | str | None = None, *,
     Hugging Face model takes ``example_kwargs={"input_ids": ..., "labels": ...}``), then its
     loss: the output if it is a tensor, else its ``.loss`` / ``["loss"]`` / first element,
     or ``loss_fn(output)``; it must be a floating scalar. Floating inputs must have the
-    parameters' dtype. The plan is made in the model's current mode (`Plan.training_mode`).
+    parameters' dtype. The plan is made in the model's current mode (`Plan.training_mode`);
+    a model in eval mode (as ``from_pretrained`` returns it) is planned so, with a warning.
     `returns`: what `Plan.module` returns ("output": what the model returns, see there).
     `execution="eager"` plans for per-block selective checkpointing in an eager loop
     (FSDP2, DDP): `model = plan.apply(model)` wraps the blocks (the repeated children, or the
@@ -83,6 +84,7 @@ def optimize(model: Any, budget: int | str | None = None, *,
         raise ValueError("offload=True plans fixed shapes: its host buffers and transfers are "
                          "sized for the example's; plan without dynamic=, or without offload")
 
+    warn_eval_mode(model, "remat.optimize")
     if execution == "eager":  # refused before the capture, not after the planning
         check_no_cache(model, "remat.optimize(..., execution=\"eager\")")
 

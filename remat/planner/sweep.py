@@ -18,7 +18,7 @@ from tabulate import tabulate
 from remat.errors import BudgetError
 from remat.planner.job.budget import format_size, parse_size
 from remat.planner.plans.plan import Plan, plan_prepared
-from remat.planner.plans.prepare import Prepared, prepare
+from remat.planner.plans.prepare import Prepared, prepare, warn_eval_mode
 from remat.planner.plans.report import price
 from remat.planner.job.training import Training
 from remat.solvers import Schedule, SolverOptions, Strategy, solve
@@ -117,15 +117,19 @@ class SweepResult:
         return f"plot written to {path}"
 
 
-def sweep(model: Any, budgets: Sequence[int | str], *, example_inputs: Sequence[Any],
-          training: Training = Training(), target: str = "h100",
-          solver: Strategy | str = Strategy.OPTIMAL, solver_options: SolverOptions | None = None,
-          loss_fn: Callable | None = None, prepared: Prepared | None = None) -> SweepResult:
-    """One plan per whole-step budget: the trade-off between memory and recomputation."""
+def sweep(model: Any, budgets: Sequence[int | str], *, example_inputs: Sequence[Any] = (),
+          example_kwargs: dict[str, Any] | None = None, training: Training = Training(),
+          target: str = "h100", solver: Strategy | str = Strategy.OPTIMAL,
+          solver_options: SolverOptions | None = None, loss_fn: Callable | None = None,
+          prepared: Prepared | None = None) -> SweepResult:
+    """One plan per whole-step budget: the trade-off between memory and recomputation. The
+    step is ``model(*example_inputs, **example_kwargs)`` and its loss, as in `optimize` (a
+    Hugging Face model: ``example_kwargs={"input_ids": ..., "labels": ...}``)."""
     sizes = sorted({parse_size(b) for b in budgets})
     if prepared is None:
-        prepared = prepare(model, example_inputs, training=training, target=target,
-                           loss_fn=loss_fn)
+        warn_eval_mode(model, "remat.sweep")
+        prepared = prepare(model, example_inputs, example_kwargs=example_kwargs,
+                           training=training, target=target, loss_fn=loss_fn)
     return sweep_prepared(model, prepared, sizes, target=target, solver=solver,
                           solver_options=solver_options)
 
@@ -232,24 +236,35 @@ class BatchResult:
                 "tried": [list(t) for t in self.tried]}
 
 
-def max_batch(model: Any, budget: int | str, *, make_inputs: Callable[[int], Sequence[Any]],
+def max_batch(model: Any, budget: int | str, *,
+              make_inputs: Callable[[int], Sequence[Any]] | None = None,
+              make_kwargs: Callable[[int], dict[str, Any]] | None = None,
               global_batch: int | None = None, training: Training = Training(),
               target: str = "h100", solver: Strategy | str = Strategy.OPTIMAL,
               solver_options: SolverOptions | None = None, loss_fn: Callable | None = None,
               limit: int = 1 << 16) -> BatchResult:
     """The largest micro-batch (at most `limit`) whose step fits `budget` with the plan of
     `solver`, found by doubling and then bisection (one capture per size tried);
-    `make_inputs(n)` builds the example inputs of a micro-batch of n. With `global_batch`, also
-    the gradient-accumulation steps that reach it on each of the `training.data_parallel`
-    ranks. Raises the BudgetError of micro-batch 1 when not even that fits."""
+    `make_inputs(n)` builds the example inputs of a micro-batch of n, `make_kwargs(n)` its
+    keyword inputs (`optimize`'s `example_inputs` and `example_kwargs`; a Hugging Face model:
+    ``make_kwargs=lambda n: {"input_ids": ..., "labels": ...}``); one of them at least. With
+    `global_batch`, also the gradient-accumulation steps that reach it on each of the
+    `training.data_parallel` ranks. Raises the BudgetError of micro-batch 1 when not even that
+    fits."""
+    if make_inputs is None and make_kwargs is None:
+        raise ValueError("max_batch needs the inputs of a micro-batch of n: make_inputs(n) "
+                         "(positional, a tuple) or make_kwargs(n) (keywords, a dict, e.g. "
+                         "{\"input_ids\": ..., \"labels\": ...}), or both")
     size = parse_size(budget)
+    warn_eval_mode(model, "remat.max_batch")
     tried: list[tuple[int, bool]] = []
     best: tuple[int, Plan] | None = None
 
     def attempt(n: int) -> bool:
         nonlocal best
-        prepared = prepare(model, make_inputs(n), training=training, target=target,
-                           loss_fn=loss_fn)
+        prepared = prepare(model, make_inputs(n) if make_inputs is not None else (),
+                           example_kwargs=make_kwargs(n) if make_kwargs is not None else None,
+                           training=training, target=target, loss_fn=loss_fn)
         try:
             plan = plan_prepared(model, prepared, budget=size, activation_budget=None,
                                  target=target, solver=solver, solver_options=solver_options)

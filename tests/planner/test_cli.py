@@ -1,5 +1,6 @@
 """The `remat` command: plan with --json round-tripping, errors, and the demo (slow)."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -89,6 +90,56 @@ def test_parse_training_and_factories():
     assert callable(load_factory(f"{ROOT / 'examples' / 'llama.py'}:llama"))
     with pytest.raises(ValueError):
         load_factory("no-colon")
+
+
+FACTORY_FILE = """
+import torch
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x).relu().sum()
+
+
+def build():
+    return Net(), torch.randn(4, 8)
+"""
+
+
+@pytest.fixture
+def in_a_folder(tmp_path, monkeypatch):
+    """The working directory a folder off the path, as under the `remat` console script
+    (whose path starts at its own folder); the modules imported from it forgotten after."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path),
+                                                                      os.getcwd())])
+    yield tmp_path
+    for name in ("clifactory", "clibroken"):
+        sys.modules.pop(name, None)
+
+
+def test_the_module_form_finds_a_module_in_the_working_directory(in_a_folder, capsys):
+    (in_a_folder / "clifactory.py").write_text(FACTORY_FILE)
+    code = main(["-q", "plan", "clifactory:build", "--activation-budget", "1MB",
+                 "--solver", "save_all"])
+    assert code == 0, capsys.readouterr().err
+    assert "Memory of one step" in capsys.readouterr().out
+
+
+def test_the_module_form_names_a_module_it_cannot_import(in_a_folder, capsys):
+    assert main(["-q", "plan", "nosuchfactory:build", "--budget", "1GB"]) == 2
+    err = capsys.readouterr().err
+    assert "no module named 'nosuchfactory' in the working directory" in err
+    assert "PATH.py:build" in err and "Traceback" not in err
+    (in_a_folder / "clibroken.py").write_text("import nosuchdependency_of_the_factory\n")
+    assert main(["-q", "plan", "clibroken:build", "--budget", "1GB"]) == 2
+    err = capsys.readouterr().err
+    assert "importing module 'clibroken' failed" in err
+    assert "'nosuchdependency_of_the_factory', which is not installed" in err
 
 
 @pytest.mark.slow

@@ -43,3 +43,70 @@ def test_gpt2_with_labels_as_a_keyword():
 @pytest.mark.slow
 def test_llama_with_labels_as_a_keyword():
     plan_and_compare("llama")
+
+
+def test_sweep_and_max_batch_take_keyword_inputs():
+    """A Hugging Face model is called with keywords: sweep takes `example_kwargs` and
+    max_batch `make_kwargs(n)`, as optimize takes `example_kwargs`."""
+    model, kwargs = build("gpt2")
+    result = remat.sweep(model, ["2GB", "3GB"], example_kwargs=kwargs,
+                         solver="checkpoint_blocks")
+    assert [p.feasible for p in result.points] == [True, True]
+    assert set(result.plans[0].prepared.kwargs) == set(kwargs)
+
+    def make_kwargs(n: int) -> dict:
+        ids = kwargs["input_ids"][:1].repeat(n, 1)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+    found = remat.max_batch(model, "2GB", make_kwargs=make_kwargs, solver="save_all", limit=4)
+    assert found.micro_batch == 4 and found.tried == ((1, True), (2, True), (4, True))
+    assert found.plan.prepared.kwargs["input_ids"] == ((4, kwargs["input_ids"].shape[1]),
+                                                       torch.int64)
+    with pytest.raises(ValueError, match="make_inputs\\(n\\).*make_kwargs\\(n\\)"):
+        remat.max_batch(model, "1GB")
+
+
+def test_a_model_in_eval_mode_is_planned_with_a_warning(caplog):
+    """from_pretrained returns a model in eval mode: planned as it is (an evaluation step),
+    the warning says so and how to plan for training, before any work."""
+    import logging
+
+    model, kwargs = build("gpt2")
+    model.eval()
+    with caplog.at_level(logging.WARNING, logger="remat.planner.plans.prepare"):
+        plan = remat.optimize(model, activation_budget=10**9, example_kwargs=kwargs,
+                              solver="checkpoint_blocks", execution="eager")
+    assert plan.training_mode == "eval"
+    warned = [r.getMessage() for r in caplog.records if "eval mode" in r.getMessage()]
+    assert len(warned) == 1
+    assert "remat.optimize: GPT2LMHeadModel is in eval mode" in warned[0]
+    assert "dropout is off" in warned[0] and "call model.train() before" in warned[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="remat.planner.plans.prepare"):
+        remat.optimize(model.train(), activation_budget=10**9, example_kwargs=kwargs,
+                       solver="checkpoint_blocks", execution="eager")
+    assert not any("eval mode" in r.getMessage() for r in caplog.records)
+
+
+def test_a_range_plan_compiles_at_its_first_call_under_a_flops_profiler():
+    """torch.profiler(with_flops=True) reads the sizes of every op's inputs, fake tensors
+    included: tracing under it fixed the range's symbolic sizes, and the graph did not match
+    the plan ("graph nodes ['add', ...] are not ops of the problem"). The compile runs
+    unrecorded; the compiled graphs run recorded, their FLOPs counted."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, kwargs = build("qwen2")
+    kwargs = {k: v[:2] for k, v in kwargs.items()}
+    eager = copy.deepcopy(model)
+    plan = remat.optimize(model, activation_budget=10**9, example_kwargs=kwargs,
+                          solver="checkpoint_blocks", dynamic={"seq": (4, 7)})
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        loss = plan.module(**kwargs).loss  # the first call: it compiles
+        loss.backward()
+    torch.testing.assert_close(loss, eager(**kwargs).loss)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    counted = {e.key: e.flops for e in prof.key_averages()}
+    assert counted.get("aten::mm", 0) > 0  # the planned graphs' matmuls, recorded
+    with profile(activities=[ProfilerActivity.CPU]) as after:
+        torch.ones(3).add(1)
+    assert "aten::add" in {e.key for e in after.key_averages()}  # recording is back on

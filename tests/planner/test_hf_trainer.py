@@ -2,6 +2,8 @@
 data, dropout on) trained for a few steps with an eval set, then `Trainer.evaluate()` and
 `generate()`; every logged loss, the evaluation and the generated tokens equal the untouched
 model's trained the same way, and the plan really recomputed."""
+import copy
+import inspect
 import tempfile
 
 import pytest
@@ -35,7 +37,7 @@ def collated(rows):
     return {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
 
 
-def train(model, *, remat_on: bool, steps: int = 3):
+def train(model, *, remat_on: bool, steps: int = 3, **arguments):
     from transformers import Trainer, TrainingArguments
 
     rows = data(16)
@@ -44,7 +46,7 @@ def train(model, *, remat_on: bool, steps: int = 3):
             output_dir=out, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
             max_steps=steps, per_device_train_batch_size=BATCH, per_device_eval_batch_size=BATCH,
             logging_steps=1, eval_strategy="steps", eval_steps=2, learning_rate=1e-2, seed=0,
-            activation_checkpointing=remat_on)
+            activation_checkpointing=remat_on, **arguments)
         trainer = Trainer(model=model, args=args, train_dataset=rows[:12],
                           eval_dataset=rows[12:])
         trainer.train()
@@ -70,10 +72,6 @@ def test_the_trainer_trains_with_a_plan_as_without():
     assert all(getattr(block, "_remat_policy", None) is not None
                for block in model.transformer.h)
 
-    def numbers(history):
-        return [{k: v for k, v in entry.items() if "runtime" not in k and "per_second" not in k}
-                for entry in history]
-
     # losses (train and eval, every step), gradient norms: the same numbers
     assert numbers(logged) == numbers(expected[0])
     # evaluated at steps 2 and 3 while training, then by evaluate()
@@ -81,6 +79,48 @@ def test_the_trainer_trains_with_a_plan_as_without():
     assert evaluated["eval_loss"] == expected[1]["eval_loss"]
     assert torch.equal(tokens, expected[2])
     assert model.loss_type is None  # the model as the Trainer inspected it
+
+
+def numbers(history):
+    return [{k: v for k, v in entry.items() if "runtime" not in k and "per_second" not in k}
+            for entry in history]
+
+
+def test_the_trainer_s_mixed_precision_is_planned_for():
+    """TrainingArguments(bf16=True): accelerate runs the forward under autocast; the plan is
+    made under the same autocast, and trains as the untouched model does."""
+    example = collated(data(BATCH))
+    expected = train(gpt2(), remat_on=False, steps=2, bf16=True)
+    model = remat.for_trainer(gpt2(), activation_budget=10**9, example_kwargs=example,
+                              solver="checkpoint_blocks")
+    logged, evaluated, tokens = train(model, remat_on=True, steps=2, bf16=True)
+    plan = model.activation_checkpointing_enable.plan
+    assert plan.prepared.call_spec.autocast == (("cpu", "bfloat16"),)
+    assert numbers(logged) == numbers(expected[0])
+    assert evaluated["eval_loss"] == expected[1]["eval_loss"]
+    assert torch.equal(tokens, expected[2])
+
+
+def evaluate(model) -> dict:
+    from transformers import Trainer, TrainingArguments
+
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, use_cpu=True, report_to=[], disable_tqdm=True,
+                                 per_device_eval_batch_size=BATCH)
+        return Trainer(model=model, args=args, eval_dataset=data(8)).evaluate()
+
+
+def test_the_trainer_evaluates_a_compiled_plan_s_module():
+    """The Trainer keeps the dataset columns that the model's forward names, and computes an
+    evaluation loss where it names labels: plan.module's forward carries the model's
+    signature (with (*args, **kwargs), every batch came out empty)."""
+    model = gpt2().train()
+    untouched = copy.deepcopy(model)
+    plan = remat.optimize(model, activation_budget=10**9, example_kwargs=collated(data(BATCH)),
+                          solver="checkpoint_blocks")
+    assert inspect.signature(plan.module.forward) == inspect.signature(model.forward)
+    assert type(plan.module).__name__ == "PlannedGPT2LMHeadModel"
+    assert evaluate(plan.module)["eval_loss"] == evaluate(untouched)["eval_loss"]
 
 
 def test_training_before_the_plan_is_made_is_refused():

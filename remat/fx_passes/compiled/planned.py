@@ -22,6 +22,8 @@ skips, turns that refusal into a RematError that names the remedy.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator
@@ -147,6 +149,8 @@ class PlannedModule(nn.Module):
             raise RematError(_FULLGRAPH_REFUSED) from e
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's inputs: `planned_module` makes the module of a subclass whose forward
+        carries the model's signature (`_signed`)."""
         # Evaluation (no_grad, inference_mode, nothing requiring grad) keeps nothing for a
         # backward: the model runs itself. The other mode than the plan's traces other ops
         # (dropout, BatchNorm): it runs itself too, and only a backward through it is refused.
@@ -214,9 +218,31 @@ def planned_module(model: nn.Module, problem: Problem, schedule: Schedule, *,
     (`remat.fx_passes.tracing.call_checks.CallSpec`): what a training call must look like,
     checked before each; with a range of shapes, `buckets` gives each bucket's problem and
     schedule (`remat.fx_passes.compiled.call_checks`)."""
-    return PlannedModule(model, problem, schedule, compile=compile, loss_fn=loss_fn,
-                         returns=returns, training=training, call_spec=call_spec,
-                         buckets=buckets)
+    return _signed(type(model))(model, problem, schedule, compile=compile, loss_fn=loss_fn,
+                                returns=returns, training=training, call_spec=call_spec,
+                                buckets=buckets)
+
+
+@functools.cache
+def _signed(model_class: type) -> type:
+    """PlannedModule with `model_class`'s forward signature, named ``Planned<model class>``.
+    The planned step takes the model's inputs, and callers read them from the class's
+    signature: Hugging Face's Trainer keeps the dataset columns it names (``(*args,
+    **kwargs)`` names none: its batches are left empty) and finds the labels there to compute
+    an evaluation loss (``find_labels``, which also reads "QuestionAnswering" in the name).
+    PlannedModule itself where the model's signature cannot be read."""
+    try:
+        signature = inspect.signature(model_class.forward)
+    except (TypeError, ValueError):
+        return PlannedModule
+
+    def forward(self: PlannedModule, *args: Any, **kwargs: Any) -> Any:
+        return PlannedModule.forward(self, *args, **kwargs)
+
+    forward.__signature__ = signature  # type: ignore[attr-defined]
+    forward.__doc__ = PlannedModule.forward.__doc__
+    return type(f"Planned{model_class.__name__}", (PlannedModule,),
+                {"forward": forward, "__module__": __name__, "__doc__": PlannedModule.__doc__})
 
 
 _OPAQUE_REASON = ("remat's planned step is compiled with its own partitioner, and an outer "

@@ -19,7 +19,8 @@ import torch
 
 from remat.errors import RematError
 from remat.fx_passes.eager.block_policy import BlockPolicy
-from remat.fx_passes.eager.call_guard import current, guard_calls, mismatch_cause
+from remat.fx_passes.eager.call_guard import (autocast_cause, current, guard_calls,
+                                              mismatch_cause)
 from remat.fx_passes.eager.offload import EagerOffloads
 from remat.fx_passes.eager.runs import module_path, run_index
 from remat.fx_passes.eager.selective import policy_contexts
@@ -130,6 +131,9 @@ def _checkpointed(module: torch.nn.Module, forward, planned: Any,
         return refuse_backward(forward(*args, **kwargs), wrong_mode_message(
             policy.training, module.training, f"block {policy.path!r}: "))
     autocast = autocast_state()  # read here: inside dispatch, autocast reads as off
+    refused = autocast_cause(planned, autocast)  # before any op of the block runs
+    if refused is not None:
+        raise RematError(refused)
 
     counters: list[Any] = []
 

@@ -2,8 +2,10 @@
 
 An eager plan made with a call spec (`remat.fx_passes.tracing.call_checks.CallSpec`) checks
 every training call of the model, in a forward pre-hook on the model itself, before anything
-runs: the inputs' names, dtypes and shapes (within the planned range), the autocast state, the
-parameters that require grad and their dtypes. A plan for a range of shapes has one policy per
+runs: the inputs' names, dtypes and shapes (within the planned range), the parameters that
+require grad and their dtypes. The autocast state is checked by each block as it starts
+(`autocast_cause`): a forward that accelerate wraps in its autocast (the Trainer's ``bf16=True``)
+runs under it, the model's pre-hook outside it. A plan for a range of shapes has one policy per
 block for each bucket of the range (eager PyTorch dispatches other ops where a size is 1: a
 ``contiguous()`` that copies at batch 8 does nothing at batch 1), and the hook tells the blocks
 which bucket the call is in.
@@ -23,7 +25,8 @@ from remat.fx_passes.eager.block_policy import BlockPolicy
 from remat.fx_passes.tracing.call_checks import CallSpec
 from remat.fx_passes.tracing.plain import records_graph
 
-__all__ = ["GuardedPolicy", "Selection", "current", "guard_calls", "mismatch_cause"]
+__all__ = ["GuardedPolicy", "Selection", "autocast_cause", "current", "guard_calls",
+           "mismatch_cause"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ def guard_calls(model: torch.nn.Module, policies: dict[str, Any]) -> dict[str, A
         # train/eval mode, is not the planned step: the blocks run it plainly (apply.py).
         if module.training == spec.training and records_graph(module.parameters(), args,
                                                               kwargs):
-            spec.check(module, args, kwargs)
+            spec.check(module, args, kwargs, autocast=False)  # the blocks check autocast
         shapes = spec.shape_range
         if shapes is not None:
             try:
@@ -96,6 +99,15 @@ def guard_calls(model: torch.nn.Module, policies: dict[str, Any]) -> dict[str, A
 
     model.register_forward_pre_hook(check, with_kwargs=True)
     return {path: _Selected(p, selection) for path, p in policies.items()}
+
+
+def autocast_cause(policy: Any, autocast: tuple) -> str | None:
+    """Why a block of a guarded plan, entered under `autocast`, does not run the planned
+    step's autocast; None where it does, or where the policy carries no call spec."""
+    if not isinstance(policy, _Selected):
+        return None
+    cause = policy.guarded.spec.autocast_cause(autocast)
+    return f"block {policy.guarded.path!r}: {cause}" if cause else None
 
 
 def mismatch_cause(policy: Any, block: torch.nn.Module | None,

@@ -71,14 +71,15 @@ def _name(key: str | int) -> str:
 
 @dataclass(frozen=True)
 class InputSpec:
-    """One input of the planned call: a tensor's dtype and shape (each dimension a size, or
-    the `DimRange` a named dimension takes), or a plain value that the graph holds as a
-    constant."""
+    """One input of the planned call: a tensor's dtype, shape (each dimension a size, or the
+    `DimRange` a named dimension takes) and device, or a plain value that the graph holds as
+    a constant."""
 
     key: str | int
     dtype: str | None = None
     shape: tuple[int | DimRange, ...] = ()
     value: Any = None
+    device: str | None = None
 
     @property
     def tensor(self) -> bool:
@@ -107,6 +108,10 @@ class CallSpec:
     scalars_free: bool = False
     """Inputs without a dimension (plain values, 0-dim tensors) may come and go: an eager
     plan's blocks never see them. A compiled step traces each into its graph."""
+    device_index: bool = True
+    """An input must be on the planned device itself, not only one of its type: a compiled
+    step runs where it was traced. An eager plan's policies go to other ranks, whose inputs
+    are on other devices of the same type (cuda:1 for cuda:0)."""
 
     @classmethod
     def of(cls, model: torch.nn.Module, args: tuple, kwargs: dict,
@@ -119,7 +124,8 @@ class CallSpec:
                 shape: list[int | DimRange] = list(value.shape)
                 for d in (shape_range.dims_of(key) if shape_range else ()):
                     shape[d.dim] = shape_range.range_of(d.name)
-                specs.append(InputSpec(key, _dtype(value.dtype), tuple(shape)))
+                specs.append(InputSpec(key, _dtype(value.dtype), tuple(shape),
+                                       device=str(value.device)))
             else:
                 specs.append(InputSpec(key, value=value if isinstance(value, _PLAIN) else None))
         return cls(inputs=tuple(specs), shape_range=shape_range, autocast=tuple(autocast),
@@ -130,16 +136,21 @@ class CallSpec:
                    training=model.training)
 
     # -- checking a call
-    def check(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def check(self, model: torch.nn.Module, args: tuple, kwargs: dict, *,
+              autocast: bool = True) -> None:
         """Raise RematError naming the first cause by which this call differs from the
         planned one (inputs, their dtypes and shapes, autocast, parameters that require grad,
-        parameter dtypes), with the remedy; before any work is done."""
-        cause = self.cause(model, args, kwargs)
+        parameter dtypes), with the remedy; before any work is done. `autocast=False` leaves
+        the autocast state to be checked where the planned ops run (a forward pre-hook runs
+        outside a forward that accelerate wraps in its autocast)."""
+        cause = self.cause(model, args, kwargs, autocast=autocast)
         if cause is not None:
             raise RematError(cause)
 
-    def cause(self, model: torch.nn.Module, args: tuple, kwargs: dict) -> str | None:
-        return (self._inputs_cause(args, kwargs) or self.autocast_cause()
+    def cause(self, model: torch.nn.Module, args: tuple, kwargs: dict, *,
+              autocast: bool = True) -> str | None:
+        return (self._inputs_cause(args, kwargs)
+                or (self.autocast_cause() if autocast else None)
                 or self.parameters_cause(model))
 
     def _inputs_cause(self, args: tuple, kwargs: dict) -> str | None:
@@ -177,6 +188,9 @@ class CallSpec:
         if not isinstance(value, torch.Tensor):
             return (f"{name} is {type(value).__name__}, not the {spec.dtype} tensor the plan "
                     "was made for")
+        cause = self._device_cause(name, spec, value)
+        if cause is not None:
+            return cause
         if _dtype(value.dtype) != spec.dtype:
             return (f"{name} is {_dtype(value.dtype)} but the plan was made for {spec.dtype}: "
                     f"cast it ({name}.to(torch.{spec.dtype})), or plan again with "
@@ -199,6 +213,21 @@ class CallSpec:
                 return (f"{name} dim {dim} is {size} but the plan was made for {planned} "
                         f"only: {_range_remedy(dim, planned, size)}")
         return None
+
+    def _device_cause(self, name: str, spec: InputSpec, value: torch.Tensor) -> str | None:
+        """An input on another device than planned (a 0-dim tensor may be on the CPU beside
+        any device, as in eager PyTorch). Unchecked, the compiled step fails deep in its
+        tracing (FakeTensorDeviceMismatchError), the eager blocks run other ops."""
+        if spec.device is None or value.dim() == 0:
+            return None
+        planned, device = torch.device(spec.device), value.device
+        if planned.type == device.type and (planned.index == device.index
+                                            or not self.device_index):
+            return None
+        return (f"{name} is on {device} but the plan was made with it on {planned}: the step "
+                f"was traced and planned there, with the model; move it there "
+                f"({name}.to({str(planned)!r})), or plan again with the model and its inputs "
+                f"on {device}")
 
     def _agreement_cause(self, args: tuple, kwargs: dict) -> str | None:
         if self.shape_range is None:

@@ -51,6 +51,7 @@ from remat.fx_passes.tracing.dynamic import (Bucket, ShapeRange, concretize, mar
                                              tracing_sizes)
 from remat.fx_passes.tracing.fake_weights import fake_meta_tensors
 from remat.fx_passes.tracing.loss_type import loss_types_named, unnamed_loss_types
+from remat.fx_passes.tracing.profiler import compiles_unprofiled
 from remat.fx_passes.tracing.rng import snapshot_random_ops
 from remat.fx_passes.tracing.step_io import (capture_failure, check_inputs, default_loss, progress,
                                      quiet_torch_logs, step_function)
@@ -221,8 +222,9 @@ def compile_step(model: torch.nn.Module, partition_fn: Callable, *,
 
     def step(*args, **kwargs):
         # Named at every call, as when captured: dynamo guards on the attribute. Sizes that
-        # depend on the data are traced as capture traced them (a call may recompile).
-        with loss_types_named(unnamed), data_dependent_sizes():
+        # depend on the data are traced as capture traced them (a call may recompile), and
+        # unseen by a profiler that would specialize them (profiler.py).
+        with loss_types_named(unnamed), data_dependent_sizes(), compiles_unprofiled():
             return compiled(*args, **kwargs)
 
     return step
@@ -276,7 +278,7 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
             loss_types_named(unnamed_loss_types(model)), quiet_torch_logs(), progress(label):
         args, kwargs = faked
         try:
-            with torch.enable_grad(), data_dependent_sizes(), (
+            with torch.enable_grad(), data_dependent_sizes(), compiles_unprofiled(), (
                     tracing_sizes() if shape_range is not None else contextlib.nullcontext()):
                 compiled(*args, **kwargs)
         except RematError:

@@ -77,7 +77,8 @@ class EagerPlan(Plan):
 
         plans = self.shapes.plans if self.shapes is not None else {None: self}
         tables = {bucket: plan._plain_policies() for bucket, plan in plans.items()}
-        spec = dataclasses.replace(self.prepared.call_spec, scalars_free=True)
+        spec = dataclasses.replace(self.prepared.call_spec, scalars_free=True,
+                                   device_index=False)
         # A run of a shared module (``path#k``) is guarded as the module it runs.
         return {name: GuardedPolicy(module_path(name),
                                     tuple((b, t[name]) for b, t in tables.items()), spec)

@@ -131,7 +131,7 @@ class Plan:
         return planned_module(model, sharded.graph, project(sharded, plan.schedule),
                               loss_fn=self.prepared.loss_fn, returns=self.prepared.returns,
                               training=self.prepared.captured.training,
-                              call_spec=self.prepared.call_spec, buckets=buckets)
+                              call_spec=plan.prepared.call_spec, buckets=buckets)
 
     def _replan(self, model: Any, where: str) -> "Plan":
         """The same plan made on the graph `model`'s device produces: PyTorch picks kernels by

@@ -216,6 +216,18 @@ def _warn_on_mismatch(model: Any, training: Training) -> None:
                     len(frozen_but_trained), frozen_but_trained[0])
 
 
+def warn_eval_mode(model: Any, call: str) -> None:
+    """A model in eval mode (``from_pretrained`` returns one) is planned as an evaluation step,
+    which is seldom what a plan is made for: said before any work, with the remedy."""
+    if getattr(model, "training", True):
+        return
+    log.warning("%s: %s is in eval mode (model.training is False; from_pretrained returns "
+                "models in eval mode): dropout is off and BatchNorm uses its running "
+                "statistics, and the plan is made for that mode; a training call in train "
+                "mode then runs without the plan and its backward is refused. To plan the "
+                "training step, call model.train() before %s", call, type(model).__name__, call)
+
+
 def cache_configs(model: Any) -> list[str]:
     """The configs (by path: "model.config" for the root's) with use_cache=True whose model
     builds a key/value cache in its forward (`builds_cache`). A submodule may keep a config
