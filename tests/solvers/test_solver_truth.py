@@ -198,3 +198,13 @@ def test_budget_error_says_which_figure_is_proven():
     assert f"no schedule peaks below {floor:,} bytes (proven)" in str(below)
     proven = too_small(problem, floor - 1, save_all, True, DEFAULT, deadline)
     assert "(proven); recomputation cannot go lower" in str(proven)
+    assert (between.proven, below.proven, proven.proven) == (False, False, True)
+    # No time for the floor's proof (0 bytes proven): no floor is named, and a budget of 0,
+    # the least peak asked for, has words of its own.
+    expired = Deadline(10, clock=lambda: 0.0).within(0)
+    for budget, words in ((0, "every schedule holds some activations"),
+                          (floor, "no floor was proven in the time")):
+        error = too_small(problem, budget, save_all, False, DEFAULT, expired)
+        assert words in str(error) and "(proven)" not in str(error)
+        assert "not proven the least" in str(error) and "longer time_limit" in str(error)
+        assert error.proven is False and error.smallest == save_all.peak
