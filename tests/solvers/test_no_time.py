@@ -8,7 +8,12 @@ from __future__ import annotations
 import pytest
 
 from remat.errors import BudgetError
-from remat.solvers import SolverOptions, Status, Strategy, make_schedule, solve
+from remat.solvers import SolverOptions, Status, Strategy, make_schedule, solve, solve_eager
+from remat.solvers.core.deadline import Deadline
+from remat.solvers.eager.heuristic import plan_eager
+from remat.solvers.eager.search import optimal_eager
+from remat.solvers.timeline.eager import eager_schedule
+from tests.synthetic.eager import random_eager
 from tests.synthetic.problems import transformer, unet
 
 
@@ -71,3 +76,53 @@ def test_nothing_fits_and_no_time_names_a_found_smallest_that_fits(model):
         assert ("every schedule holds some activations" in text) == (budget == 0)
     fed_back = solve(problem, error.smallest, Strategy.OPTIMAL, no_time(model=model))
     assert fed_back.peak <= error.smallest
+
+
+# --- The eager mode.
+
+def eager_problems():
+    return [random_eager(seed, max_forward=11, max_backward=8, max_cacheable=11)
+            for seed in range(4)]
+
+
+@pytest.mark.parametrize("strategy", ["optimal", "greedy"])
+def test_eager_a_budget_per_block_checkpointing_meets_gets_a_plan_with_no_time(strategy):
+    for problem, blocks in eager_problems():
+        budget = eager_schedule(problem, blocks, ()).peak
+        result = solve_eager(problem, blocks, budget, strategy, no_time())
+        assert result.peak <= budget
+        if "last_resort" in result.info:
+            assert result.status is Status.HEURISTIC
+
+
+def test_eager_per_block_checkpointing_is_the_last_resort_of_both_planners():
+    """No policy given fits and there is no time: the exact search returns per-block
+    checkpointing, HEURISTIC; the heuristic, its seeds unrepaired, likewise."""
+    for problem, blocks in eager_problems():
+        blocks_plan = eager_schedule(problem, blocks, ())
+        budget = blocks_plan.peak
+        expired = Deadline(10.0, clock=NoTime())
+        found = optimal_eager(problem, blocks, budget, no_time(), deadline=expired)
+        assert found.info["cached"] == blocks_plan.info["cached"] and found.peak <= budget
+        if found.status is not Status.OPTIMAL:  # OPTIMAL: it recomputes nothing
+            assert found.status is Status.HEURISTIC
+            assert "every block checkpointed" in found.info["last_resort"]
+        if eager_schedule(problem, blocks, blocks.cacheable).peak <= budget:
+            continue  # the seed fits unrepaired: no last resort needed
+        heuristic = plan_eager(problem, blocks, budget, [blocks.cacheable], expired)
+        assert heuristic.info["cached"] == blocks_plan.info["cached"]
+        assert heuristic.status is Status.HEURISTIC and "last_resort" in heuristic.info
+
+
+@pytest.mark.parametrize("strategy", ["optimal", "greedy"])
+def test_eager_nothing_fits_and_no_time_is_a_budget_error_labelled_found(strategy):
+    """Budget 0 with no time (mT5's case): BudgetError, not SolverError, its smallest
+    labelled found; fed back, a plan."""
+    for problem, blocks in eager_problems():
+        with pytest.raises(BudgetError) as info:
+            solve_eager(problem, blocks, 0, strategy, no_time())
+        error, text = info.value, str(info.value)
+        assert error.proven is False and "not proven the least" in text
+        assert "below 0 bytes" not in text
+        assert solve_eager(problem, blocks, error.smallest, strategy, no_time()).peak \
+            <= error.smallest
