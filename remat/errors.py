@@ -16,17 +16,22 @@ class BudgetError(RematError):
     raised can meet; for the exact strategies it is the smallest that any schedule can meet.
     `dominant` names the largest term of the memory where the caller knows it, and `remedy`
     what acts on that term. `schedule` is the schedule of that smallest peak, where the
-    strategy found one (the exact solver does).
+    strategy found one (the exact solver does). `proven`: whether `smallest` is proven the
+    least the strategy reaches (True), or only the least found in the time it had, a budget
+    that fits which more time may lower (False); None where the raiser does not say (a
+    baseline's smallest is its own plan's, exactly).
     """
 
     def __init__(self, message: str, *, budget: int, smallest: int | None,
-                 dominant: str | None = None, remedy: str | None = None, schedule=None):
+                 dominant: str | None = None, remedy: str | None = None, schedule=None,
+                 proven: bool | None = None):
         super().__init__(message)
         self.schedule = schedule
         self.budget = budget
         self.smallest = smallest
         self.dominant = dominant
         self.remedy = remedy
+        self.proven = proven
 
 
 class CaptureError(RematError):

@@ -147,7 +147,10 @@ def sweep_prepared(model: Any, prepared: Prepared, budgets: Sequence[int], *, ta
                                  target=target, solver=strategy,
                                  solver_options=dataclasses.replace(options, hint=hint))
         except BudgetError as e:
-            smallest = e.smallest if e.smallest is not None else smallest
+            # A figure only found (BudgetError.proven False) is not kept: the solver's at
+            # budget 0 is asked below instead.
+            if e.smallest is not None and e.proven is not False:
+                smallest = e.smallest
             points.append(Point(strategy=strategy.value, budget=budget, peak=None))
             plans.append(None)
             continue

@@ -109,19 +109,23 @@ def solve_eager(problem: Problem, blocks: EagerBlocks, budget: int,
     with a host link, which block inputs go to host), priced by the eager timeline, with an
     activation peak of at most `budget` bytes. One deadline for the whole solve: the compiled
     mode's plan as a seed, the heuristic, then for `optimal` the exact search hinted by the
-    heuristic; any other strategy keeps the heuristic's plan. Raises BudgetError when nothing
-    fits."""
+    heuristic; any other strategy keeps the heuristic's plan. Per-block checkpointing (every
+    block checkpointed, caching nothing) is the answer where it fits and the time allowed
+    nothing better (HEURISTIC, why in info["last_resort"]). Raises BudgetError when nothing
+    fits, its smallest budget proven or labelled found (`BudgetError.proven`)."""
     strategy = Strategy(strategy)
     # Limits left to None chosen by the eager problem's size, counting the call's time before
     # the solve (capture and probe, where the caller started its clock).
     options, stated = sized_and_stated(options or SolverOptions(), len(problem))
     deadline = Deadline(options.time_limit, clock=options.clock or time.perf_counter)
     seeds: list[frozenset[int]] = [frozenset(), blocks.cacheable]
+    seed_time = deadline.share(COMPILED_SEED_SHARE)  # 0: no time left, no seed
     try:
         # Checkpoint recomputes each value at most once, in the backward: the single model's
         # space is the one this seed is for.
-        single = replace(options, model="single", time_limit=deadline.share(COMPILED_SEED_SHARE))
-        seeds.insert(0, solve(problem, budget, strategy, single).saved)
+        if seed_time > 0:
+            single = replace(options, model="single", time_limit=seed_time)
+            seeds.insert(0, solve(problem, budget, strategy, single).saved)
     except (BudgetError, SolverError) as e:
         log.info("eager: no compiled-mode plan to start from (%s); seeding from baselines", e)
     # The eager planner weighs ops by their cost under the objective (seconds, or FLOPs);
@@ -143,13 +147,19 @@ def solve_eager(problem: Problem, blocks: EagerBlocks, budget: int,
         heuristic, failed = None, e
     try:
         if strategy is Strategy.OPTIMAL:  # exact over the eager timeline, from the heuristic
+            # Its last resort (per-block checkpointing, no time to repair) is the exact
+            # search's too, which says so where the time allows it nothing better.
+            resort = heuristic is None or "last_resort" in heuristic.info
             schedule = optimal_eager(problem, blocks, budget, options,
-                                     hint=None if heuristic is None else heuristic.info["cached"],
+                                     hint=None if resort else heuristic.info["cached"],
                                      deadline=solving)
         elif heuristic is None:
             raise failed
         else:
             schedule = eager_schedule(problem, blocks, heuristic.info["cached"], budget=budget)
+            if "last_resort" in heuristic.info:  # why, for the report
+                schedule = replace(schedule, info=MappingProxyType(
+                    {**schedule.info, "last_resort": heuristic.info["last_resort"]}))
     except BudgetError as e:
         if not offload_time:
             raise

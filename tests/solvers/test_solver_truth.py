@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from remat.errors import BudgetError, SolverError
+from remat.errors import BudgetError
 from remat.solvers import Problem, SolverOptions, Status, Strategy, make_schedule, simulate, solve
 from remat.solvers.cpsat import search
 from remat.solvers.core.schedule import OPTIMAL_TOLERANCE
@@ -109,9 +109,9 @@ def test_a_call_of_10k_ops_stops_where_its_clock_runs_out(monkeypatch, caplog, s
     """The call's clock stalls as `stage` begins or at its `reads`-th look at the clock after
     that: no stage starts after the stall but the result's, a CP-SAT search that runs is
     stopped, the plan found so far fits (or, stalled before a baseline that fits ran, the first
-    fixed plan that fits, run past the deadline as the result, `Pool.last_resort`; or the error
-    names those skipped), the stage that found no time is named, and progress lines with the incumbent
-    and the bound come while it runs. Nothing here reads the wall clock: only the stall passes
+    fixed plan that fits, run past the deadline as the result, HEURISTIC, `Pool.last_resort`;
+    or the error names per-block checkpointing's peak as found), the stage that found no time
+    is named, and progress lines with the incumbent and the bound come while it runs. Nothing here reads the wall clock: only the stall passes
     the limit, 600 s, so that every stage before the stall runs whatever the machine's
     load."""
     monkeypatch.setattr(search, "PROGRESS_SECONDS", 0.05)
@@ -130,18 +130,21 @@ def test_a_call_of_10k_ops_stops_where_its_clock_runs_out(monkeypatch, caplog, s
     options = SolverOptions(workers=2, time_limit=600, clock=clock, deterministic=False)
     try:
         result = solve(problem, budget, Strategy.OPTIMAL, options)
-    except SolverError as error:  # stalled before a baseline that fits ran: nothing to return
+    except BudgetError as error:  # stalled before a baseline ran; per-block does not fit
         assert stage == "running the baselines", error
-        assert "skipped: " in str(error) and "raise time_limit" in str(error)
+        assert error.proven is False and "not proven the least" in str(error)
+        assert error.smallest == solve(problem, 10 ** 15, Strategy.CHECKPOINT_BLOCKS).peak
         return
     stages = result.info["stages"]
     assert clock.offset, f"the clock never stalled ({stage!r}, {reads}): {stages}"
-    assert result.peak <= budget and result.status in (Status.FEASIBLE, Status.OPTIMAL)
+    resort = "last_resort" in result.info  # run past the deadline: nothing else fitted
+    assert result.peak <= budget and result.status in (
+        (Status.HEURISTIC,) if resort else (Status.FEASIBLE, Status.OPTIMAL))
     after = {name for name, at in stages if at >= StallingClock.STALL}
     assert after <= {"finishing", "done"}, stages
     assert "stopped_in" in result.info or result.info.get("skipped"), stages
     if stage == "running the baselines" and reads == 0:  # no baseline ran before the stall
-        assert "run past the deadline" in result.info["skipped"][result.info["hint"]]
+        assert resort and "run past the deadline" in result.info["skipped"][result.info["hint"]]
     lines = [r.getMessage() for r in caplog.records if "best recompute cost" in r.getMessage()]
     assert lines and all("bound" in line for line in lines)
 
@@ -198,3 +201,13 @@ def test_budget_error_says_which_figure_is_proven():
     assert f"no schedule peaks below {floor:,} bytes (proven)" in str(below)
     proven = too_small(problem, floor - 1, save_all, True, DEFAULT, deadline)
     assert "(proven); recomputation cannot go lower" in str(proven)
+    assert (between.proven, below.proven, proven.proven) == (False, False, True)
+    # No time for the floor's proof (0 bytes proven): no floor is named, and a budget of 0,
+    # the least peak asked for, has words of its own.
+    expired = Deadline(10, clock=lambda: 0.0).within(0)
+    for budget, words in ((0, "every schedule holds some activations"),
+                          (floor, "no floor was proven in the time")):
+        error = too_small(problem, budget, save_all, False, DEFAULT, expired)
+        assert words in str(error) and "(proven)" not in str(error)
+        assert "not proven the least" in str(error) and "longer time_limit" in str(error)
+        assert error.proven is False and error.smallest == save_all.peak

@@ -260,8 +260,8 @@ def test_solvers_import_without_torch():
 
 def test_a_hint_that_does_not_fit_is_never_returned():
     """When the search accepts nothing in time, `optimal` may return its hint, but only one that
-    fits: a caller's hint (here, saving everything) can be over the budget."""
-    from remat.errors import SolverError
+    fits: a caller's hint (here, saving everything) can be over the budget. Per-block
+    checkpointing fits here: some plan that fits comes back, however little the time."""
     from remat.solvers import make_schedule
     from remat.solvers.cpsat import optimal
     from tests.synthetic.problems import transformer
@@ -270,12 +270,8 @@ def test_a_hint_that_does_not_fit_is_never_returned():
     save_all = make_schedule(problem, [])
     budget = int(save_all.peak * 0.9)  # fits some schedule, not saving everything
     options = SolverOptions(time_limit=0.01, workers=1, hint=save_all)
-    try:  # the strategy itself, not solve(), whose own check would hide the defect
-        schedule = optimal(problem, budget, options)
-    except SolverError as e:
-        assert "does not fit" in str(e)
-        return
-    assert schedule.peak <= budget
+    # The strategy itself, not solve(), whose own check would hide the defect.
+    assert optimal(problem, budget, options).peak <= budget
 
 
 def test_a_budget_at_the_smallest_peak_is_met():

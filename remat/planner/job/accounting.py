@@ -182,14 +182,16 @@ REMEDIES = {
 
 
 def budget_error(budget: int, *, smallest_activations: int | None, state: StateMemory,
-                 training: Training, strategy: str = "") -> BudgetError:
+                 training: Training, strategy: str = "", proof: str = "",
+                 proven: bool | None = None) -> BudgetError:
     """The BudgetError for a whole-step `budget` that no schedule fits: the smallest budget that
     fits, the largest term and the remedy that acts on it (`REMEDIES`). Where the state alone
     overflows, the largest term is a state term or the reserve, never the activations: a
     smaller batch would not help then.
 
     `smallest_activations` is the smallest activation peak any schedule reaches (the step's
-    peak less the state; None when the strategy did not say)."""
+    peak less the state; None when the strategy did not say), found by `strategy`; `proof`
+    says whether it is proven the least or only found (`BudgetError.proven`: `proven`)."""
     margin = training.margin(budget)
     state_terms = {
         "parameters": state.weights,
@@ -228,7 +230,7 @@ def budget_error(budget: int, *, smallest_activations: int | None, state: StateM
         lines.append(f"  the smallest activation peak{how}: {format_size(activations)} (the "
                      "step's peak less the state)")
         lines.append(f"  the smallest budget that fits: {format_size(smallest)} "
-                     f"({smallest:,} bytes)")
+                     f"({smallest:,} bytes)" + (f", {proof}" if proof else ""))
     lines.append(f"  the largest term is {dominant} ({format_size(sizes[dominant])}): {remedy}")
     return BudgetError("\n".join(lines), budget=budget, smallest=smallest, dominant=dominant,
-                       remedy=remedy)
+                       remedy=remedy, proven=proven)

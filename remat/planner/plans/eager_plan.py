@@ -23,11 +23,12 @@ from remat.errors import BudgetError, RematError
 from remat.planner.job.budget import format_size
 from remat.planner.plans.block_compile import compile_blocks
 from remat.planner.job.ranks import options_for_this_job
-from remat.planner.plans.plan import Plan, budget_error_in_user_terms
+from remat.planner.plans.plan import Plan, budget_error_in_user_terms, state_overflow
 from remat.planner.plans.prepare import (cache_configs, check_eager_device, check_same_parameters,
                                    has_meta_weights, shard_step)
 from remat.solvers import SolverOptions, Strategy, solve_eager
 from remat.solvers.baselines.standard import block_of
+from remat.solvers.timeline.eager import eager_schedule
 
 log = logging.getLogger(__name__)
 
@@ -145,14 +146,14 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
         model, prepared, blocks, example_inputs, example_kwargs)
     strategy = Strategy(solver)
     allowance = prepared.allowance(budget, activation_budget)
+    if allowance < 0:  # known before any solve, whatever its time limit
+        raise state_overflow(prepared, budget, strategy, solver_options,
+                             per_block=eager_schedule(problem, structure, ()))
     try:
         # The call's clock started before capture and probe (remat.optimize): limits left to
         # None are sized by the eager problem and count that time.
-        schedule = solve_eager(problem, structure, max(allowance, 0), strategy,
+        schedule = solve_eager(problem, structure, allowance, strategy,
                                options_for_this_job(solver_options))
-        if allowance < 0:
-            raise BudgetError("the state alone exceeds the budget", budget=allowance,
-                              smallest=schedule.peak)
     except BudgetError as e:
         raise budget_error_in_user_terms(prepared, e, budget=budget, strategy=strategy) from None
     # schedule.peak is the eager timeline's (eager_schedule), so the terms are the eager step's.

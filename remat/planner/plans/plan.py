@@ -23,10 +23,11 @@ from remat.planner.job.ranks import options_for_this_job
 from remat.fx_passes.tracing.unbacked import worst_case_lines
 from remat.planner.job.training import Training
 from remat.solvers import Problem, Schedule, SolverOptions, Strategy, solve
+from remat.solvers.entry import LIMITED, STRATEGIES
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Plan", "plan_prepared", "budget_error_in_user_terms"]
+__all__ = ["Plan", "plan_prepared", "budget_error_in_user_terms", "state_overflow"]
 
 
 class Plan:
@@ -271,11 +272,9 @@ def plan_prepared(model: Any, prepared: Prepared, *, budget: int | None,
     allowance = prepared.allowance(budget, activation_budget)
     log.info("solving with %s for an activation allowance of %s", strategy.value,
              format_size(allowance))
+    if allowance < 0:  # known before any solve, whatever its time limit
+        raise state_overflow(prepared, budget, strategy, solver_options)
     try:
-        if allowance < 0:
-            # The state alone overflows; solving at zero still finds the smallest peak.
-            solve(prepared.problem, 0, strategy, solver_options)
-            raise AssertionError("a schedule with no activations at all")  # pragma: no cover
         schedule = solve(prepared.problem, allowance, strategy, solver_options)
     except BudgetError as e:
         raise budget_error_in_user_terms(prepared, e, budget=budget, strategy=strategy) from None
@@ -287,12 +286,42 @@ def plan_prepared(model: Any, prepared: Prepared, *, budget: int | None,
                 activation_budget=activation_budget)
 
 
+def state_overflow(prepared: Prepared, budget: int, strategy: Strategy,
+                   options: SolverOptions | None, per_block: Schedule | None = None
+                   ) -> BudgetError:
+    """The BudgetError of a whole-step `budget` that the state alone (with the reserve and the
+    margin) exceeds: its terms and the remedy of the largest, raised before any solve. The
+    smallest budget named is a time-limited strategy's per-block checkpointing plan
+    (`per_block`, the eager mode's; else the compiled mode's), found and not proven the least;
+    a baseline's is its own plan's at budget 0 (no time limit: exact)."""
+    if per_block is None and STRATEGIES[strategy] not in LIMITED:
+        try:
+            peak = solve(prepared.problem, 0, strategy, options).peak
+        except BudgetError as e:
+            peak = e.smallest
+        error = BudgetError("the state alone exceeds the budget", budget=0, smallest=peak)
+        return budget_error_in_user_terms(prepared, error, budget=budget, strategy=strategy)
+    if per_block is None:
+        per_block = prepared.baselines[Strategy.CHECKPOINT_BLOCKS]
+    whole = accounting.budget_error(
+        budget, smallest_activations=max(0, per_block.peak - prepared.graph_gradients),
+        state=prepared.state, training=prepared.training, strategy="checkpointing every block",
+        proof=f"found by checkpointing every block, not proven the least: {strategy.value} "
+              "runs only once the budget holds the state", proven=False)
+    whole.schedule = per_block
+    return whole
+
+
 def budget_error_in_user_terms(prepared: Prepared, error: BudgetError, *, budget: int | None,
                   strategy: Strategy) -> BudgetError:
     """The solver's BudgetError (in simulated-peak terms) restated in the user's terms: the
-    activations are the step's peak less the state (remat.planner.job.accounting)."""
+    activations are the step's peak less the state (remat.planner.job.accounting); its
+    smallest labelled proven, or found (`BudgetError.proven`)."""
     grads = prepared.graph_gradients
     smallest = None if error.smallest is None else max(0, error.smallest - grads)
+    proof = {True: "proven: no plan fits a smaller one",
+             False: "found within the time limit, not proven the least: a longer time_limit "
+                    "may find a smaller one"}.get(error.proven, "")
     if budget is None:  # activation_budget: the activations are all there is to say about
         remedy = accounting.REMEDIES["activations"]
         asked = error.budget - grads if error.budget is not None else None
@@ -300,13 +329,15 @@ def budget_error_in_user_terms(prepared: Prepared, error: BudgetError, *, budget
         if smallest is not None:
             lines.append(f"  the smallest activation peak ({strategy.value}): "
                          f"{format_size(smallest)} ({smallest:,} bytes), the step's peak less "
-                         "the state")
+                         "the state" + (f"; {proof}" if proof else ""))
         lines += [f"  the solver: {error} (its figures count the graph's "
                   f"{format_size(grads)} of gradients too)", f"  remedy: {remedy}"]
         return BudgetError("\n".join(lines), budget=asked, smallest=smallest,
-                           dominant="activations", remedy=remedy, schedule=error.schedule)
+                           dominant="activations", remedy=remedy, schedule=error.schedule,
+                           proven=error.proven)
     whole = accounting.budget_error(budget, smallest_activations=smallest, state=prepared.state,
-                                    training=prepared.training, strategy=strategy.value)
+                                    training=prepared.training, strategy=strategy.value,
+                                    proof=proof, proven=error.proven)
     whole.schedule = error.schedule
     return whole
 

@@ -1,14 +1,17 @@
 """The outcomes of one call of strategy `optimal` (`remat.solvers.cpsat.driver._Call`): the
 result with its true status, the best proven bound, and the ends where nothing fits (the
-least-peak search, BudgetError naming the least peak found, SolverError naming what the time
-allowed). A mixin: it reads the call's problem, budget, options, pool, units and deadline.
+least-peak search, per-block checkpointing where the time allowed nothing else, BudgetError
+naming the least peak found or proven). A mixin: it reads the call's problem, budget, options,
+pool, units and deadline.
 """
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import replace
 from types import MappingProxyType
 
-from remat.errors import BudgetError, SolverError
+from remat.errors import BudgetError
 from remat.solvers.relaxation.bound import Bound
 from remat.solvers.cpsat.least_peak import least_peak, too_small
 from remat.solvers.cpsat.rich_search import full_cost
@@ -19,6 +22,8 @@ from remat.solvers.timeline.evaluate import evaluate
 from remat.solvers.core.strategy import Strategy
 
 __all__ = ["CallOutcomes"]
+
+logger = logging.getLogger("remat.solvers.cpsat.driver")
 
 
 class CallOutcomes:
@@ -79,19 +84,29 @@ class CallOutcomes:
             self.search_least_peak(model, self.work())
         elif self.least is None:  # no time to search: the pool's least peak, unproven
             self.least = self.pool.least_peak(self.work())
-        if self.least is None:
-            return self.nothing_found("no time left for the least-peak search")
+        if self.least is None or (self.least.peak > self.budget and not self.least_proven):
+            return self.nothing_found("no time left for the least-peak search"
+                                      if self.least is None else
+                                      "the least-peak search found none that fits in the time")
         if self.least.peak > self.budget:
             raise self.too_small()
         return self.result(self.least, 0.0)
 
-    def nothing_found(self, why: str) -> Schedule:
-        if self.least is not None:  # a schedule is known, only above the budget: say so
-            raise self.too_small()
-        hint = self.options.hint
-        tried = (f"hinted with {hint.strategy}, which does not fit" if hint is not None
-                 else "no baseline fits to hint")
-        skipped = f"; skipped: {', '.join(self.pool.skipped)}" if self.pool.skipped else ""
-        raise SolverError(f"optimal: no schedule within the time limit of "
-                          f"{self.options.time_limit:g} s ({why}; {tried}{skipped}); raise "
-                          "time_limit or the budget")
+    def nothing_found(self, why: str, bound: float = 0.0) -> Schedule:
+        """Where the time ran out before a plan that fits was found: per-block checkpointing
+        (or a fixed plan skipped for time) where it fits (`Pool.last_resort`), HEURISTIC, with
+        `why` in info["last_resort"]; else BudgetError naming the least peak known (that plan's
+        or the least-peak search's), found and not proven unless the search proved it."""
+        resort = self.pool.last_resort(self.budget)
+        if resort is not None:
+            self.info.update(skipped=dict(self.pool.skipped), hint=resort.strategy,
+                             last_resort=f"{resort.strategy}, run past the deadline: {why}")
+            found = self.result(resort, bound)
+            logger.warning("optimal: no schedule found within %.1f s (%s); returning %s's",
+                           self.limit, why, resort.strategy)
+            return (found if found.status is Status.OPTIMAL
+                    else replace(found, status=Status.HEURISTIC))
+        blocks = self.pool.per_block()
+        if self.least is None or blocks.peak < self.least.peak:
+            self.least, self.least_proven = blocks, False
+        raise self.too_small()

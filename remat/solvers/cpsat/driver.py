@@ -62,7 +62,9 @@ def optimal(problem: Problem, budget: int, options: SolverOptions) -> Schedule:
     """The least-recompute-cost schedule whose simulated peak fits `budget`, least peak among
     equals; OPTIMAL when proven, else FEASIBLE with the best bound (time limit, relative gap).
     Raises BudgetError when no schedule fits (or none was found and the least peak found is
-    above the budget: the message says which), SolverError when the time allowed nothing."""
+    above the budget: the message says which and whether it is proven). Where the time allowed
+    no plan that fits, per-block checkpointing is the answer where it fits (HEURISTIC, the
+    reason in info["last_resort"]; `CallOutcomes.nothing_found`)."""
     options = options.by_size(len(problem))
     deadline = deadline_of(options)
     with Progress(deadline) as progress:
@@ -233,10 +235,12 @@ class _Call(CallOutcomes):
         """Where the model could not be built in time: the hint, or a baseline skipped before
         (`second_chance`), with what is proven. A short limit on a loaded machine (a call
         whose capture took most of it) may have skipped every baseline: those that fit beat
-        no plan at all. `must_fit`: a schedule above the budget is no answer."""
+        no plan at all, and per-block checkpointing, run past the deadline, beats an error
+        (`nothing_found`). `must_fit`: a schedule above the budget is no answer."""
         hint = self.second_chance(hint)
         if hint is None or (must_fit and hint.peak > self.budget):
-            return self.nothing_found("no time left to build the model")
+            return self.nothing_found("no time left to build the model",
+                                      self.best_bound(0.0, bound))
         self.info["from_hint"] = True
         return self.result(hint, self.best_bound(0.0, bound))
 
@@ -288,7 +292,7 @@ class _Call(CallOutcomes):
 
     def unsearched(self, hint: Schedule | None, bound: float, status: str) -> Schedule:
         """Out of time before CP-SAT accepted any schedule: the hint (or a baseline skipped
-        before) where it fits (simulated); a caller's hint need not."""
+        before) where it fits (simulated); a caller's hint need not. Else `nothing_found`."""
         hint = self.second_chance(hint)
         if hint is not None and hint.peak <= self.budget:
             self.info["from_hint"] = True
@@ -297,7 +301,7 @@ class _Call(CallOutcomes):
             logger.warning("optimal: CP-SAT found no schedule within %.1f s; returning the "
                            "hint (%s), %s", self.limit, hint.strategy, found.status.value)
             return found
-        return self.nothing_found(status)
+        return self.nothing_found(f"CP-SAT found no schedule in the time ({status})", bound)
 
     def lower_peak(self, model, best_cost: int, recomputed, positions, model_peak: int):
         """Stage 2: least peak at the least cost (keeps the live-range ends tight, too): the
@@ -371,14 +375,13 @@ class _Call(CallOutcomes):
 
     def second_chance(self, hint: Schedule | None) -> Schedule | None:
         """`hint`, or a baseline the pool had no time for that does better in the time left
-        (`Pool.second_chance`): where the relaxation and the model could not run."""
+        (`Pool.second_chance`): where the relaxation and the model could not run. Where none
+        fits, `nothing_found` runs the last resort past the deadline."""
         if self.pool.skipped:
             work = self.work()
-            if work.left() > 0:  # else none runs in time: only the last resort, the result's
+            if work.left() > 0:  # else none runs in time
                 self.progress.update(stage="running the baselines skipped")
             hint = self.pool.second_chance(hint, self.budget, work)
-            if hint is None or hint.peak > self.budget:
-                hint = self.pool.last_resort(self.budget) or hint
             self.info.update(skipped=dict(self.pool.skipped),
                              **({"hint": hint.strategy} if hint is not None else {}))
         return hint

@@ -43,6 +43,7 @@ class Pool:
     options: SolverOptions
     skipped: dict[str, str] = field(default_factory=dict)
     seconds_per_evaluation: float | None = None
+    fixed: dict[Strategy, Schedule] = field(default_factory=dict)  # fixed plans, any peak
 
     def evaluation(self, deterministic: bool) -> float:
         """Seconds one schedule evaluation takes on the problem, to predict a stage's time:
@@ -115,21 +116,38 @@ class Pool:
         return found if found is not None else hint
 
     def last_resort(self, budget: int) -> Schedule | None:
-        """The first fixed-plan baseline skipped for time that fits `budget` (checkpoint_blocks,
-        one evaluation, fits near the floor), run whatever the time left: where a loaded machine
-        left the call no time for any plan (the 70B beside two busy processes, its solve left
-        10 s after a 20 s capture: every baseline skipped), a plan one evaluation late beats a
-        SolverError."""
+        """A plan that fits `budget`, run whatever the time left: the first fixed-plan baseline
+        skipped for time that fits, else per-block checkpointing (`per_block`) where it fits,
+        whether the pool ran it or not (one evaluation; near the floor often the only baseline
+        that fits). Where a loaded machine left the call no time for any plan (the 70B beside
+        two busy processes, its solve left 10 s after a 20 s capture: every baseline skipped),
+        a plan one evaluation late beats an error; and no time never hides a plan that
+        checkpointing every block already fits. None: neither fits."""
         for strategy in EVALUATIONS:
-            if strategy.value not in self.skipped or strategy not in BY_STRATEGY:
+            skipped = strategy.value in self.skipped
+            if (not skipped and strategy is not Strategy.CHECKPOINT_BLOCKS) \
+                    or strategy not in BY_STRATEGY:
                 continue
-            try:
-                found = BY_STRATEGY[strategy](self.problem, budget, self.options)
-            except BudgetError:
+            found = (self.per_block() if strategy is Strategy.CHECKPOINT_BLOCKS
+                     else self.fixed_plan(strategy))
+            if found.peak > budget:
                 continue
-            self.skipped[strategy.value] += "; then run past the deadline: nothing else fitted"
+            if skipped:
+                self.skipped[strategy.value] += "; then run past the deadline: nothing else fitted"
             return found
         return None
+
+    def per_block(self) -> Schedule:
+        """Per-block checkpointing's plan whatever its peak (one evaluation, kept): the last
+        resort, and where it does not fit, the least peak known for the error."""
+        return self.fixed_plan(Strategy.CHECKPOINT_BLOCKS)
+
+    def fixed_plan(self, strategy: Strategy) -> Schedule:
+        """A fixed-plan baseline's schedule whatever its peak (one evaluation, kept)."""
+        if strategy not in self.fixed:
+            unbounded = sum(op.size + op.temp for op in self.problem.ops)
+            self.fixed[strategy] = BY_STRATEGY[strategy](self.problem, unbounded, self.options)
+        return self.fixed[strategy]
 
     def least_peak(self, deadline: Deadline) -> Schedule | None:
         """The pool's schedule of least peak, each strategy at a budget it always meets."""

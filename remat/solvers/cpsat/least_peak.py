@@ -78,24 +78,24 @@ def too_small(problem: Problem, budget: int, smallest: Schedule, proven: bool,
     proven = proven and not rich
     remedy = ("Raise the budget or shrink what the backward must hold (smaller batch, "
               "sequence)")
+    if not proven:
+        floor = math.floor(peak_bound(problem, time_limit=FLOOR_SHARE * deadline.limit,
+                                      deadline=deadline, rich=rich).value)
+        proven = floor >= smallest.peak
+    found = f"the least peak found is {smallest.peak:,} bytes, a budget that fits"
+    unproven = f"{found} (not proven the least: a longer time_limit may find a smaller one)"
     if proven:
         words = (f"the smallest activation peak any schedule reaches is {smallest.peak:,} bytes "
                  f"(proven); recomputation cannot go lower. {remedy}")
-    else:
-        floor = math.floor(peak_bound(problem, time_limit=FLOOR_SHARE * deadline.limit,
-                                      deadline=deadline, rich=rich).value)
-        if floor >= smallest.peak:
-            words = (f"the smallest activation peak any schedule reaches is {smallest.peak:,} "
-                     f"bytes (proven); recomputation cannot go lower. {remedy}")
-        elif floor > budget:
-            words = (f"no schedule peaks below {floor:,} bytes (proven); the least peak found "
-                     f"within the time limit is {smallest.peak:,} bytes, a budget that fits. "
-                     f"{remedy}")
-        else:
-            words = (f"none was found within the time limit: the least peak found is "
-                     f"{smallest.peak:,} bytes, a budget that fits; no schedule peaks below "
-                     f"{floor:,} bytes (proven), so a budget between the two may fit with a "
-                     f"longer time_limit")
+    elif floor > budget:  # the cause is proven, the figure only found
+        words = f"no schedule peaks below {floor:,} bytes (proven); {unproven}. {remedy}"
+    elif budget <= 0:  # the least peak asked for; nothing proven below it
+        words = f"every schedule holds some activations; {unproven}. {remedy}"
+    else:  # the time ran out, not (provably) the memory
+        below = (f"no schedule peaks below {floor:,} bytes (proven), so a budget between the two"
+                 if floor > 0 else "no floor was proven in the time, so a budget below that")
+        words = (f"none was found within the time limit: {found} (not proven the least); "
+                 f"{below} may fit with a longer time_limit")
     return BudgetError(f"no schedule fits a budget of {budget:,} bytes: {words}",
-                       budget=budget, smallest=smallest.peak,
+                       budget=budget, smallest=smallest.peak, proven=proven,
                        schedule=evaluate(problem, smallest, strategy=Strategy.OPTIMAL.value))

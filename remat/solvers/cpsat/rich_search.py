@@ -298,7 +298,7 @@ class _RichCall:
             raise BudgetError(f"{below} (nor did the rich model find a schedule in the time "
                               "left)", budget=budget, smallest=below.smallest,
                               dominant=below.dominant, remedy=below.remedy,
-                              schedule=below.schedule)
+                              schedule=below.schedule, proven=below.proven)
         if searched == math.inf and not fits:
             raise BudgetError(f"no schedule fits the budget of {budget} bytes in the rich model "
                               f"(up to {self.options.max_copies} recomputations per value)",
@@ -321,9 +321,14 @@ class _RichCall:
         cost = full_cost(problem, schedule)
         self.info["model"] = model
         self.info.update(deadline_info(self.deadline))
+        # The single call's last resort (per-block checkpointing run past the deadline) stays
+        # HEURISTIC unless proven; a plan that replaced it is not one.
+        resort = schedule is self.single_plan and "last_resort" in self.info
+        if not resort:
+            self.info.pop("last_resort", None)
         return evaluate(problem, schedule, strategy="optimal", budget=self.budget, bound=bound,
                         status=(Status.OPTIMAL if cost - bound <= self.tolerance * cost
-                                else Status.FEASIBLE),
+                                else Status.HEURISTIC if resort else Status.FEASIBLE),
                         solve_time=time.perf_counter() - self.start,
                         info=MappingProxyType(self.info))
 

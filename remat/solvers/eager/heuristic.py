@@ -10,6 +10,8 @@ they hint, is `remat.solvers.eager.search.optimal_eager` (it offloads nothing).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+from types import MappingProxyType
 from typing import Callable, Iterable
 
 from remat.errors import BudgetError
@@ -53,7 +55,8 @@ def plan_eager(problem: Problem, blocks: EagerBlocks, budget: int,
     A heuristic: status HEURISTIC (`remat.solvers.eager.search` is the exact planner,
     which this starts). Raises BudgetError with the least peak seen when no seed fits however
     little it caches. Past `deadline`, it stops improving and tries no further seed (one
-    schedule is evaluated at a time, each O(ops))."""
+    schedule is evaluated at a time, each O(ops)); where none fitted by then, caching nothing
+    (every block checkpointed), where it fits, is the answer, with info["last_resort"]."""
     offload = frozenset(offload)  # in host memory: never cached as well
     candidates = [v for v in sorted(blocks.cacheable) if problem.ops[v].size > 0
                   and problem.ops[v].kind is Kind.TENSOR and v not in offload]
@@ -94,11 +97,18 @@ def plan_eager(problem: Problem, blocks: EagerBlocks, budget: int,
                 schedule = trial
         if best is None or (schedule.cost, schedule.peak) < (best.cost, best.peak):
             best = schedule
+    if best is None and out_of_time():  # the repairs' end, caching nothing, in one evaluation
+        schedule = run(set())
+        least = min(least, schedule.peak) if least is not None else schedule.peak
+        if schedule.peak <= budget:
+            return replace(schedule, info=MappingProxyType({**schedule.info, "last_resort": (
+                "every block checkpointed, caching nothing: no time to repair the seeds")}))
     if best is None:
         raise BudgetError(
-            f"eager: no checkpoint policy found fits; the least eager peak seen is "
-            f"{least:,} bytes of activations, above the budget of {budget:,}; checkpoint more "
-            "modules (blocks=) or raise the budget", budget=budget, smallest=least)
+            f"eager: no checkpoint policy found fits; the least eager peak seen is {least:,} "
+            f"bytes of activations (found by the heuristic, not proven the least), above the "
+            f"budget of {budget:,}; checkpoint more modules (blocks=) or raise the budget",
+            budget=budget, smallest=least, proven=False)
     return best
 
 

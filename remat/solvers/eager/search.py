@@ -10,10 +10,9 @@ found, with the bound as its floor.
 
 One `Deadline` bounds the whole call (the caller's, or `options.time_limit` from the start):
 the model's construction, the slot bound, the least-cost stage, the least-peak-at-that-cost
-stage, and, where
-nothing fits, the least-peak search that BudgetError's smallest budget comes from. The caller's
-hint (the heuristic `plan_eager`'s policy) starts the search, and is returned where the search
-found nothing cheaper, so the result is never worse than it.
+stage, and, where nothing fits, the least-peak search that BudgetError's smallest budget comes
+from. The caller's hint (the heuristic `plan_eager`'s policy), else per-block checkpointing,
+starts the search, and is returned where the search found nothing cheaper.
 """
 from __future__ import annotations
 
@@ -108,8 +107,8 @@ def _optimal_eager(problem: Problem, blocks: EagerBlocks, budget: int, options: 
     """The least-cost policy (cached ops) whose eager peak fits `budget`, least peak among
     equals, as `eager_schedule`'s Schedule with status, bound and gap. `hint`: a policy's
     cached ops to start from. Raises BudgetError when no policy fits (proven, or the least
-    peak found is above the budget: the message says which) and SolverError when the time
-    allowed neither a policy nor a proof."""
+    peak found is above the budget: the message says which), per-block checkpointing's peak
+    as found where the time allowed neither a policy that fits nor a proof."""
     options = options.by_size(len(problem))
     deadline = deadline or Deadline(options.time_limit)
     deadline.enter("eager: the model")
@@ -133,7 +132,12 @@ class _EagerCall:
                                                          budget=budget)
         if start is not None and start.peak > budget:
             start = None  # a policy that does not fit starts nothing
-        self.start: Schedule | None = start
+        # Per-block checkpointing (every block checkpointed, caching nothing) is always a
+        # candidate: where it fits and no policy given does, it starts the search, and is the
+        # answer (HEURISTIC) where the time allows nothing better.
+        per_block = eager_schedule(self.costed, blocks, (), budget=budget)
+        self.resort = per_block if start is None and per_block.peak <= budget else None
+        self.start: Schedule | None = start if start is not None else self.resort
         self.model: EagerModel | None = None
         self.setup = 0.0  # the least time a CP-SAT stage needs to load the model
         self.reserve = 0.0  # the time kept for the least-peak stage
@@ -271,9 +275,20 @@ class _EagerCall:
             self.info["peak_stage"] = f"CP-SAT answered {solver.StatusName(status2)}"
 
     def result(self, schedule: Schedule | None, bound: float, how: str) -> Schedule:
-        """`_result` for this call."""
-        return _result(self.problem, self.blocks, schedule, bound, self.budget, self.deadline,
-                       self.info, how)
+        """`_result` for this call: per-block checkpointing's policy HEURISTIC, why in
+        info["last_resort"], unless proven; no policy (none fits, nothing proven): BudgetError
+        naming per-block checkpointing's peak as found."""
+        if schedule is None:
+            raise _too_small(self.budget, eager_schedule(self.problem, self.blocks, ()), 0,
+                             "checkpointing every block")
+        found = _result(self.problem, self.blocks, schedule, bound, self.budget, self.deadline,
+                        self.info, how)
+        if schedule is not self.resort or how == "searched" or found.status is Status.OPTIMAL:
+            return found
+        log.warning("eager: no policy found within %.1f s (%s); returning per-block "
+                    "checkpointing's", self.deadline.limit, how)
+        return replace(found, status=Status.HEURISTIC, info=MappingProxyType(
+            {**found.info, "last_resort": f"every block checkpointed, caching nothing: {how}"}))
 
     def least(self) -> Schedule:
         """`_least` for this call: where the model finds that nothing fits."""
@@ -336,14 +351,10 @@ def _run(solver, model: cp_model.CpModel, deadline: Deadline, stage: str):
     return status
 
 
-def _result(problem: Problem, blocks: EagerBlocks, schedule: Schedule | None, bound: float,
+def _result(problem: Problem, blocks: EagerBlocks, schedule: Schedule, bound: float,
             budget: int, deadline: Deadline, info: dict, how: str) -> Schedule:
     """`schedule` (in the objective's costs) costed on `problem`, with its true status: OPTIMAL
     within OPTIMAL_TOLERANCE of `bound`, else FEASIBLE; the bound keeps the objective's gap."""
-    if schedule is None:
-        raise SolverError(f"eager: no policy found within the time limit of "
-                          f"{deadline.limit:g} s ({how}, and no heuristic policy fits the "
-                          "budget to start from); raise time_limit or the budget")
     cost = schedule.cost
     bound = min(bound, cost)
     optimum = cost - bound <= OPTIMAL_TOLERANCE * cost
@@ -367,12 +378,23 @@ def _least(problem: Problem, blocks: EagerBlocks, budget: int, options: SolverOp
     least, floor = least_eager_peak(problem, blocks, options, deadline=deadline)
     if least.peak <= budget:
         return _result(problem, blocks, least, 0.0, budget, deadline, info, "least peak")
-    if floor >= least.peak:
+    raise _too_small(budget, least, floor, "the least-peak search")
+
+
+def _too_small(budget: int, least: Schedule, floor: int, how: str) -> BudgetError:
+    """BudgetError for `budget`, naming `least.peak` as the smallest budget: proven where
+    `floor` (the peak proven least) reaches it, else found (by `how`), the floor named where
+    one was proven."""
+    proven = floor >= least.peak
+    if proven:
         words = f"the least eager peak of any per-block policy is {least.peak:,} bytes (proven)"
     else:
-        words = (f"the least eager peak found within the time limit is {least.peak:,} bytes"
-                 + (f"; no policy peaks below {floor:,} bytes (proven)" if floor else ""))
-    raise BudgetError(
-        f"eager: no checkpoint policy fits a budget of {budget:,} bytes of activations; {words}; "
-        "checkpoint more modules (blocks=) or raise the budget", budget=budget,
-        smallest=least.peak, schedule=least)
+        words = (f"the least eager peak found is {least.peak:,} bytes, a budget that fits "
+                 f"(found by {how} within the time limit, not proven the least: a longer "
+                 "time_limit may find a smaller one)"
+                 + (f"; no policy peaks below {floor:,} bytes (proven)" if floor > 0 else ""))
+    lead = ("every policy holds some activations" if budget <= 0 else
+            f"no checkpoint policy fits a budget of {budget:,} bytes of activations")
+    return BudgetError(
+        f"eager: {lead}; {words}; checkpoint more modules (blocks=) or raise the budget",
+        budget=budget, smallest=least.peak, schedule=least, proven=proven)

@@ -1,0 +1,128 @@
+"""The right error first when the time runs out, in both execution modes, on a clock that
+leaves the solver no time at all (each read 1,000 s after the last): a budget that per-block
+checkpointing meets always gets a plan (HEURISTIC, why in info["last_resort"]), and where
+nothing fits, BudgetError names a smallest budget labelled found, not proven, that gets a
+plan when fed back. Nothing here reads the wall clock."""
+from __future__ import annotations
+
+import pytest
+
+from remat.errors import BudgetError
+from remat.solvers import SolverOptions, Status, Strategy, make_schedule, solve, solve_eager
+from remat.solvers.core.deadline import Deadline
+from remat.solvers.eager.heuristic import plan_eager
+from remat.solvers.eager.search import optimal_eager
+from remat.solvers.timeline.eager import eager_schedule
+from tests.synthetic.eager import random_eager
+from tests.synthetic.problems import transformer, unet
+
+
+class NoTime:
+    """A clock 1,000 s later at every read: no stage of a call ever finds time left."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1000.0
+        return self.now
+
+
+def no_time(**kwargs) -> SolverOptions:
+    return SolverOptions(time_limit=10, workers=2, clock=NoTime(), deterministic=False,
+                         **kwargs)
+
+
+PROBLEMS = {"transformer": lambda: transformer(layers=4, batch=2, seq=64, d_model=64, heads=4),
+            "unet": unet}
+
+
+def per_block(problem):
+    return solve(problem, 10 ** 15, Strategy.CHECKPOINT_BLOCKS)
+
+
+# --- The compiled mode.
+
+@pytest.mark.parametrize("name", sorted(PROBLEMS))
+@pytest.mark.parametrize("model", ["single", "auto"])
+def test_a_budget_per_block_checkpointing_meets_gets_a_plan_with_no_time(name, model):
+    """At per-block checkpointing's peak and halfway to saving all: its plan, run past the
+    deadline, HEURISTIC, the reason given; never SolverError."""
+    problem = PROBLEMS[name]()
+    blocks, save_all = per_block(problem), make_schedule(problem, [])
+    assert blocks.peak < save_all.peak
+    for budget in (blocks.peak, (blocks.peak + save_all.peak) // 2):
+        result = solve(problem, budget, Strategy.OPTIMAL, no_time(model=model))
+        assert result.peak <= budget
+        assert result.recomputed == blocks.recomputed
+        assert result.status is Status.HEURISTIC
+        assert "run past the deadline" in result.info["last_resort"]
+
+
+@pytest.mark.parametrize("model", ["single", "auto"])
+def test_nothing_fits_and_no_time_names_a_found_smallest_that_fits(model):
+    """Below per-block checkpointing's peak with no time for a proof: BudgetError, its
+    smallest per-block checkpointing's, labelled found and not proven; fed back, a plan.
+    At budget 0 its own words: never a floor of 0 bytes "proven"."""
+    problem = PROBLEMS["transformer"]()
+    blocks = per_block(problem)
+    for budget in (0, blocks.peak - 1):
+        with pytest.raises(BudgetError) as info:
+            solve(problem, budget, Strategy.OPTIMAL, no_time(model=model))
+        error, text = info.value, str(info.value)
+        assert error.proven is False and error.smallest == blocks.peak
+        assert "not proven the least" in text and "longer time_limit" in text
+        assert "below 0 bytes" not in text
+        assert ("every schedule holds some activations" in text) == (budget == 0)
+    fed_back = solve(problem, error.smallest, Strategy.OPTIMAL, no_time(model=model))
+    assert fed_back.peak <= error.smallest
+
+
+# --- The eager mode.
+
+def eager_problems():
+    return [random_eager(seed, max_forward=11, max_backward=8, max_cacheable=11)
+            for seed in range(4)]
+
+
+@pytest.mark.parametrize("strategy", ["optimal", "greedy"])
+def test_eager_a_budget_per_block_checkpointing_meets_gets_a_plan_with_no_time(strategy):
+    for problem, blocks in eager_problems():
+        budget = eager_schedule(problem, blocks, ()).peak
+        result = solve_eager(problem, blocks, budget, strategy, no_time())
+        assert result.peak <= budget
+        if "last_resort" in result.info:
+            assert result.status is Status.HEURISTIC
+
+
+def test_eager_per_block_checkpointing_is_the_last_resort_of_both_planners():
+    """No policy given fits and there is no time: the exact search returns per-block
+    checkpointing, HEURISTIC; the heuristic, its seeds unrepaired, likewise."""
+    for problem, blocks in eager_problems():
+        blocks_plan = eager_schedule(problem, blocks, ())
+        budget = blocks_plan.peak
+        expired = Deadline(10.0, clock=NoTime())
+        found = optimal_eager(problem, blocks, budget, no_time(), deadline=expired)
+        assert found.info["cached"] == blocks_plan.info["cached"] and found.peak <= budget
+        if found.status is not Status.OPTIMAL:  # OPTIMAL: it recomputes nothing
+            assert found.status is Status.HEURISTIC
+            assert "every block checkpointed" in found.info["last_resort"]
+        if eager_schedule(problem, blocks, blocks.cacheable).peak <= budget:
+            continue  # the seed fits unrepaired: no last resort needed
+        heuristic = plan_eager(problem, blocks, budget, [blocks.cacheable], expired)
+        assert heuristic.info["cached"] == blocks_plan.info["cached"]
+        assert heuristic.status is Status.HEURISTIC and "last_resort" in heuristic.info
+
+
+@pytest.mark.parametrize("strategy", ["optimal", "greedy"])
+def test_eager_nothing_fits_and_no_time_is_a_budget_error_labelled_found(strategy):
+    """Budget 0 with no time (mT5's case): BudgetError, not SolverError, its smallest
+    labelled found; fed back, a plan."""
+    for problem, blocks in eager_problems():
+        with pytest.raises(BudgetError) as info:
+            solve_eager(problem, blocks, 0, strategy, no_time())
+        error, text = info.value, str(info.value)
+        assert error.proven is False and "not proven the least" in text
+        assert "below 0 bytes" not in text
+        assert solve_eager(problem, blocks, error.smallest, strategy, no_time()).peak \
+            <= error.smallest
