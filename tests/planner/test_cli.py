@@ -222,3 +222,16 @@ def test_help_lists_the_solvers_and_targets(capsys):
 def test_the_cli_refuses_a_budget_beyond_int64(capsys):
     assert main(["-q", "plan", "tests.models:gpt", "--budget", "1e30"]) == 2
     assert "not below 2**63" in capsys.readouterr().err
+
+
+def test_help_answers_before_torch_is_imported():
+    """`remat --help` and argument errors come from argparse alone: no torch, no
+    transformers (seconds of imports on a loaded machine before the first line)."""
+    code = ("import sys\nfrom remat.planner.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "try:\n    main(['plan', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules, 'transformers' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=ROOT, check=True)
+    assert "usage: remat" in result.stdout
+    assert result.stdout.strip().splitlines()[-1] == "False False"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 import remat
 from examples.llama import LLAMA_TEST, llama
@@ -165,3 +166,38 @@ def test_fsdp_inside_pipeline_stages_terms():
     with pytest.raises(remat.RematError, match="zero-bubble"):
         check_fsdp_in_pipeline(training, split_backward=True)
     check_fsdp_in_pipeline(remat.Training(), split_backward=True)  # no sharding: nothing
+
+
+class _RowParallelBias(torch.nn.Module):
+    """A column-parallel Linear, then a row-parallel one with a bias, then ``x * 0.5``."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.up = torch.nn.Linear(width, 2 * width)
+        self.down = torch.nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return (self.down(torch.relu(self.up(x))) * 0.5).square().mean()
+
+
+def test_a_row_parallel_bias_keeps_no_number():
+    """DTensor makes a row-parallel Linear's replicated bias partial with ``bias / N`` on the
+    local tensor, under the Linear's AddmmBackward0, whose backward reads no number: nothing
+    keeps the number eager wraps it in (measured: a GPT-style model's no-checkpoint step 8
+    bytes a row-parallel bias above the allocator before). ``x * 0.5``'s is kept by its node."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    from remat.planner.plans.eager_plan import eager_structure
+
+    torch.manual_seed(0)
+    with fake_tensor_parallel(2) as mesh:
+        model = parallelize_module(_RowParallelBias(), mesh,
+                                   {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        inputs = (torch.randn(4, 16),)
+        prepared = prepare_tensor_parallel(model, inputs, training=remat.Training())
+        problem, structure, _, _ = eager_structure(model, prepared, [], inputs)
+    kept = [problem.ops[v].target for _, v, _ in structure.kept_numbers]
+    divided = [op.target for op in problem.ops[:problem.num_forward]
+               if op.target == "aten.div.Tensor"]
+    assert divided and kept == ["aten.mul.Tensor"], (divided, kept)

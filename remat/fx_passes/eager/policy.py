@@ -215,14 +215,24 @@ def _kept_numbers(problem: Problem, nodes: list[fx.Node], device: str
     """`EagerBlocks.kept_numbers`: each forward ``x * 0.5`` or ``x / scale`` (a Python number as
     `other`) with an autograd node, the 8-byte tensor eager PyTorch wraps the number in, which
     the node keeps to its end (its last backward op, by autograd's sequence number). On CUDA
-    the wrapped number lives in host memory."""
+    the wrapped number lives in host memory.
+
+    The node is the op's own only when its backward reads the number (``grad * 0.5``,
+    ``grad / scale``). An op below autograd carries the sequence number of the node it runs
+    under: DTensor's ``bias / N``, which makes a row-parallel Linear's replicated bias partial
+    inside the Linear's AddmmBackward0 (whose backward reads no number), wraps its number for
+    that one kernel and keeps nothing (measured: 8 bytes a row-parallel bias above the
+    allocator before)."""
     if device.startswith("cuda"):
         return ()
     last: dict[Any, int] = {}
+    reads: dict[Any, set] = {}  # the numbers each node's backward ops take
     for b in problem.backward:
         seq = nodes[b].meta.get("seq_nr")
         if seq is not None:
             last[seq] = max(last.get(seq, b), b)
+            reads.setdefault(seq, set()).update(
+                a for a in nodes[b].args if type(a) in (int, float))
     # An op without an autograd node (under no_grad: the rotary embedding's ``cos * scaling``)
     # carries the sequence number of the last node made before it: the node is the first op's.
     first: dict[Any, int] = {}
@@ -235,7 +245,7 @@ def _kept_numbers(problem: Problem, nodes: list[fx.Node], device: str
         if str(node.target) in _SAVE_OTHER and len(node.args) == 2 and first[seq] == v \
                 and isinstance(node.args[0], fx.Node) and isinstance(node.args[1], (int, float)):
             b = last.get(seq)
-            if b is not None:
+            if b is not None and node.args[1] in reads.get(seq, ()):
                 kept.append((8, v, b))
     return tuple(kept)
 

@@ -5,14 +5,26 @@ nodes' meta by one pass (`profile`); and the two independent readers of memory t
 compare with: the allocator (`allocator`: profiler memory events on the CPU,
 ``max_memory_allocated`` on CUDA) and a dispatch-level tracker (`memory_tracker`).
 
-Uses `tracing` below it."""
-from remat.fx_passes.measuring.allocator import allocator_peak, step_peak
-from remat.fx_passes.measuring.devices import DEVICES, Device, device
-from remat.fx_passes.measuring.flops import FlopCounter, node_flops, register_cpu_attention
-from remat.fx_passes.measuring.memory_tracker import (MemoryTracker, measure_eager,
-                                                      tracking_compiler, tracking_compilers)
-from remat.fx_passes.measuring.profile import Profile, profile
+Uses `tracing` below it. The names below are loaded on first use: the device table alone
+(`devices`, what `remat --help` lists) imports no torch.
+"""
+import importlib
 
-__all__ = ["allocator_peak", "step_peak", "DEVICES", "Device", "device", "FlopCounter",
-           "node_flops", "register_cpu_attention", "MemoryTracker", "measure_eager",
-           "tracking_compiler", "tracking_compilers", "Profile", "profile"]
+_EXPORTS = {
+    "allocator": ("allocator_peak", "step_peak"),
+    "devices": ("DEVICES", "Device", "device"),
+    "flops": ("FlopCounter", "node_flops", "register_cpu_attention"),
+    "memory_tracker": ("MemoryTracker", "measure_eager", "tracking_compiler",
+                       "tracking_compilers"),
+    "profile": ("Profile", "profile"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = [name for names in _EXPORTS.values() for name in names]
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"remat.fx_passes.measuring.{_WHERE[name]}"),
+                       name)
+    raise AttributeError(f"module 'remat.fx_passes.measuring' has no attribute {name!r}")

@@ -142,11 +142,8 @@ def no_checkpoint(eager_plan, *, received_gradient: bool = False) -> Candidate:
     """No block checkpointed: eager autograd saves what it saves (remat's eager timeline with no
     block, every forward value the backward reads saved). `received_gradient`:
     `simulated_memory`'s."""
-    from dataclasses import replace
-
     problem, blocks = eager_plan.eager_problem, eager_plan.structure
-    plain = replace(blocks, ops={}, owner={}, packer={}, cacheable=frozenset(), groups=())
-    return Candidate("no checkpoint", simulated_memory(problem, plain, (),
+    return Candidate("no checkpoint", simulated_memory(problem, blocks.unwrapped(), (),
                                                        received_gradient=received_gradient),
                      {}, cost=0.0)
 

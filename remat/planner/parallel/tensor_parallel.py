@@ -25,6 +25,10 @@ A gradient larger than its parameter's shard (a row-sharded embedding's, torch 2
 compiled alike compute it over the whole vocabulary, and eager keeps it as the `.grad`'s local
 tensor) is state of that size; under FSDP2, which reduce-scatters it into the shard, the
 gradient is sized as the shard (measured).
+
+No checkpoint is a plan here: where the step with no block checkpointed fits the budget, the
+plan wraps nothing (`plan_eager_mode(no_checkpoint=True)`). A selective policy that recomputes
+nothing holds more than that, all the more under sequence parallelism (docs/parallelism.md).
 """
 from __future__ import annotations
 
@@ -155,7 +159,7 @@ def plan_tensor_parallel(model: Any, budget: int | str | None = None, *,
     plan = plan_eager_mode(model, prepared, budget=whole, activation_budget=activations,
                            target=target, solver=solver, solver_options=solver_options,
                            blocks=blocks, example_inputs=example_inputs,
-                           example_kwargs=example_kwargs)
+                           example_kwargs=example_kwargs, no_checkpoint=True)
     out = TensorParallelPlan(plan, placements)
     log.info("tensor-parallel plan: %d collectives, %d bytes communicated again",
              len(out.collectives), out.recommunicated)

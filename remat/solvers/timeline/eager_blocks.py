@@ -7,7 +7,7 @@ where the recomputation stops, what it runs again and what checkpoint holds for 
 run can send to host."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Mapping
 
 from remat.solvers.core.problem import Kind, Problem, recompute_blocker, tuple_of
@@ -68,6 +68,14 @@ class EagerBlocks:
 
     def block_of(self) -> dict[int, str]:
         return {v: name for name, ops in self.ops.items() for v in ops}
+
+    def unwrapped(self) -> "EagerBlocks":
+        """No block checkpointed: the step as eager autograd runs it without a plan, every
+        forward value a backward op reads saved by its node, nothing recomputed and nothing
+        held by checkpoint (what Python variables and autograd nodes hold is kept; the inputs
+        checkpoint alone kept, `unread_inputs`, are not)."""
+        return replace(self, ops={}, owner={}, packer={}, cacheable=frozenset(), groups=(),
+                       unread_inputs=(), unpacks=frozenset())
 
     def renumbered(self, index: Mapping[int, int]) -> "EagerBlocks":
         """The same blocks over another numbering of the same ops (`index`: old -> new), such
