@@ -71,6 +71,10 @@ class Observed:
     """The tensors of the step that no op read and that were freed before the forward
     returned, and the ops outside the blocks: one for all the blocks
     (`remat.fx_passes.eager.unused`)."""
+    writes_input: tuple[tuple[int, str], ...] = ()
+    """(position, op) of the ops that wrote in place into a tensor the block was called with
+    (a block that is an ``nn.ReLU(inplace=True)`` alone): checkpoint saves the block's inputs
+    and refuses them at backward once overwritten, so such a block cannot be checkpointed."""
 
 
 def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
@@ -87,6 +91,10 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
     calls: dict[str, list[int]] = {p: [] for p in paths}
     nbytes: dict[str, list[int]] = {p: [] for p in paths}
     order: dict[str, list[int]] = {p: [] for p in paths}
+    writes_input: dict[str, list[tuple[int, str]]] = {p: [] for p in paths}
+    # storage -> (block, position) of every block op whose output lives in it, across the
+    # blocks: a later block or an op outside the blocks may overwrite it in place
+    made_anywhere: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
     tracker = UnusedTracker()
     static = weakref.WeakSet(_storage(t) for t in [*tree_flatten((inputs, kwargs))[0],
                                                    *model.parameters(), *model.buffers()]
@@ -125,7 +133,8 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
 
             @contextlib.contextmanager
             def forward_context():  # ours above the caching mode: ops reach ours first
-                with caching, _Outputs(seen[path], watch, mutated[path], read):
+                with caching, _Outputs(seen[path], watch, mutated[path], read, static,
+                                       writes_input[path], made_anywhere, path):
                     yield
 
             return forward_context(), recompute
@@ -159,7 +168,8 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
         # The generators the forward's random ops draw from: the CPU's, and each GPU's the
         # model is on (fork_rng(devices=[]) forks the CPU's alone).
         gpus = sorted({p.device.index or 0 for p in model.parameters() if p.is_cuda})
-        with torch.random.fork_rng(devices=gpus), torch.enable_grad(), tracker:
+        with torch.random.fork_rng(devices=gpus), torch.enable_grad(), tracker, \
+                _Writes(made_anywhere, mutated):
             out = model(*inputs, **(kwargs or {}))
             tracker.done()  # what is freed from here on was held past the forward
             del out
@@ -175,7 +185,8 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
                 buffer.copy_(saved[name])
     unused = tracker.result()
     return {p: Observed(seen[p], freed[p], mutated[p], tuple(unread[p]),
-                        tuple(calls[p]) or (0,), tuple(nbytes[p]), tuple(order[p]), unused)
+                        tuple(calls[p]) or (0,), tuple(nbytes[p]), tuple(order[p]), unused,
+                        writes_input=tuple(writes_input[p]))
             for p in paths}
 
 
@@ -189,9 +200,12 @@ class _Outputs(TorchDispatchMode):
     2.11 calls the policy before the op runs; this works on both. Ops the policy is not
     called for (checkpoint's own detaches) are passed over."""
 
-    def __init__(self, seen: list[str], watch, mutated: set[int], read) -> None:
+    def __init__(self, seen: list[str], watch, mutated: set[int], read, static,
+                 writes_input: list[tuple[int, str]], made_anywhere, path: str) -> None:
         super().__init__()
         self.seen, self.watch, self.mutated, self.read = seen, watch, mutated, read
+        self.static, self.writes_input = static, writes_input
+        self.made_anywhere, self.path = made_anywhere, path
         # storage -> the positions whose outputs live in it; weak, so a storage freed and an
         # address reused later are not confused
         self.made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -200,8 +214,11 @@ class _Outputs(TorchDispatchMode):
         before = len(self.seen)
         given = [s for s in map(_storage, tree_flatten((args, kwargs))[0]) if s is not None]
         self.read.update(given)
-        written = [self.made.get(storage, ()) for storage in
-                   map(_storage, _written(func, args, kwargs or {})) if storage is not None]
+        targets = [s for s in map(_storage, _written(func, args, kwargs or {})) if s is not None]
+        written = [self.made.get(storage, ()) for storage in targets]
+        # A tensor the block did not make, nor a parameter or buffer: one it was called with
+        # (or a view of one).
+        foreign = any(s not in self.made and s not in self.static for s in targets)
         out = func(*args, **(kwargs or {}))
         if len(self.seen) == before + 1:
             self.watch(before, out, given)
@@ -209,11 +226,33 @@ class _Outputs(TorchDispatchMode):
                 storage = _storage(t)
                 if storage is not None:
                     self.made[storage] = (*self.made.get(storage, ()), before)
+                    self.made_anywhere[storage] = (*self.made_anywhere.get(storage, ()),
+                                                   (self.path, before))
             if _written(func, args, kwargs or {}):
                 self.mutated.add(before)
+            if foreign:
+                self.writes_input.append((before, self.seen[before]))
         for positions in written:
             self.mutated.update(positions)
         return out
+
+
+class _Writes(TorchDispatchMode):
+    """Over the whole forward: adds to each block's `mutated` the positions whose output an
+    in-place op overwrites later anywhere in the step, in a later block or outside the blocks
+    (a block's output that an ``nn.ReLU(inplace=True)`` after it overwrites): selective
+    checkpoint refuses a cached tensor that was mutated."""
+
+    def __init__(self, made_anywhere, mutated: dict[str, set[int]]) -> None:
+        super().__init__()
+        self.made_anywhere, self.mutated = made_anywhere, mutated
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for storage in map(_storage, _written(func, args, kwargs or {})):
+            if storage is not None:
+                for path, position in self.made_anywhere.get(storage, ()):
+                    self.mutated[path].add(position)
+        return func(*args, **(kwargs or {}))
 
 
 def _storage(t: Any):

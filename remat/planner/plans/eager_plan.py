@@ -220,12 +220,46 @@ def eager_structure(model: Any, prepared, blocks: Sequence[str] | None,
         # As the applied blocks run: autocast casting each weight at each use (apply.py).
         with uncached_autocast():
             observed = probe(model, _as_tuple(example_inputs), paths, example_kwargs or {})
+        writers = {p: o.writes_input for p, o in observed.items() if o.writes_input}
+        if writers:
+            paths = _without_input_writers(paths, writers, blocks)
+            with uncached_autocast():
+                observed = probe(model, _as_tuple(example_inputs), paths, example_kwargs or {})
     else:
         log.info("eager: no weights to run the blocks with; their eager ops are derived from "
                  "the joint graph (plan.apply's run checks them)")
     structure, policies, problem, to_graph = eager_step(prepared, paths, observed=observed)
     return problem, structure, policies, to_graph
 
+
+
+def _without_input_writers(paths: Sequence[str], writers: dict[str, tuple],
+                           blocks: Sequence[str] | None) -> list[str]:
+    """The block paths less those that write in place into a tensor they are called with
+    (``nn.ReLU(inplace=True)`` as a block of its own, as in a U-Net's ``nn.Sequential(conv,
+    BatchNorm, ReLU(inplace=True))``): `torch.utils.checkpoint` saves a block's inputs and
+    refuses them at backward once overwritten, so such a block runs without checkpoint. Found
+    by default, it is left out with a warning; named in ``blocks=``, it is a RematError."""
+    named = ", ".join(f"{p!r} ({writers[p][0][1]}, op {writers[p][0][0]} of the block)"
+                      for p in writers)
+    why = ("write in place into a tensor they are called with, which torch.utils.checkpoint "
+           "saves for the backward and refuses there once overwritten")
+    if blocks is not None:
+        raise RematError(
+            f"execution=\"eager\": blocks {named} {why}. Checkpoint modules that contain the "
+            "in-place op together with the op that made its input (the enclosing module, e.g. "
+            "the nn.Sequential), or make the op out of place (nn.ReLU(inplace=False))")
+    kept = [p for p in paths if p not in writers]
+    if not kept:
+        raise RematError(
+            f"execution=\"eager\": every block found ({named}) would {why.split(', which')[0]}"
+            "; name the modules to checkpoint with blocks=[...] (modules that contain the "
+            "in-place op together with the op that made its input), or make the op out of "
+            "place (nn.ReLU(inplace=False))")
+    log.warning("execution=\"eager\": blocks %s %s; they run without checkpoint. To "
+                "checkpoint them, name enclosing modules with blocks=[...] or make the op out "
+                "of place (nn.ReLU(inplace=False))", named, why)
+    return kept
 
 
 def eager_step(prepared, paths: Sequence[str], *, observed=None, policies=None, probed=None):
