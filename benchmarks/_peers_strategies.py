@@ -170,7 +170,7 @@ def torch_budget(case: Case, fraction: float, repeats: int) -> Measured:
 @dataclass
 class RematRun:
     measured: Measured
-    predicted: int  # the plan's simulated activation peak
+    predicted: int  # the plan's simulated peak: its activations and the gradients
     status: str  # OPTIMAL, FEASIBLE (time limit, with a gap) or HEURISTIC
     gap: float | None
 
@@ -178,7 +178,13 @@ class RematRun:
 class Remat:
     """remat.optimize(model, activation_budget=...) for many budgets: the two halves it composes
     (`prepare`: capture, profile, lower; `plan_prepared`: solve, simulate) so the capture runs
-    once per model, as in remat.sweep."""
+    once per model, as in remat.sweep.
+
+    Budgets and peaks here are in the benchmark's terms: the live bytes of the storages the step
+    creates, the parameters' gradients included (the tracker sees them made in the backward, and
+    every baseline's measured peak counts them). remat's `activation_budget` and
+    `plan.activation_peak` leave those gradients out (they are state), so a budget is given to
+    remat less `gradients`, and its figures are read back with them added."""
 
     def __init__(self, case: Case, *, time_limit: float):
         from remat.planner.plans.prepare import prepare
@@ -191,6 +197,9 @@ class Remat:
         # ops, which FlopCounterMode counts as free.
         self.options = SolverOptions(time_limit=time_limit, objective="flops")
         self.least = None
+        # Bytes of the parameters' gradients, made during the step: in the measured peak, not
+        # in remat's activations.
+        self.gradients = self.prepared.graph_gradients
 
     def _hint(self, budget: int):
         """The warm start: of save_all, checkpoint_blocks, chen_sqrt, greedy (at this budget,
@@ -216,26 +225,28 @@ class Remat:
         return min(baselines, key=lambda s: (s.peak, s.recompute_flops))
 
     def plan(self, budget: int, solver: str = "optimal"):
+        """The plan whose step, gradients included (the benchmark's terms), fits `budget`."""
         from dataclasses import replace
 
         from remat.planner.plans.plan import plan_prepared
 
         options = replace(self.options, hint=self._hint(budget))
         return plan_prepared(self.case.model, self.prepared, budget=None,
-                             activation_budget=budget, target="h100", solver=solver,
-                             solver_options=options)
+                             activation_budget=max(0, budget - self.gradients), target="h100",
+                             solver=solver, solver_options=options)
 
     def smallest(self) -> int:
-        """The smallest activation budget the exact solver can meet, from its BudgetError."""
+        """The smallest budget (gradients included) the exact solver can meet, from its
+        BudgetError."""
         import remat
 
         try:
-            return int(self.plan(0).activation_peak)
+            return int(self.plan(0).memory.simulated_peak)
         except remat.BudgetError as e:
             if e.smallest is None:
                 raise
             self.least = e.schedule
-            return int(e.smallest)
+            return int(e.smallest) + self.gradients
 
     def run(self, budget: int, repeats: int, solver: str = "optimal") -> RematRun:
         plan = self.plan(budget, solver)
@@ -245,5 +256,5 @@ class Remat:
                                          repeats=repeats)
         finally:
             torch._dynamo.reset()
-        return RematRun(measured=measured, predicted=int(plan.activation_peak),
+        return RematRun(measured=measured, predicted=int(plan.memory.simulated_peak),
                         status=getattr(plan.status, "value", str(plan.status)), gap=plan.gap)

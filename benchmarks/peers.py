@@ -2,6 +2,13 @@
 
     python benchmarks/peers.py [--quick] [--models gpt2-6,mlp] [--time-limit S] [--out DIR]
 
+The defaults are sized to end in about ten minutes on two CPU cores: the three models without
+attention (mlp, unet, resnet-bn; `--models` adds llama, gpt2-6 and gpt2-12, several minutes
+each), 5 s of remat's exact solver per budget (SolverOptions sizes its other limits by the
+problem), six evenly spaced budgets plus the baselines' peaks, torch's fractions 0, 0.25, 0.5,
+0.75, 1 with one halving toward each budget's, one timed step per configuration and 10 s per
+proven bound.
+
 Strategies: remat's exact plan at each budget; torch.compile's min-cut partitioner under
 torch._functorch.config.activation_memory_budget (the largest fraction whose measured peak
 fits each budget; the fraction bounds saved bytes, not the peak); torch.utils.checkpoint around
@@ -10,7 +17,8 @@ chen_sqrt schedule where the blocks are not a chain); no checkpointing.
 
 Every strategy is measured the same way: live bytes of the storages the step creates (remat's
 MemoryTracker, entered inside the compiled graphs for compiled strategies, whose graph calls are
-checked), FLOPs by FlopCounterMode's formulas (recompute = the step's minus no-checkpointing's),
+checked), the parameters' gradients included: remat's activation_budget leaves them out, so it
+is given each budget less the gradients, and its predicted peak has them added back. FLOPs by FlopCounterMode's formulas (recompute = the step's minus no-checkpointing's),
 gradients against eager's with the same seed, and CPU step time. Compiled strategies run their
 graphs op by op (boxed_nop): they are compared by what they save and recompute, not by kernels.
 
@@ -38,6 +46,9 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from _peers_models import MODELS  # noqa: E402
 from _peers_report import render  # noqa: E402
 
+# The models of a plain run: the three that end in minutes on two cores (see the docstring).
+DEFAULT_MODELS = ("mlp", "unet", "resnet-bn")
+
 
 def run_model(name: str, *, quick: bool, out: str, timeout: float,
               time_limit: float | None) -> dict:
@@ -60,16 +71,17 @@ def run_model(name: str, *, quick: bool, out: str, timeout: float,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(MODELS),
-                        help=f"comma-separated, from: {', '.join(MODELS)}")
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                        help=f"comma-separated, from: {', '.join(MODELS)} (default: "
+                             f"{','.join(DEFAULT_MODELS)})")
     parser.add_argument("--quick", action="store_true",
                         help="tiny configurations, fewer fractions and timed steps: a smoke run")
     parser.add_argument("--out", default=os.path.join(HERE, "out"))
     parser.add_argument("--timeout", type=float, default=3600.0,
                         help="seconds per model before its process is stopped")
     parser.add_argument("--time-limit", type=float,
-                        help="seconds of remat's exact solver per budget (default: 120, "
-                             "30 with --quick)")
+                        help="seconds of remat's exact solver per budget (default: 5, "
+                             "3 with --quick)")
     parser.add_argument("--report-only", action="store_true",
                         help="render the JSON already in --out without running anything")
     args = parser.parse_args(argv)
