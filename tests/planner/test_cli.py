@@ -155,9 +155,11 @@ def test_demo_prints_predicted_and_measured_within_5_percent():
     for phase in ("capture", "profile", "lower", "solve", "simulate", "report"):
         assert re.search(rf"^  7B {phase} +\d+\.\d s$", out, re.M), (phase, out[:3000])
     assert re.search(r"^7B planned in \d+\.\d s$", out, re.M), out[:3000]
-    # The 70B line: its per-rank memory, status and gap, or the BudgetError saying why not.
-    assert re.search(r"^70B: (per-rank peak .* of 80GB .*, (OPTIMAL|FEASIBLE), gap [\d.]+%|"
-                     r"BudgetError: .*)$", out, re.M), out[:4000]
+    # The 70B line: its per-rank memory, status and gap, or the BudgetError saying why not
+    # (on a loaded machine the 5 s may leave the solver no time: per-block checkpointing,
+    # HEURISTIC, with no gap)
+    assert re.search(r"^70B: (per-rank peak .* of 80GB .*, (OPTIMAL|FEASIBLE|HEURISTIC), gap "
+                     r"([\d.]+%|-)|BudgetError: .*)$", out, re.M), out[:4000]
     match = re.search(r"predicted live bytes of the step's graph: (\d+) bytes "
                       r".*measured by the allocator: (\d+) bytes", out)
     assert match, out[-2000:]

@@ -44,7 +44,7 @@ from torch import fx
 
 from remat.fx_passes.tracing.capture import Captured
 from remat.fx_passes.tracing.dynamic import is_size_arithmetic
-from remat.fx_passes.measuring.profile import profile as run_profile
+from remat.fx_passes.measuring.profile_pass import profile as run_profile
 from remat.fx_passes.tracing.names import target_name
 from remat.fx_passes.tracing.rng import RandomOp, draws, has_side_effects, rng_state, state_bytes
 from remat.fx_passes.measuring.storage import remat_meta, storage_bytes

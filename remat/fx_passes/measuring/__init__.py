@@ -1,7 +1,7 @@
 """Measuring a captured step: what every tensor holds in bytes (`storage`), what every op costs
 in FLOPs (`flops`) and time (`timing`, a roofline for a `devices` entry or measured), the kernel
 scratch ops allocate beyond their outputs (`scratch`, `workspace`), all written into the
-nodes' meta by one pass (`profile`); and the two independent readers of memory that checks
+nodes' meta by one pass (`profile_pass`); and the two independent readers of memory that checks
 compare with: the allocator (`allocator`: profiler memory events on the CPU,
 ``max_memory_allocated`` on CUDA) and a dispatch-level tracker (`memory_tracker`).
 
@@ -16,7 +16,7 @@ _EXPORTS = {
     "flops": ("FlopCounter", "node_flops", "register_cpu_attention"),
     "memory_tracker": ("MemoryTracker", "measure_eager", "tracking_compiler",
                        "tracking_compilers"),
-    "profile": ("Profile", "profile"),
+    "profile_pass": ("Profile", "profile"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -36,7 +36,7 @@ class Prepared:
     problem: Problem
     """The problem the solver plans: the graph's ops, and under ZeRO-2/3 the collectives too."""
     captured: Any  # remat.fx_passes.tracing.capture.Captured
-    profile: Any  # remat.fx_passes.measuring.profile.Profile
+    profile: Any  # remat.fx_passes.measuring.profile_pass.Profile
     state: StateMemory
     training: Training
     gradients_in_graph: bool
@@ -120,7 +120,7 @@ def prepare(model: Any, example_inputs: Sequence[Any] = (), *,
     problem over the bucket (remat.fx_passes.lowering.shape_bound)."""
     from remat.fx_passes.lowering.lower import lower
     from remat.fx_passes.lowering.shape_bound import bound_range
-    from remat.fx_passes.measuring.profile import profile
+    from remat.fx_passes.measuring.profile_pass import profile
     from remat.fx_passes.tracing.call_checks import CallSpec
     from remat.fx_passes.tracing.capture import capture
     from remat.fx_passes.tracing.replicate import capture_replicated
