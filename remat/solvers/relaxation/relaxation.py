@@ -38,130 +38,166 @@ class Relaxation:
         `loaded_bound`: mamba at 60 %); the plan-reading turns, which must end within their
         share of the limit, leave those rows out (they gained nothing there in the runs
         measured)."""
-        nf = problem.num_forward
         self.deadline = deadline or Deadline(math.inf)
         self.deadline.charge(modelled("relaxation step", len(problem)) * len(steps))
-        tick = ticker(deadline, "building a relaxation")
-        pinned = problem.pinned
-        inputs = problem.storage_inputs
-
-        def forward(storages):  # outputs are always held: fixed bytes, never decided
-            return [s for s in storages if s < nf and s not in pinned]
-
-        def closure(start) -> list[int]:
-            reach, frontier = set(), list(start)
-            while frontier:
-                v = frontier.pop()
-                if v not in reach:
-                    reach.add(v)
-                    frontier.extend(forward(inputs[v]))
-            return sorted(reach)
-
-        m = cp_model.CpModel()
-        self.model, self.problem = m, problem
+        self._tick = ticker(deadline, "building a relaxation")
+        self.model, self.problem = cp_model.CpModel(), problem
+        self._inputs, self._rich = problem.storage_inputs, rich
+        self._nf, self._pinned = problem.num_forward, problem.pinned
+        self._bandwidth = problem.host_bandwidth if rich else None
         # One step alone needs no whole-step decision: what it recomputes after it is its cost.
         # (Solved without that layer, real graphs' single steps prove in a second, not 20.)
-        joint = len(steps) > 1
+        self._joint = len(steps) > 1
         self.redo: dict[int, cp_model.IntVar] = {}
-        save: dict[int, cp_model.IntVar] = {}
-        bandwidth = problem.host_bandwidth if rich else None
-
-        def offloadable(v: int) -> bool:
-            op = problem.ops[v]
-            return bool(bandwidth) and op.kind is Kind.TENSOR and op.size > 0
-
-        # The richer model (`rich`): save[v] means no backward recomputation and no load; a
-        # value loaded from host (off[v]) is not held between its last forward reader and its
-        # load, at no cost (its transfers may be hidden); one recomputed in the backward may be
-        # recomputed again, so at a step it may be both held and recomputed after it, for a
-        # second run's cost.
-        off: dict[int, cp_model.IntVar] = {}
-        self.off: dict[int, tuple[cp_model.IntVar, float]] = {}
-        twice: dict[int, cp_model.IntVar] = {}
-        # Over the rich space, only a value that a step reads itself needs to be both held at a
-        # step and recomputed after it: any other value held there and recomputed after it may
-        # as well not be held (nothing at the step reads it, and what it feeds after the step
-        # is fed by its recomputation), for less room and one run less. So the single model's
-        # rule holds for the others, and the bound stays a bound of the rich space; the model
-        # is the single one's but for those few values (the 70B's two steps: 5 CPU seconds,
-        # 7 with the rule relaxed for every value).
-        read_by_steps = {s for b in steps for s in forward(inputs[b])}
-        # Proven alone over the rich space (`in_order`), every value is held exactly as the
-        # plan holds it, so that `_in_order` can count its runs from the steps that hold it.
-        counted = rich and joint and in_order
-        if joint:
-            read_by_backward = {s for r in problem.backward for s in forward(inputs[r])}
-            values = closure(read_by_backward)
-            last_read = {v: max((r for r in problem.storage_readers[v] if r >= nf), default=-1)
-                         for v in values}
-            for v in values:
-                # A tuple op holds no storage of its own: what is live of it are its getitems.
-                tuple_op = problem.ops[v].kind is Kind.TUPLE
-                save[v] = m.NewConstant(0) if tuple_op else m.NewBoolVar(f"s{v}")
-                self.redo[v] = (m.NewBoolVar(f"r{v}") if recompute_blocker(problem, v) is None
-                                else m.NewConstant(0))
-                if offloadable(v):
-                    off[v] = m.NewBoolVar(f"o{v}")
-                    # Its transfers may run wholly under compute (remat.solvers.timeline.overlap):
-                    # what the step waits for them is bounded by nothing above 0.
-                    self.off[v] = (off[v], 0.0)
-                if recompute_blocker(problem, v) is not None:
-                    pass
-                elif counted:  # its further runs, counted in `_in_order`
-                    twice[v] = m.NewIntVar(0, len(steps) + 1, f"t{v}")
-                elif rich and v in read_by_steps:
-                    twice[v] = m.NewBoolVar(f"t{v}")
-                m.Add(save[v] + self.redo[v] + off.get(v, 0) <= 1)
-            for v in read_by_backward:
-                m.AddBoolOr([save[v], self.redo[v], *([off[v]] if v in off else [])])
-            for u in values:
-                for s in forward(inputs[u]):
-                    m.Add(save[s] + self.redo[s] + off.get(s, 0) >= self.redo[u])
-
+        self._save: dict[int, cp_model.IntVar] = {}
+        self._richer_space(steps, in_order)
+        if self._joint:
+            self._whole_step_decision(len(steps))
         self.keep: dict[int, dict[int, cp_model.IntVar]] = {}
         self._order: list[dict] = []  # the joint steps' `after`, for `_in_order`
-        self._inputs, self._forward = inputs, forward
         earlier: dict[int, cp_model.IntVar] | None = None
         for b in sorted(steps):
-            ahead = {s for r in range(b, len(problem.ops)) for s in forward(inputs[r])}
-            keep, after = {}, {}
-            for v in closure(ahead):
-                tick()
-                tuple_op = problem.ops[v].kind is Kind.TUPLE
-                keep[v] = m.NewConstant(0) if tuple_op else m.NewBoolVar(f"k{b}_{v}")
-                after[v] = (m.NewBoolVar(f"a{b}_{v}") if recompute_blocker(problem, v) is None
-                            else m.NewConstant(0))
-                if not joint:
-                    continue
-                if rich and (v in read_by_steps or counted):
-                    m.Add(keep[v] <= save[v] + self.redo[v] + off.get(v, 0))
-                    if v in twice:  # held from one backward run, recomputed after: two runs
-                        m.Add(twice[v] >= keep[v] + after[v] - 1)
-                else:
-                    m.Add(keep[v] + after[v] <= save[v] + self.redo[v] + off.get(v, 0))
-                m.AddImplication(after[v], self.redo[v])
-                if last_read[v] >= b:  # a saved value lives to its last reader
-                    m.AddImplication(save[v], keep[v])
-                if earlier is not None:  # recomputed after b: after every earlier step too
-                    m.AddImplication(after[v], earlier[v])
-            if not joint:  # a saved tensor loaded back from host after b: not held at b
-                off = {v: m.NewBoolVar(f"o{b}_{v}") for v in keep if offloadable(v)}
-                self.off = {v: (x, 0.0) for v, x in off.items()}  # free, at the least
-                for v, x in off.items():
-                    m.Add(x + after[v] <= 1)  # an offloaded value is saved, never recomputed
-            for v in ahead:
-                m.AddBoolOr([keep[v], after[v], *([off[v]] if v in off else [])])
-            for s in forward(inputs[b]):
-                m.Add(keep[s] == 1)
-            for u in after:
-                for s in forward(inputs[u]):
-                    m.Add(keep[s] + after[s] + (off[s] if s in off else 0) >= after[u])
-            if joint and in_order:
+            after = self._step(b, earlier)
+            if self._joint and in_order:
                 self._order.append(after)
-            self.keep[b], earlier = keep, after
-        if not joint:  # the step's own recomputations after it are all there is to pay
+            earlier = after
+        if not self._joint:  # the step's own recomputations after it are all there is to pay
             self.redo = earlier or {}
-        self.twice, self._rich = twice, rich
+
+    def _forward(self, storages) -> list[int]:
+        """The forward storages among `storages` that the model decides: outputs are always
+        held (fixed bytes, never decided)."""
+        return [s for s in storages if s < self._nf and s not in self._pinned]
+
+    def _closure(self, start) -> list[int]:
+        """`start` and the decided forward storages they read, transitively, sorted."""
+        reach, frontier = set(), list(start)
+        while frontier:
+            v = frontier.pop()
+            if v not in reach:
+                reach.add(v)
+                frontier.extend(self._forward(self._inputs[v]))
+        return sorted(reach)
+
+    def _offloadable(self, v: int) -> bool:
+        op = self.problem.ops[v]
+        return bool(self._bandwidth) and op.kind is Kind.TENSOR and op.size > 0
+
+    def _richer_space(self, steps: Sequence[int], in_order: bool) -> None:
+        """The richer model (`rich`): save[v] means no backward recomputation and no load; a
+        value loaded from host (off[v]) is not held between its last forward reader and its
+        load, at no cost (its transfers may be hidden); one recomputed in the backward may be
+        recomputed again, so at a step it may be both held and recomputed after it, for a
+        second run's cost (twice[v]).
+
+        Over the rich space, only a value that a step reads itself needs to be both held at a
+        step and recomputed after it: any other value held there and recomputed after it may
+        as well not be held (nothing at the step reads it, and what it feeds after the step
+        is fed by its recomputation), for less room and one run less. So the single model's
+        rule holds for the others, and the bound stays a bound of the rich space; the model
+        is the single one's but for those few values (the 70B's two steps: 5 CPU seconds,
+        7 with the rule relaxed for every value)."""
+        self._offloaded: dict[int, cp_model.IntVar] = {}
+        self.off: dict[int, tuple[cp_model.IntVar, float]] = {}
+        self.twice: dict[int, cp_model.IntVar] = {}
+        self._read_by_steps = {s for b in steps for s in self._forward(self._inputs[b])}
+        # Proven alone over the rich space (`in_order`), every value is held exactly as the
+        # plan holds it, so that `_in_order` can count its runs from the steps that hold it.
+        self._counted = self._rich and self._joint and in_order
+
+    def _whole_step_decision(self, count: int) -> None:
+        """Per forward storage that the backward may need, save[v], recompute[v] (`redo`) or,
+        over the rich space, offload[v], once for all `count` joint steps; every value the
+        backward reads is one of them, and a recomputed value's inputs are available to it."""
+        m, problem, off = self.model, self.problem, self._offloaded
+        read_by_backward = {s for r in problem.backward for s in self._forward(self._inputs[r])}
+        values = self._closure(read_by_backward)
+        self._last_read = {v: max((r for r in problem.storage_readers[v] if r >= self._nf),
+                                  default=-1) for v in values}
+        for v in values:
+            self._decide_value(v, count)
+        for v in read_by_backward:
+            m.AddBoolOr([self._save[v], self.redo[v], *([off[v]] if v in off else [])])
+        for u in values:
+            for s in self._forward(self._inputs[u]):
+                m.Add(self._save[s] + self.redo[s] + off.get(s, 0) >= self.redo[u])
+
+    def _decide_value(self, v: int, count: int) -> None:
+        """`v`'s whole-step variables (save, redo, off, twice), at most one of the first three."""
+        m, problem, off = self.model, self.problem, self._offloaded
+        # A tuple op holds no storage of its own: what is live of it are its getitems.
+        tuple_op = problem.ops[v].kind is Kind.TUPLE
+        self._save[v] = m.NewConstant(0) if tuple_op else m.NewBoolVar(f"s{v}")
+        self.redo[v] = (m.NewBoolVar(f"r{v}") if recompute_blocker(problem, v) is None
+                        else m.NewConstant(0))
+        if self._offloadable(v):
+            off[v] = m.NewBoolVar(f"o{v}")
+            # Its transfers may run wholly under compute (remat.solvers.timeline.overlap):
+            # what the step waits for them is bounded by nothing above 0.
+            self.off[v] = (off[v], 0.0)
+        if recompute_blocker(problem, v) is not None:
+            pass
+        elif self._counted:  # its further runs, counted in `_in_order`
+            self.twice[v] = m.NewIntVar(0, count + 1, f"t{v}")
+        elif self._rich and v in self._read_by_steps:
+            self.twice[v] = m.NewBoolVar(f"t{v}")
+        m.Add(self._save[v] + self.redo[v] + off.get(v, 0) <= 1)
+
+    def _step(self, b: int, earlier: dict[int, cp_model.IntVar] | None
+              ) -> dict[int, cp_model.IntVar]:
+        """Step `b`'s keep[v] and after[v] for every value it or a later step may need, and
+        their rules; returns `after` (`earlier`: the previous joint step's)."""
+        m, problem = self.model, self.problem
+        ahead = {s for r in range(b, len(problem.ops)) for s in self._forward(self._inputs[r])}
+        keep, after = {}, {}
+        for v in self._closure(ahead):
+            self._tick()
+            tuple_op = problem.ops[v].kind is Kind.TUPLE
+            keep[v] = m.NewConstant(0) if tuple_op else m.NewBoolVar(f"k{b}_{v}")
+            after[v] = (m.NewBoolVar(f"a{b}_{v}") if recompute_blocker(problem, v) is None
+                        else m.NewConstant(0))
+            if self._joint:
+                self._as_decided(b, v, keep[v], after[v], earlier)
+        if not self._joint:
+            self._offload_after(b, keep, after)
+        self._step_needs(b, ahead, keep, after)
+        self.keep[b] = keep
+        return after
+
+    def _as_decided(self, b: int, v: int, keep, after, earlier) -> None:
+        """Step `b`'s holds and recomputations of `v` as the whole-step decision has them."""
+        m, off, save, redo = self.model, self._offloaded, self._save[v], self.redo[v]
+        if self._rich and (v in self._read_by_steps or self._counted):
+            m.Add(keep <= save + redo + off.get(v, 0))
+            if v in self.twice:  # held from one backward run, recomputed after: two runs
+                m.Add(self.twice[v] >= keep + after - 1)
+        else:
+            m.Add(keep + after <= save + redo + off.get(v, 0))
+        m.AddImplication(after, redo)
+        if self._last_read[v] >= b:  # a saved value lives to its last reader
+            m.AddImplication(save, keep)
+        if earlier is not None:  # recomputed after b: after every earlier step too
+            m.AddImplication(after, earlier[v])
+
+    def _offload_after(self, b: int, keep: dict, after: dict) -> None:
+        """One step alone: a saved tensor loaded back from host after b is not held at b."""
+        off = {v: self.model.NewBoolVar(f"o{b}_{v}") for v in keep if self._offloadable(v)}
+        self._offloaded = off
+        self.off = {v: (x, 0.0) for v, x in off.items()}  # free, at the least
+        for v, x in off.items():
+            self.model.Add(x + after[v] <= 1)  # an offloaded value is saved, never recomputed
+
+    def _step_needs(self, b: int, ahead: set[int], keep: dict, after: dict) -> None:
+        """What step `b` and those after it read is held at b, recomputed or loaded after it;
+        what b reads is held; a value recomputed after b has its inputs then."""
+        m, off = self.model, self._offloaded
+        for v in ahead:
+            m.AddBoolOr([keep[v], after[v], *([off[v]] if v in off else [])])
+        for s in self._forward(self._inputs[b]):
+            m.Add(keep[s] == 1)
+        for u in after:
+            for s in self._forward(self._inputs[u]):
+                m.Add(keep[s] + after[s] + (off[s] if s in off else 0) >= after[u])
 
     def _in_order(self, cost: Callable) -> None:
         """The order at each joint step, for the least cost. A value recomputed in the

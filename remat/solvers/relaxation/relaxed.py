@@ -25,6 +25,7 @@ from remat.solvers.core.deadline import Deadline, OutOfTime, modelled
 from remat.solvers.relaxation.relaxation import Relaxation
 from remat.solvers.core.problem import Problem
 from remat.solvers.relaxation.repair import repair
+from remat.solvers.relaxation.shrinks import Shrinks
 from remat.solvers.core.schedule import Schedule, drop_unneeded
 from remat.solvers.timeline.evaluate import make_schedule
 from remat.solvers.timeline.simulate import simulate
@@ -38,10 +39,6 @@ logger = logging.getLogger(__name__)
 # than this share of the time left (two steps take 2 to 3 times one step's time, three 6).
 MAX_STEPS = 3
 QUICK_SHARE = 0.15
-# Rooms shrink by this many times a plan's excess until one fits, then bisect to this
-# precision (a share of the budget).
-OVERSHOOT = 1.2
-PRECISION = 1e-3
 # Each solve stops within this share of its optimum: the last fraction of a percent is most of
 # the time to prove it (5,000 ops: 9.5 s to prove one step), and the bound is CP-SAT's anyway.
 GAP = 2e-3
@@ -102,7 +99,8 @@ def _read_plans(problem: Problem, budget: int, workers: int, lowest: list | None
                 deadline: Deadline, found: list, one_step: list | None,
                 rich: list | None, plans: Deadline,
                 relative_gap: float) -> tuple[Schedule | None, Bound]:
-    now = deadline.now
+    """`relaxed_schedule`'s plan and bound: the tightest step's first (`_from_tightest`), then
+    the turns from the first step (`_turns`), telling `found` as they come."""
     evaluation = modelled("evaluation", len(problem))
     nf = problem.num_forward
     proven = Bound(0.0, (), True)
@@ -127,11 +125,21 @@ def _read_plans(problem: Problem, budget: int, workers: int, lowest: list | None
         if (relative_gap > 0 and best is not None and best.peak <= budget
                 and best.cost - proven.value <= relative_gap * best.cost):
             return best, proven
-    steps, shrink = [nf], 0
-    ceiling = None  # the least shrink found infeasible
-    fits, fails = None, None  # shrinks that fit and not
+    return _turns(problem, budget, fixed, workers, lowest, deadline, found, one_step, rich,
+                  plans, best, proven)
+
+
+def _turns(problem: Problem, budget: int, fixed: list[int], workers: int, lowest: list | None,
+           deadline: Deadline, found: list, one_step: list | None, rich: list | None,
+           plans: Deadline, best: Schedule | None,
+           proven: Bound) -> tuple[Schedule | None, Bound]:
+    """The turns from the first backward step (the module's docstring), from `best` and
+    `proven` so far: the cheapest fitting plan and the best bound with the true rooms."""
+    now, nf = deadline.now, problem.num_forward
+    steps, shrinks = [nf], Shrinks(budget)
     overhead = 0.0  # what the last turn spent outside the solve: building, evaluating
     while True:
+        shrink = shrinks.shrink
         turn = plans if shrink else deadline  # the turns whose bounds count may run longer
         if not (turn.left() > overhead and turn.check("reading a plan off the relaxation")):
             break
@@ -139,38 +147,18 @@ def _read_plans(problem: Problem, budget: int, workers: int, lowest: list | None
         rooms = {b: budget - fixed[b - nf] - shrink for b in steps}
         if min(rooms.values()) < 0 and not shrink:
             break
-        over_rich = rich is not None and len(steps) > 1 and not shrink
-        relaxation = Relaxation(problem, steps, over_rich, deadline=turn)
-        built = now()
-        value, exact = relaxation.least_cost(rooms, lambda op: op.cost,
-                                             turn.left() - overhead, workers, gap=GAP)
-        solved = now()
-        if over_rich:
-            logger.debug("relaxation over %d steps over the rich space: bound %.6g (%.2f s), "
-                         "single: %s", len(steps), value, solved - built, relaxation.single())
-            if value > 0 and (not rich or value > rich[0].value):
-                rich[:] = [Bound(value, tuple(steps), exact)]
-            if not relaxation.single() and solved - built < turn.left() - overhead:
-                # Its plan may be poor: the single space's, again, where a solve as long fits
-                # (else the plan is read off the rich solution's recomputations).
-                relaxation = Relaxation(problem, steps, deadline=turn)
-                built = now()
-                value, exact = relaxation.least_cost(rooms, lambda op: op.cost,
-                                                     turn.left() - overhead, workers, gap=GAP)
-                solved = now()
+        relaxation, value, exact, built, solved = _solve_turn(
+            problem, steps, rooms, turn, overhead, workers, now,
+            rich if len(steps) > 1 and not shrink else None)
         if not shrink and value > proven.value or not proven.steps:
             proven = found[1] = Bound(value, tuple(steps), exact)
         if (not shrink and len(steps) == 1 and one_step is not None
                 and (not one_step or value > one_step[0].value)):
             one_step[:] = [Bound(value, tuple(steps), exact)]
         if value == math.inf and shrink:
-            # Shrunk past what some step can hold: bisect below (bert at half its save-all
-            # peak, where the overshoot passed the only shrinks whose plans fit).
-            ceiling, low = shrink, fails or 0
-            if ceiling - low <= max(1, PRECISION * budget):
-                break
-            shrink = (low + ceiling) // 2
-            continue
+            if shrinks.after_infeasible():
+                continue
+            break
         schedule = None if value == math.inf else read_plan(problem, budget, relaxation,
                                                             deadline)
         if schedule is None:
@@ -179,38 +167,67 @@ def _read_plans(problem: Problem, budget: int, workers: int, lowest: list | None
         logger.debug("relaxation over %d steps, rooms less %d: bound %.6g, plan %.6g s peaking "
                      "%d above the budget (%.2f s)", len(steps), shrink, value, schedule.cost,
                      schedule.peak - budget, solved - built)
-        if lowest is not None and (not lowest or schedule.peak < lowest[0].peak):
-            lowest[:] = [schedule]
-        if schedule.peak > budget:
-            completed = repair(problem, schedule, budget, deadline)
-            logger.debug("repaired: %s", completed and completed.cost)
-            if completed is not None and (best is None or completed.cost < best.cost):
-                best = found[0] = completed
+        best = _kept(problem, budget, schedule, best, found, lowest, deadline)
         if schedule.peak <= budget:
-            fits = shrink
-            if best is None or schedule.cost < best.cost:
-                best = found[0] = schedule
+            shrinks.fits = shrink
             if not shrink:
                 break  # the plan meets the relaxation's own optimum
         else:
-            fails = shrink
+            shrinks.fails = shrink
             binding = binding_step(problem, schedule)
             quick = solved - built < QUICK_SHARE * deadline.left()
             if (not shrink and quick and binding is not None and binding not in steps
                     and len(steps) < MAX_STEPS):
                 steps = sorted(steps + [binding])
                 continue
-        if fits is None:  # a little past the excess, so that the next plan likely fits
-            shrink += int(OVERSHOOT * (schedule.peak - budget))
-            if ceiling is not None and shrink >= ceiling:  # bisect below the ceiling
-                if ceiling - fails <= max(1, PRECISION * budget):
-                    break
-                shrink = (fails + ceiling) // 2
-        elif fails is None or fits - fails <= max(1, PRECISION * budget):  # bytes: 1 at least
+        if not shrinks.after_plan(schedule.peak - budget):
             break
-        else:  # bisect: a smaller shrink is cheaper
-            shrink = (fits + fails) // 2
     return best, proven
+
+
+def _solve_turn(problem: Problem, steps: list[int], rooms: dict[int, int], turn: Deadline,
+                overhead: float, workers: int, now: Callable[[], float],
+                rich: list | None) -> tuple[Relaxation, float, bool, float, float]:
+    """The relaxation over `steps` with `rooms`, its least cost and whether it is proven,
+    within `turn` less `overhead`, and the clock (`now`) when it was built and when solved.
+    Over the rich space where `rich`, a list, asks (which receives its bound); where the
+    solution is not the single space's too and a solve as long fits, its plan may be poor:
+    solved again over the single space (else the plan is read off the rich solution's
+    recomputations)."""
+    relaxation = Relaxation(problem, steps, rich is not None, deadline=turn)
+    built = now()
+    value, exact = relaxation.least_cost(rooms, lambda op: op.cost,
+                                         turn.left() - overhead, workers, gap=GAP)
+    solved = now()
+    if rich is None:
+        return relaxation, value, exact, built, solved
+    logger.debug("relaxation over %d steps over the rich space: bound %.6g (%.2f s), "
+                 "single: %s", len(steps), value, solved - built, relaxation.single())
+    if value > 0 and (not rich or value > rich[0].value):
+        rich[:] = [Bound(value, tuple(steps), exact)]
+    if not relaxation.single() and solved - built < turn.left() - overhead:
+        relaxation = Relaxation(problem, steps, deadline=turn)
+        built = now()
+        value, exact = relaxation.least_cost(rooms, lambda op: op.cost,
+                                             turn.left() - overhead, workers, gap=GAP)
+        solved = now()
+    return relaxation, value, exact, built, solved
+
+
+def _kept(problem: Problem, budget: int, schedule: Schedule, best: Schedule | None,
+          found: list, lowest: list | None, deadline: Deadline) -> Schedule | None:
+    """The cheapest fitting plan of `best` and `schedule` (repaired where it peaks above
+    `budget`), told to `found`; `lowest` receives `schedule` where it peaks lowest yet."""
+    if lowest is not None and (not lowest or schedule.peak < lowest[0].peak):
+        lowest[:] = [schedule]
+    if schedule.peak > budget:
+        completed = repair(problem, schedule, budget, deadline)
+        logger.debug("repaired: %s", completed and completed.cost)
+        if completed is not None and (best is None or completed.cost < best.cost):
+            best = found[0] = completed
+    if schedule.peak <= budget and (best is None or schedule.cost < best.cost):
+        best = found[0] = schedule
+    return best
 
 
 def joint_bound(problem: Problem, budget: int, steps, *, rich: bool,

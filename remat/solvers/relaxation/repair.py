@@ -84,8 +84,6 @@ def _cover(problem: Problem, schedule: Schedule, budget: int,
     the excess (one alone when that does not lower the peak). A relaxation's plan that peaks a
     little above the budget fits this way in a few evaluations, where another solve of the
     relaxation takes seconds (the 70B's two steps: 10 s)."""
-    nf = problem.num_forward
-    ops, inputs, readers = problem.ops, problem.storage_inputs, problem.storage_readers
     candidates = set(recomputable(problem))
     evaluation = modelled("evaluation", len(problem))
     one = False  # the last batch did not lower the peak: try the best value alone
@@ -95,55 +93,12 @@ def _cover(problem: Problem, schedule: Schedule, budget: int,
             return schedule
         if not deadline.check("repairing a relaxation's plan"):
             return None
-        order = step_order(problem, schedule)
-        held = holds(problem, schedule, order)
-        steps = timeline_of(problem, order, held).steps
-        t = max(range(len(steps)), key=lambda i: steps[i].live)
-        b = position_of(order, t) if order[t][1] is not StepKind.FORWARD else None
-        if b is None or b < nf:
+        peak = _peak_step(problem, schedule)
+        if peak is None:
             return None
-        live = {v for v, _, made, last in held if made <= t <= last}
-        at = schedule.recompute_at
-
-        def need(v: int) -> int:
-            return min([r for r in readers[v] if r >= nf]
-                       + [at[r] for r in readers[v] if r < nf and r in at], default=-1)
-
-        def group(v: int) -> tuple[set[int], int]:
-            """`v` and the saved inputs it would keep past the step, recomputed with it
-            (recursively); and the bytes that recomputing them all frees at the step: `v`'s,
-            less what must live past it that did not (an input recomputed before it)."""
-            members, frees, frontier = {v}, ops[v].size, [v]
-            while frontier:
-                for s in inputs[frontier.pop()]:
-                    if s >= nf or s in members or s in live or s in problem.pinned:
-                        continue
-                    if s in schedule.recomputed:
-                        if at.get(s, b + 1) <= b:
-                            frees -= ops[s].size
-                    elif s in candidates:
-                        members.add(s)
-                        frontier.append(s)
-                    else:
-                        frees -= ops[s].size
-            return members, frees
-
-        found = []
-        for v in live:
-            if v in candidates and v not in schedule.recomputed and need(v) > b:
-                members, frees = group(v)
-                if frees > 0:
-                    cost = sum(unit_cost(problem, u) for u in members)
-                    found.append((cost / frees, v, members, frees))
-        found.sort(key=lambda f: f[:2])
-        excess = REPAIR_OVERSHOOT * (schedule.peak - budget)
-        chosen: set[int] = set()
-        for _, v, members, frees in found[:1] if one else found:
-            if excess <= 0:
-                break
-            if v not in chosen:
-                chosen |= members
-                excess -= frees
+        b, live = peak
+        found = _freeing(problem, schedule, candidates, b, live)
+        chosen = _chosen(found[:1] if one else found, REPAIR_OVERSHOOT * (schedule.peak - budget))
         if not chosen:
             logger.debug("repair at step %d: %d over, no candidates among %d live", b,
                          schedule.peak - budget, len(live))
@@ -165,3 +120,74 @@ def _cover(problem: Problem, schedule: Schedule, budget: int,
             continue
         schedule, one = trial, False
     return schedule if schedule.peak <= budget else None
+
+
+def _peak_step(problem: Problem, schedule: Schedule) -> tuple[int, set[int]] | None:
+    """The backward op at whose step `schedule` peaks (a recomputation's: the op it precedes)
+    and the values live there; None where it peaks in the forward."""
+    order = step_order(problem, schedule)
+    held = holds(problem, schedule, order)
+    steps = timeline_of(problem, order, held).steps
+    t = max(range(len(steps)), key=lambda i: steps[i].live)
+    b = position_of(order, t) if order[t][1] is not StepKind.FORWARD else None
+    if b is None or b < problem.num_forward:
+        return None
+    return b, {v for v, _, made, last in held if made <= t <= last}
+
+
+def _freeing(problem: Problem, schedule: Schedule, candidates: set[int], b: int,
+             live: set[int]) -> list[tuple[float, int, set[int], int]]:
+    """The saved values live at step `b` that recomputing would free there (every need after
+    it), each as (cost per byte freed, value, its group, bytes freed; `_group`), the best
+    first."""
+    found = []
+    for v in live:
+        if v in candidates and v not in schedule.recomputed and _need(problem, schedule, v) > b:
+            members, frees = _group(problem, schedule, candidates, b, live, v)
+            if frees > 0:
+                cost = sum(unit_cost(problem, u) for u in members)
+                found.append((cost / frees, v, members, frees))
+    found.sort(key=lambda f: f[:2])
+    return found
+
+
+def _need(problem: Problem, schedule: Schedule, v: int) -> int:
+    """The first step that needs `v`: its first backward reader or recomputed reader's run."""
+    nf, readers, at = problem.num_forward, problem.storage_readers, schedule.recompute_at
+    return min([r for r in readers[v] if r >= nf]
+               + [at[r] for r in readers[v] if r < nf and r in at], default=-1)
+
+
+def _group(problem: Problem, schedule: Schedule, candidates: set[int], b: int, live: set[int],
+           v: int) -> tuple[set[int], int]:
+    """`v` and the saved inputs it would keep past step `b`, recomputed with it (recursively);
+    and the bytes that recomputing them all frees at the step: `v`'s, less what must live past
+    it that did not (an input recomputed before it)."""
+    nf, ops, inputs = problem.num_forward, problem.ops, problem.storage_inputs
+    at = schedule.recompute_at
+    members, frees, frontier = {v}, ops[v].size, [v]
+    while frontier:
+        for s in inputs[frontier.pop()]:
+            if s >= nf or s in members or s in live or s in problem.pinned:
+                continue
+            if s in schedule.recomputed:
+                if at.get(s, b + 1) <= b:
+                    frees -= ops[s].size
+            elif s in candidates:
+                members.add(s)
+                frontier.append(s)
+            else:
+                frees -= ops[s].size
+    return members, frees
+
+
+def _chosen(found: list[tuple[float, int, set[int], int]], excess: float) -> set[int]:
+    """The groups of `found`, in order, until they free `excess` bytes."""
+    chosen: set[int] = set()
+    for _, v, members, frees in found:
+        if excess <= 0:
+            break
+        if v not in chosen:
+            chosen |= members
+            excess -= frees
+    return chosen
