@@ -14,20 +14,10 @@ from remat.planner.plans.plan import plan_prepared
 from remat.planner.plans.prepare import prepare
 from remat.solvers import SolverOptions, Status
 from tests.models import GPTConfig, gpt
+from tests.clocks import NoTime
 
 CONFIG = GPTConfig(block_size=64, vocab_size=256, n_layer=4, n_head=4, n_embd=64, dropout=0.0)
 TRAINING = Training(optimizer="adamw", reserve=0, fragmentation=0.0)
-
-
-class NoTime:
-    """A clock 1,000 s later at every read: no stage of a solve ever finds time left."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 1000.0
-        return self.now
 
 
 def no_time() -> SolverOptions:

@@ -15,17 +15,7 @@ from remat.solvers.eager.search import optimal_eager
 from remat.solvers.timeline.eager import eager_schedule
 from tests.synthetic.eager import random_eager
 from tests.synthetic.problems import transformer, unet
-
-
-class NoTime:
-    """A clock 1,000 s later at every read: no stage of a call ever finds time left."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        self.now += 1000.0
-        return self.now
+from tests.clocks import NoTime
 
 
 def no_time(**kwargs) -> SolverOptions:
