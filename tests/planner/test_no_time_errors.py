@@ -8,31 +8,15 @@ import pytest
 import remat.planner.plans.eager_plan as eager_plan_module
 import remat.planner.plans.plan as plan_module
 from remat.errors import BudgetError
-from remat.planner.job.training import Training
 from remat.planner.plans.eager_plan import plan_eager_mode
 from remat.planner.plans.plan import plan_prepared
-from remat.planner.plans.prepare import prepare
 from remat.solvers import SolverOptions, Status
-from tests.models import GPTConfig, gpt
+from tests.planner.small_gpt import model_inputs, prepared  # noqa: F401 (fixtures)
 from tests.clocks import NoTime
-
-CONFIG = GPTConfig(block_size=64, vocab_size=256, n_layer=4, n_head=4, n_embd=64, dropout=0.0)
-TRAINING = Training(optimizer="adamw", reserve=0, fragmentation=0.0)
 
 
 def no_time() -> SolverOptions:
     return SolverOptions(time_limit=60, workers=2, clock=NoTime(), deterministic=False)
-
-
-@pytest.fixture(scope="module")
-def model_inputs():
-    return gpt(CONFIG, batch=8)
-
-
-@pytest.fixture(scope="module")
-def prepared(model_inputs):
-    model, inputs = model_inputs
-    return prepare(model, inputs, training=TRAINING)
 
 
 def plan(execution, model_inputs, prepared, **budgets):

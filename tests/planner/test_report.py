@@ -15,24 +15,12 @@ from remat.planner.plans.plan import plan_prepared
 from remat.planner.plans.prepare import prepare
 from remat.planner.plans.report import module_rows
 from remat.planner.sweep import knee, max_batch, sweep_prepared
-from remat.planner.job.training import Training
 from remat.solvers import SolverOptions
-from tests.models import GPTConfig, gpt
+from tests.models import gpt
+# model_inputs and prepared are fixtures
+from tests.planner.small_gpt import CONFIG, TRAINING, model_inputs, prepared  # noqa: F401
 
-CONFIG = GPTConfig(block_size=64, vocab_size=256, n_layer=4, n_head=4, n_embd=64, dropout=0.0)
-TRAINING = Training(optimizer="adamw", reserve=0, fragmentation=0.0)
 OPTIONS = SolverOptions(time_limit=20, workers=2)
-
-
-@pytest.fixture(scope="module")
-def model_inputs():
-    return gpt(CONFIG, batch=8)
-
-
-@pytest.fixture(scope="module")
-def prepared(model_inputs):
-    model, inputs = model_inputs
-    return prepare(model, inputs, training=TRAINING)
 
 
 def between_baselines(prepared):
