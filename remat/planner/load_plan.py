@@ -117,12 +117,27 @@ def loads_plan(text: str, model: Any, *, loss_fn: Callable | None = None,
     memory = prepared.step_memory(schedule, body["budget"])
     kind = EagerPlan if body["execution"] == "eager" else Plan
     plan = kind(schedule=schedule, memory=memory, **fields, **extra)
+    _compiled_as_saved(plan, body)
     _warn_over_budget(plan, entry, source)
     log.info("loaded %s: %s", source, plan)
     return plan
 
 
 # ----------------------------------------------------------------------------- checks
+
+
+def _compiled_as_saved(plan: Plan, body: dict) -> None:
+    """A plan saved with compile=True runs under Inductor again, its peak the one its
+    readings accepted (files written before the option have neither key)."""
+    if not body.get("compile"):
+        return
+    from remat.planner.plans.inductor_check import InductorCheck
+
+    plan.compile = True
+    if body.get("inductor"):
+        plan.inductor = InductorCheck.from_dict(body["inductor"])
+        excess = max(0, plan.inductor.measured - plan.inductor.predicted)
+        plan.memory = dataclasses.replace(plan.memory, compiled_excess=excess)
 
 
 def _check_loss_fn(body: dict, loss_fn: Callable | None, source: str) -> None:

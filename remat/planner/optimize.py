@@ -29,7 +29,7 @@ def optimize(model: Any, budget: int | str | None = None, *,
              loss_fn: Callable | None = None, returns: str = "output",
              execution: str = "compiled", blocks: Sequence[str] | None = None,
              offload: bool = False, dynamic: dict | None = None,
-             dynamic_dims: dict | None = None) -> Plan:
+             dynamic_dims: dict | None = None, compile: bool = False) -> Plan:
     """The plan of least recompute time (least FLOPs with ``SolverOptions(objective="flops")``)
     whose whole training step fits `budget` ("60GB",
     "60GiB", an int of bytes), or whose activations alone fit `activation_budget`; exactly one
@@ -72,7 +72,14 @@ def optimize(model: Any, budget: int | str | None = None, *,
     Every planned call is checked before it runs against what was planned (input names,
     dtypes and shapes, the autocast state the step was traced under, parameters' requires_grad
     and dtypes): what changed is named in a RematError. Under ``torch.autocast`` the plan is
-    made for the autocast graph and runs under the same autocast only."""
+    made for the autocast graph and runs under the same autocast only.
+
+    `compile=True` (execution="compiled"): `plan.module` runs the planned step through
+    Inductor, fused and compiled, instead of op by op. The plan is accepted on the allocator's
+    reading of one compiled step on the example inputs, made on the model (real weights) and
+    put back as it was; where Inductor's buffers read above the simulated peak, the excess is
+    counted in the plan's peak, or the plan is made again with room for it
+    (`remat.planner.plans.inductor_check`). A plan file keeps the choice."""
     if execution not in ("compiled", "eager"):
         raise ValueError(f"execution must be \"compiled\" or \"eager\", not {execution!r}")
     if blocks is not None and execution != "eager":
@@ -84,6 +91,12 @@ def optimize(model: Any, budget: int | str | None = None, *,
         raise ValueError("offload=True plans fixed shapes: its host buffers and transfers are "
                          "sized for the example's; plan without dynamic=, or without offload")
 
+    if compile:
+        from remat.planner.plans.inductor_check import check_compile_setup
+        from remat.planner.plans.prepare import has_meta_weights
+
+        check_compile_setup(execution=execution, dynamic=dynamic, offload=offload,
+                            training=training, meta_weights=has_meta_weights(model))
     warn_eval_mode(model, "remat.optimize")
     if execution == "eager":  # refused before the capture, not after the planning
         check_no_cache(model, "remat.optimize(..., execution=\"eager\")")
@@ -109,8 +122,18 @@ def optimize(model: Any, budget: int | str | None = None, *,
                                    target=target, solver=solver, solver_options=options,
                                    blocks=blocks, example_inputs=example_inputs,
                                    example_kwargs=example_kwargs)
-        return plan_prepared(model, prepared, budget=whole, activation_budget=activations,
-                             target=target, solver=solver, solver_options=options)
+        def solved(allowance_cut: int = 0) -> Plan:
+            return plan_prepared(model, prepared, budget=whole, activation_budget=activations,
+                                 target=target, solver=solver, solver_options=options,
+                                 allowance_cut=allowance_cut)
+
+        if not compile:
+            return solved()
+        from remat.planner.plans.inductor_check import compiled_plan
+
+        args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
+            else (example_inputs,)
+        return compiled_plan(solved(), model, solved, args, dict(example_kwargs or {}))
 
     if dynamic is None:
         if dynamic_dims is not None:

@@ -57,11 +57,15 @@ class StepMemory:
     margin: int
     budget: int | None = None
     """The whole-step budget, None when only the activations were bounded."""
+    compiled_excess: int = 0
+    """Bytes the allocator measured above the simulated peak when Inductor ran the plan (its
+    own buffers and kernels; `remat.planner.plans.inductor_check`); 0 when it measured at most
+    the simulated peak, or the plan runs op by op."""
 
     @property
     def activation_peak(self) -> int:
         """The step's peak less the state: what `activation_budget` bounds."""
-        return self.simulated_peak - self.graph_gradients
+        return self.simulated_peak - self.graph_gradients + self.compiled_excess
 
     @property
     def static(self) -> int:
@@ -107,6 +111,8 @@ class StepMemory:
             *([("batch and buffers", s.batch + s.buffers, True, "the micro-batch's tensors and "
                 "the modules' buffers, held all step")] if s.batch + s.buffers else []),
             ("activation peak", self.activation_peak, True,
+             "simulated; the step's peak less the state" if not self.compiled_excess else
+             f"the allocator's under Inductor, {self.compiled_excess:,} B above the "
              "simulated; the step's peak less the state"),
             ("reserve", self.reserve, self.budget is not None,
              "CUDA context and workspaces" if self.budget is not None else
@@ -117,7 +123,8 @@ class StepMemory:
 
     def to_dict(self) -> dict:
         return {"state": self.state.to_dict(), "activation_peak": self.activation_peak,
-                "simulated_peak": self.simulated_peak, "graph_gradients": self.graph_gradients,
+                "simulated_peak": self.simulated_peak, "compiled_excess": self.compiled_excess,
+                "graph_gradients": self.graph_gradients,
                 "gradients_in_graph": self.gradients_in_graph, "static": self.static,
                 "reserve": self.reserve, "counted_reserve": self.counted_reserve,
                 "margin": self.margin, "total": self.total, "budget": self.budget,

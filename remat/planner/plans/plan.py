@@ -35,6 +35,12 @@ class Plan:
     and budget, what it holds and costs, and the module that runs it."""
 
     execution = "compiled"  # how the plan runs: the whole step as one rewritten graph
+    compile = False
+    """Whether `module` runs the step through Inductor (``optimize(..., compile=True)``)
+    rather than op by op."""
+    inductor = None
+    """`remat.planner.plans.inductor_check.InductorCheck`: the allocator's readings of the step
+    under Inductor that the plan was accepted on (compile=True), else None."""
 
     def __init__(self, *, model: Any, prepared: Prepared, schedule: Schedule,
                  memory: StepMemory, target: str, solver: Strategy,
@@ -130,6 +136,7 @@ class Plan:
             bucket: (p.prepared.sharded.graph, project(p.prepared.sharded, p.schedule))
             for bucket, p in self.shapes.plans.items()}
         return planned_module(model, sharded.graph, project(sharded, plan.schedule),
+                              compile=self.compile,
                               loss_fn=self.prepared.loss_fn, returns=self.prepared.returns,
                               training=self.prepared.captured.training,
                               call_spec=plan.prepared.call_spec, buckets=buckets)
@@ -187,6 +194,8 @@ class Plan:
                          "add the configured state")
         if self.shapes is not None:
             notes.extend(self.shapes.notes())
+        if self.inductor is not None:
+            notes.append(self.inductor.note())
         captured = prepared.captured
         notes.extend(worst_case_notes(captured, self.problem))
         title = (f"remat plan for {captured.model_name} in {self.training_mode} mode: "
@@ -257,8 +266,9 @@ def counting_from_now(options: SolverOptions | None) -> SolverOptions:
 def plan_prepared(model: Any, prepared: Prepared, *, budget: int | None,
                   activation_budget: int | None, target: str,
                   solver: Strategy | str = Strategy.OPTIMAL,
-                  solver_options: SolverOptions | None = None) -> Plan:
-    """Solve one budget for a prepared step and simulate the result."""
+                  solver_options: SolverOptions | None = None, allowance_cut: int = 0) -> Plan:
+    """Solve one budget for a prepared step and simulate the result. `allowance_cut`: bytes
+    kept free below the budget's allowance (what Inductor was measured to add to a plan)."""
     from remat.planner.job.tensor_layout import tensor_layout
 
     if tensor_layout(model).parallel:
@@ -269,7 +279,7 @@ def plan_prepared(model: Any, prepared: Prepared, *, budget: int | None,
             "parallelized model with plan.apply(model)")
     strategy = Strategy(solver)
     solver_options = options_for_this_job(solver_options)
-    allowance = prepared.allowance(budget, activation_budget)
+    allowance = prepared.allowance(budget, activation_budget) - allowance_cut
     log.info("solving with %s for an activation allowance of %s", strategy.value,
              format_size(allowance))
     if allowance < 0:  # known before any solve, whatever its time limit

@@ -15,6 +15,9 @@ A plan file is one JSON object, versioned like the problem files of
      "parameters": {"name": [[shape], "dtype"], ...},
      "schedule": {"strategy": ..., "status": ..., "peak": ..., "recomputed": [op, ...],
                   "recompute_at": [[op, op], ...], "again": [...], "offload_at": [...], ...},
+     "compile": false | true,          whether plan.module runs the step through Inductor
+     "inductor": null | {"readings": [{"allowance_cut", "predicted", "measured"}, ...]},
+                                       the allocator's readings the compiled plan was accepted on
      "blocks": {"layers.0": BlockPolicy's fields, ...},       (eager plans: their policies)
      "probed": {"unread_inputs": [...], "unused_tensors": [...]},  (eager plans: what the probe
                                                 found that the graph does not show)
@@ -101,6 +104,8 @@ def plan_dict(plan: Any) -> dict:
         "parameters": {n: [list(shape), dtype] for n, (shape, dtype)
                        in prepared.param_shapes.items()},
         "schedule": schedule_json(plan.schedule),
+        "compile": plan.compile,
+        "inductor": None if plan.inductor is None else plan.inductor.to_dict(),
     }
     if eager:
         body["blocks"] = {path: _jsonable(dataclasses.asdict(policy))

@@ -1,0 +1,167 @@
+"""optimize(..., compile=True): a plan that Inductor runs, accepted on the allocator's reading.
+
+One Inductor compile (a ResNet: convolutions, whose layout Inductor would otherwise change and
+save copies of, and BatchNorm, whose running statistics the plan's measured step must put
+back); the repair loop's decisions on injected readings, without compiling; the setups that
+are refused before any capture."""
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+
+import remat
+from remat.errors import BudgetError, RematError
+from remat.fx_passes.measuring.allocator import step_peak
+from remat.planner.plans import inductor_check
+from remat.solvers import SolverOptions
+from tests import models
+from tests.gradients import REORDERED_SUMS
+
+
+def save_all_peak(model, inputs) -> int:
+    return remat.optimize(model, activation_budget=10**12, example_inputs=inputs,
+                          solver="save_all").activation_peak
+
+
+def allocator_activations(module, model, inputs) -> int:
+    for p in model.parameters():
+        p.grad = None
+    peak, loss = step_peak(lambda: module(*inputs), lambda out, seed: out.backward(seed))
+    del loss
+    return peak - sum(p.grad.untyped_storage().nbytes() for p in model.parameters())
+
+
+@pytest.mark.slow
+def test_compiled_plan_fits_by_the_allocator_and_trains_as_eager(tmp_path, monkeypatch):
+    import torch._inductor.compile_fx as compile_fx
+
+    compiled = []
+    inner = compile_fx.compile_fx_inner
+
+    def counting(gm, example_inputs, **kwargs):
+        compiled.append(kwargs.get("is_backward", False))
+        return inner(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "compile_fx_inner", counting)
+    model, inputs = models.resnet(batch=4, size=16)
+    eager = copy.deepcopy(model)
+    stats = [b.clone() for b in model.buffers()]
+    budget = save_all_peak(model, inputs)
+    plan = remat.optimize(model, activation_budget=budget, example_inputs=inputs,
+                          compile=True, solver_options=SolverOptions(time_limit=20))
+    # A forward and a backward compiled for every plan measured (more than one where a
+    # reading was over the budget and the plan was made again).
+    assert plan.compile
+    assert sorted(compiled) == sorted([False, True] * len(plan.inductor.readings))
+    compiles = len(compiled)
+    # Planning ran a step and put the model back: running statistics as they were, no grads.
+    assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers()))
+    assert all(p.grad is None for p in model.parameters())
+    reading = plan.inductor.readings[-1]
+    assert plan.activation_peak == max(reading.predicted, reading.measured) <= budget
+    assert "compiled by Inductor" in plan.report().render()
+
+    # A fresh step by the allocator, under Inductor (no new compile), within the plan's peak.
+    assert allocator_activations(plan.module, model, inputs) <= plan.activation_peak
+    assert len(compiled) == compiles
+    # Its gradients are eager's, to Inductor's numerics: fused kernels sum in other orders.
+    for p in model.parameters():
+        p.grad = None
+    plan.module(*inputs).backward()
+    eager(*inputs).backward()
+    for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+        scale = max(a.grad.abs().max().item(), 1e-30)
+        assert (a.grad - b.grad).abs().max().item() <= REORDERED_SUMS * scale, name
+
+    path = tmp_path / "resnet.json"
+    plan.save(path)
+    loaded = remat.load_plan(path, model)
+    assert loaded.compile and loaded.inductor == plan.inductor
+    assert loaded.activation_peak == plan.activation_peak
+
+
+def injected(monkeypatch, readings):
+    """measure_activations answering `readings(predicted)` in turn, no step run."""
+    calls = []
+
+    def measure(module, model, example_inputs, example_kwargs):
+        calls.append(module)
+        return readings[(len(calls) - 1) // 2]  # two calls per plan: warm-up, then the step
+
+    monkeypatch.setattr(inductor_check, "measure_activations", measure)
+    return calls
+
+
+def test_a_reading_over_the_budget_is_planned_again_with_room_for_the_excess(monkeypatch):
+    model, inputs = models.mlp(batch=32, width=64, depth=6)
+    with pytest.raises(BudgetError) as least:
+        remat.optimize(model, activation_budget=1, example_inputs=inputs,
+                       solver_options=SolverOptions(time_limit=10))
+    budget = save_all_peak(model, inputs)  # the first plan saves all: room to recompute
+    assert least.value.smallest < budget
+    first = remat.optimize(model, activation_budget=budget, example_inputs=inputs,
+                           solver_options=SolverOptions(time_limit=10))
+    # The first compiled plan reads a byte over the budget, the second below its simulated peak.
+    injected(monkeypatch, [budget + 1, 0])
+    plan = remat.optimize(model, activation_budget=budget, example_inputs=inputs, compile=True,
+                          solver_options=SolverOptions(time_limit=10))
+    first_reading, second = plan.inductor.readings
+    assert first_reading.predicted == first.activation_peak
+    assert second.allowance_cut == budget + 1 - first_reading.predicted
+    assert least.value.smallest <= second.predicted <= budget - second.allowance_cut
+    assert plan.activation_peak == second.predicted  # the reading was below it
+    assert plan.memory.compiled_excess == 0
+
+
+def test_a_reading_over_the_prediction_within_the_budget_is_the_plans_peak(monkeypatch):
+    model, inputs = models.mlp(batch=32, width=64, depth=4)
+    budget = save_all_peak(model, inputs) * 3 // 4
+    plan = remat.optimize(model, activation_budget=budget, example_inputs=inputs,
+                          solver_options=SolverOptions(time_limit=10))
+    over = min(budget, plan.activation_peak + 1000)
+    injected(monkeypatch, [over])
+    compiled = remat.optimize(model, activation_budget=budget, example_inputs=inputs,
+                              compile=True, solver_options=SolverOptions(time_limit=10))
+    assert compiled.activation_peak == over
+    assert compiled.memory.compiled_excess == over - compiled.inductor.predicted
+    assert "above the simulated peak" in compiled.report().render()
+
+
+def test_readings_that_never_fit_are_a_budget_error_naming_them(monkeypatch):
+    model, inputs = models.mlp(batch=32, width=64, depth=4)
+    budget = save_all_peak(model, inputs) * 3 // 4
+    injected(monkeypatch, [budget * 2] * 10)
+    with pytest.raises(BudgetError, match=r"under Inductor.*measured against.*compile=False") \
+            as e:
+        remat.optimize(model, activation_budget=budget, example_inputs=inputs, compile=True,
+                       solver_options=SolverOptions(time_limit=10))
+    assert e.value.smallest == budget * 2 and e.value.proven is False
+
+
+@pytest.mark.parametrize("kwargs,cause", [
+    (dict(execution="eager"), r"torch\.compile\(model\)"),
+    (dict(dynamic={"batch": (1, 8)}), "fixed shapes"),
+    (dict(offload=True), "offload"),
+    (dict(training=remat.Training(data_parallel=2, zero_stage=3)), "data-parallel"),
+])
+def test_setups_compile_cannot_honour_are_refused_before_capture(kwargs, cause, monkeypatch):
+    def never(*args, **kw):
+        raise AssertionError("captured")
+
+    monkeypatch.setattr(importlib.import_module("remat.fx_passes.tracing.capture"), "capture",
+                        never)
+    model, inputs = models.mlp(batch=8, width=16, depth=2)
+    with pytest.raises(RematError, match=cause):
+        remat.optimize(model, activation_budget=10**9, example_inputs=inputs, compile=True,
+                       **kwargs)
+
+
+def test_meta_weights_are_refused_before_capture():
+    with torch.device("meta"):
+        model = models.MLPChain(width=16, depth=2)
+    with pytest.raises(RematError, match="real weights"):
+        remat.optimize(model, activation_budget=10**9,
+                       example_inputs=(torch.randn(8, 16, device="meta"),) * 2, compile=True)
