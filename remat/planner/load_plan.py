@@ -136,7 +136,7 @@ def _compiled_as_saved(plan: Plan, body: dict) -> None:
     plan.compile = True
     if body.get("inductor"):
         plan.inductor = InductorCheck.from_dict(body["inductor"])
-        excess = max(0, plan.inductor.measured - plan.inductor.predicted)
+        excess = plan.inductor.measured - plan.inductor.predicted
         plan.memory = dataclasses.replace(plan.memory, compiled_excess=excess)
 
 

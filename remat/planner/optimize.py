@@ -6,6 +6,7 @@ per model and batch) and `plan_prepared` (solve, simulate, report; once per budg
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 from remat.fx_passes.measuring.devices import device as target_device
@@ -77,9 +78,11 @@ def optimize(model: Any, budget: int | str | None = None, *,
     `compile=True` (execution="compiled"): `plan.module` runs the planned step through
     Inductor, fused and compiled, instead of op by op. The plan is accepted on the allocator's
     reading of one compiled step on the example inputs, made on the model (real weights) and
-    put back as it was; where Inductor's buffers read above the simulated peak, the excess is
-    counted in the plan's peak, or the plan is made again with room for it
-    (`remat.planner.plans.inductor_check`). A plan file keeps the choice."""
+    put back as it was; the reading is the plan's activation peak, and where it is over the
+    budget the plan is made again with room for the excess
+    (`remat.planner.plans.inductor_check`). Recomputations are planned just before their
+    readers (``SolverOptions(free_positions=False)``), where Inductor's fused step reads the
+    most predictably. A plan file keeps the choice."""
     if execution not in ("compiled", "eager"):
         raise ValueError(f"execution must be \"compiled\" or \"eager\", not {execution!r}")
     if blocks is not None and execution != "eager":
@@ -111,6 +114,8 @@ def optimize(model: Any, budget: int | str | None = None, *,
     def plan_one(example_inputs, example_kwargs, shape_range=None) -> Plan:
         # A limit chosen by size is the whole call's: capture, profile and lowering count.
         options = counting_from_now(solver_options)
+        if compile:  # recomputations just before their readers: see inductor_check
+            options = dataclasses.replace(options, free_positions=False)
         prepared = prepare(model, example_inputs, example_kwargs=example_kwargs,
                            training=training, target=target, loss_fn=loss_fn, returns=returns,
                            shape_range=shape_range)
@@ -133,7 +138,12 @@ def optimize(model: Any, budget: int | str | None = None, *,
 
         args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
             else (example_inputs,)
-        return compiled_plan(solved(), model, solved, args, dict(example_kwargs or {}))
+        def cut_to(smallest: int) -> int:  # the cut that leaves what `smallest` would
+            if whole is None:
+                return activations - smallest
+            return prepared.allowance(whole) - prepared.allowance(smallest)
+
+        return compiled_plan(model, solved, cut_to, args, dict(example_kwargs or {}))
 
     if dynamic is None:
         if dynamic_dims is not None:

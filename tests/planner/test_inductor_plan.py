@@ -61,7 +61,7 @@ def test_compiled_plan_fits_by_the_allocator_and_trains_as_eager(tmp_path, monke
     assert all(torch.equal(a, b) for a, b in zip(stats, model.buffers()))
     assert all(p.grad is None for p in model.parameters())
     reading = plan.inductor.readings[-1]
-    assert plan.activation_peak == max(reading.predicted, reading.measured) <= budget
+    assert plan.activation_peak == reading.measured <= budget
     assert "compiled by Inductor" in plan.report().render()
 
     # A fresh step by the allocator, under Inductor (no new compile), within the plan's peak.
@@ -104,16 +104,16 @@ def test_a_reading_over_the_budget_is_planned_again_with_room_for_the_excess(mon
     assert least.value.smallest < budget
     first = remat.optimize(model, activation_budget=budget, example_inputs=inputs,
                            solver_options=SolverOptions(time_limit=10))
-    # The first compiled plan reads a byte over the budget, the second below its simulated peak.
-    injected(monkeypatch, [budget + 1, 0])
+    # The first compiled plan reads a byte over the budget, the second within it.
+    injected(monkeypatch, [budget + 1, budget - 1])
     plan = remat.optimize(model, activation_budget=budget, example_inputs=inputs, compile=True,
                           solver_options=SolverOptions(time_limit=10))
     first_reading, second = plan.inductor.readings
     assert first_reading.predicted == first.activation_peak
     assert second.allowance_cut == budget + 1 - first_reading.predicted
     assert least.value.smallest <= second.predicted <= budget - second.allowance_cut
-    assert plan.activation_peak == second.predicted  # the reading was below it
-    assert plan.memory.compiled_excess == 0
+    assert plan.activation_peak == budget - 1  # the reading
+    assert plan.memory.compiled_excess == budget - 1 - second.predicted
 
 
 def test_a_reading_over_the_prediction_within_the_budget_is_the_plans_peak(monkeypatch):
@@ -128,6 +128,26 @@ def test_a_reading_over_the_prediction_within_the_budget_is_the_plans_peak(monke
     assert compiled.activation_peak == over
     assert compiled.memory.compiled_excess == over - compiled.inductor.predicted
     assert "above the simulated peak" in compiled.report().render()
+
+
+def test_a_budget_below_the_least_simulated_peak_is_met_where_inductor_reads_below(
+        monkeypatch):
+    model, inputs = models.mlp(batch=32, width=64, depth=6)
+    with pytest.raises(BudgetError) as least:
+        remat.optimize(model, activation_budget=1, example_inputs=inputs,
+                       solver_options=SolverOptions(time_limit=10))
+    budget = least.value.smallest - 100
+    injected(monkeypatch, [budget])  # fused, the least plan reads 100 bytes lower
+    plan = remat.optimize(model, activation_budget=budget, example_inputs=inputs, compile=True,
+                          solver_options=SolverOptions(time_limit=10))
+    assert plan.inductor.predicted == least.value.smallest
+    assert plan.activation_peak == budget
+    assert "least simulated peak" in plan.report().render()
+    injected(monkeypatch, [budget + 1])  # a byte over: the op-by-op refusal, with the reading
+    with pytest.raises(BudgetError, match=r"op by op.*compiled, read") as e:
+        remat.optimize(model, activation_budget=budget, example_inputs=inputs, compile=True,
+                       solver_options=SolverOptions(time_limit=10))
+    assert e.value.smallest == budget + 1
 
 
 def test_readings_that_never_fit_are_a_budget_error_naming_them(monkeypatch):

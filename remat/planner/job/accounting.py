@@ -58,9 +58,9 @@ class StepMemory:
     budget: int | None = None
     """The whole-step budget, None when only the activations were bounded."""
     compiled_excess: int = 0
-    """Bytes the allocator measured above the simulated peak when Inductor ran the plan (its
-    own buffers and kernels; `remat.planner.plans.inductor_check`); 0 when it measured at most
-    the simulated peak, or the plan runs op by op."""
+    """Bytes the allocator measured above the simulated peak (negative: below) when Inductor
+    ran the plan, its own buffers and fused kernels (`remat.planner.plans.inductor_check`), so
+    that the activation peak is the allocator's; 0 for a plan run op by op."""
 
     @property
     def activation_peak(self) -> int:
@@ -112,8 +112,8 @@ class StepMemory:
                 "the modules' buffers, held all step")] if s.batch + s.buffers else []),
             ("activation peak", self.activation_peak, True,
              "simulated; the step's peak less the state" if not self.compiled_excess else
-             f"the allocator's under Inductor, {self.compiled_excess:,} B above the "
-             "simulated; the step's peak less the state"),
+             f"the allocator's under Inductor ({self.compiled_excess:+,} B from the "
+             "simulated); the step's peak less the state"),
             ("reserve", self.reserve, self.budget is not None,
              "CUDA context and workspaces" if self.budget is not None else
              "not added: only the activations were bounded"),
