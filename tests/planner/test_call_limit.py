@@ -13,6 +13,7 @@ from remat.planner.job.training import Training
 from remat.solvers import SolverOptions
 from remat.solvers.core.options import sized_limit
 from tests.models import GPTConfig, gpt
+from tests.planner.small_gpt import model_inputs, prepared  # noqa: F401 (fixtures)
 
 # The preparation's phases as the injected capture reports them (the solve's is measured).
 PHASES = (("capture", 4.0), ("profile", 0.5), ("lower", 0.3))
@@ -76,3 +77,10 @@ def test_sized_limits_do_not_depend_on_the_call():
     assert SolverOptions().by_size(5000).time_limit == whole
     assert SolverOptions(deterministic=True).by_size(5000).time_limit == whole
     assert SolverOptions(time_limit=7).by_size(5000).time_limit == 7
+
+
+def test_prepare_records_its_phases(prepared):
+    """Each phase of the preparation, in order, within the preparation's own time."""
+    assert [name for name, _ in prepared.phases] == ["capture", "profile", "lower"]
+    assert all(seconds >= 0 for _, seconds in prepared.phases)
+    assert sum(seconds for _, seconds in prepared.phases) <= prepared.prepare_time
