@@ -23,13 +23,13 @@ is its own; the phases are timed there:
 - simulate: `remat.solvers.timeline.simulate` of the plan (the simulator is the judge of
   every plan);
 - report: the report (its baselines solved) rendered.
-"limit" is the one chosen for the problem's size (the solver's own, as in `remat.optimize`:
-the capture before it does not count); "solve/limit" the solve's wall seconds and its limit.
-"optimize" is the wall seconds from the capture's start to the plan, what `remat.optimize`
-takes (the layer sweep's save-all simulation for its budget included). "total" is the sum of the phases; in brackets and in "cpu", the
-process's CPU seconds (CP-SAT's workers add up); "import" the seconds to import torch and remat
-before them. Timings are wall seconds and depend on the load of the machine: the header prints the
-load average.
+"limit" is the one chosen for the problem's size (the solver's own, as in `remat.optimize`: the
+capture before it does not count); "solve/limit" the solve's wall seconds and its limit.
+"optimize" is the wall seconds from the capture's start to the plan, what `remat.optimize` takes
+(the layer sweep's save-all simulation for its budget included). "total" is the sum of the
+phases; in brackets and in "cpu", the process's CPU seconds (CP-SAT's workers add up); "import"
+the seconds to import torch and remat before them. Timings are wall seconds and depend on the
+load of the machine: the header prints the load average.
 """
 from __future__ import annotations
 
@@ -39,7 +39,6 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("capture", "profile", "lower", "solve", "simulate", "report")
