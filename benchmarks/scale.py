@@ -23,14 +23,13 @@ is its own; the phases are timed there:
 - simulate: `remat.solvers.timeline.simulate` of the plan (the simulator is the judge of
   every plan);
 - report: the report (its baselines solved) rendered.
-"limit" is the one chosen for the problem's size (the whole call's, as in `remat.optimize`,
-which starts counting before the capture: `SolverOptions.started`); "solve/limit" the solve's
-wall seconds and its own limit, what was left of it. "optimize" is the wall seconds from the
-capture's start to the plan, what `remat.optimize` takes (the layer sweep's save-all
-simulation for its budget included). "total" is the sum of the phases; in brackets and in "cpu", the
-process's CPU seconds (CP-SAT's workers add up); "import" the seconds to import torch and remat
-before them. Timings are wall seconds and depend on the load of the machine: the header prints the
-load average.
+"limit" is the one chosen for the problem's size (the solver's own, as in `remat.optimize`: the
+capture before it does not count); "solve/limit" the solve's wall seconds and its limit.
+"optimize" is the wall seconds from the capture's start to the plan, what `remat.optimize` takes
+(the layer sweep's save-all simulation for its budget included). "total" is the sum of the
+phases; in brackets and in "cpu", the process's CPU seconds (CP-SAT's workers add up); "import"
+the seconds to import torch and remat before them. Timings are wall seconds and depend on the
+load of the machine: the header prints the load average.
 """
 from __future__ import annotations
 
@@ -40,7 +39,6 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("capture", "profile", "lower", "solve", "simulate", "report")
@@ -76,7 +74,7 @@ def measure(name: str, *, solver: str, time_limit: float, relative_gap: float, r
 
     from remat.errors import BudgetError
     from remat.planner.job.budget import format_size, parse_size
-    from remat.planner.plans.plan import counting_from_now, plan_prepared
+    from remat.planner.plans.plan import plan_prepared
     from remat.planner.plans.prepare import prepare
     from remat.solvers import SolverOptions, make_schedule, simulate
 
@@ -102,9 +100,8 @@ def measure(name: str, *, solver: str, time_limit: float, relative_gap: float, r
         row["cpu"] = cpu() - cpu_start
 
     model, inputs = llama(config, batch=batch, device="meta", dtype=torch.bfloat16)
-    # What `remat.optimize` does: the call starts before the capture, and a time limit left to
-    # the problem's size is the whole call's (SolverOptions.started).
-    options = counting_from_now(SolverOptions(time_limit=time_limit, relative_gap=relative_gap))
+    # What `remat.optimize` does: a time limit left to the problem's size is the solver's own.
+    options = SolverOptions(time_limit=time_limit, relative_gap=relative_gap)
     call_start = time.perf_counter()
     prepared = prepare(model, inputs, training=training, target="h100", replicate=replicate,
                        progress=done)
@@ -112,7 +109,7 @@ def measure(name: str, *, solver: str, time_limit: float, relative_gap: float, r
     row["replicated"] = hasattr(prepared.captured, "blocks")
     if prepare_only:
         return row
-    sized = replace(options, started=None).by_size(len(prepared.problem))
+    sized = options.by_size(len(prepared.problem))
     row["limit"] = f"{sized.time_limit:g} s, {sized.relative_gap:.0%}"
     activations = None
     if budget is None:  # a share of the save-all peak (the budget's choice, not timed)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 from remat.fx_passes.measuring.devices import device as target_device
 from remat.planner.job.budget import parse_size
 from remat.planner.plans.eager_plan import check_no_cache, plan_eager_mode
-from remat.planner.plans.plan import Plan, counting_from_now, plan_prepared
+from remat.planner.plans.plan import Plan, plan_prepared
 from remat.planner.plans.prepare import prepare, warn_eval_mode
 from remat.planner.plans.shapes import plan_range
 from remat.planner.job.training import Training
@@ -112,10 +112,9 @@ def optimize(model: Any, budget: int | str | None = None, *,
                                      returns, execution, blocks, offload, dynamic)
 
     def plan_one(example_inputs, example_kwargs, shape_range=None) -> Plan:
-        # A limit chosen by size is the whole call's: capture, profile and lowering count.
-        options = counting_from_now(solver_options)
+        options = solver_options
         if compile:  # recomputations just before their readers: see inductor_check
-            options = dataclasses.replace(options, free_positions=False)
+            options = dataclasses.replace(options or SolverOptions(), free_positions=False)
         prepared = prepare(model, example_inputs, example_kwargs=example_kwargs,
                            training=training, target=target, loss_fn=loss_fn, returns=returns,
                            shape_range=shape_range)
@@ -138,6 +137,7 @@ def optimize(model: Any, budget: int | str | None = None, *,
 
         args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) \
             else (example_inputs,)
+
         def cut_to(smallest: int) -> int:  # the cut that leaves what `smallest` would
             if whole is None:
                 return activations - smallest
@@ -175,7 +175,7 @@ def _plan_tensor_parallel(model, whole, activations, example_inputs, example_kwa
     return plan_tensor_parallel(model, whole, activation_budget=activations,
                                 example_inputs=example_inputs, example_kwargs=example_kwargs,
                                 training=training, target=target, solver=solver,
-                                solver_options=counting_from_now(solver_options), blocks=blocks,
+                                solver_options=solver_options, blocks=blocks,
                                 loss_fn=loss_fn, returns=returns)
 
 

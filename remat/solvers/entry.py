@@ -114,8 +114,7 @@ def solve_eager(problem: Problem, blocks: EagerBlocks, budget: int,
     nothing better (HEURISTIC, why in info["last_resort"]). Raises BudgetError when nothing
     fits, its smallest budget proven or labelled found (`BudgetError.proven`)."""
     strategy = Strategy(strategy)
-    # Limits left to None chosen by the eager problem's size, counting the call's time before
-    # the solve (capture and probe, where the caller started its clock).
+    # Limits left to None chosen by the eager problem's size: the solve's own time.
     options, stated = sized_and_stated(options or SolverOptions(), len(problem))
     deadline = Deadline(options.time_limit, clock=options.clock or time.perf_counter)
     seeds: list[frozenset[int]] = [frozenset(), blocks.cacheable]

@@ -1,8 +1,9 @@
-"""A time limit left to the problem's size is the whole planning call's: `remat.optimize`
-starts counting before the capture (`SolverOptions.started`), and the solver gets what is left
-(`remat.solvers.core.options.limit_left`). Clocks are injected: nothing here reads the wall
-clock."""
+"""The default time limit is the solver's own: `remat.optimize`'s capture, profiling and
+lowering do not count against it, and the report states what each phase took. Clocks are
+injected: the capture "takes" 4 s on the solver's clock; nothing here reads the wall clock."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -10,36 +11,24 @@ import remat.planner.optimize as optimize_module
 from remat.planner.optimize import optimize
 from remat.planner.job.training import Training
 from remat.solvers import SolverOptions
-from remat.solvers.core.options import SIZED_AFTER_SHARE, SIZED_LEAST_SHARE, sized_limit
+from remat.solvers.core.options import sized_limit
 from tests.models import GPTConfig, gpt
+from tests.planner.small_gpt import model_inputs, prepared  # noqa: F401 (fixtures)
 
-
-def test_a_sized_limit_counts_the_time_the_call_spent():
-    whole = sized_limit(5000)
-    assert whole == 15.0  # 10 s + a second per 1,000 ops
-    late = SolverOptions(started=95.0, clock=lambda: 100.0)
-    assert late.by_size(5000).time_limit == pytest.approx((1 - SIZED_AFTER_SHARE) * whole - 5)
-    # A capture that took longer than the limit still leaves the solver its least share.
-    slow = SolverOptions(started=0.0, clock=lambda: 100.0)
-    assert slow.by_size(5000).time_limit == pytest.approx(SIZED_LEAST_SHARE * whole)
-    # A given limit is the solver's; deterministic mode keeps the whole sized limit (its plan
-    # must not depend on how long the capture took); with no start, nothing is counted.
-    assert SolverOptions(started=0.0, clock=lambda: 100.0, time_limit=7).by_size(5000) \
-        .time_limit == 7
-    assert SolverOptions(started=0.0, clock=lambda: 100.0, deterministic=True).by_size(5000) \
-        .time_limit == whole
-    assert SolverOptions().by_size(5000).time_limit == whole
+# The preparation's phases as the injected capture reports them (the solve's is measured).
+PHASES = (("capture", 4.0), ("profile", 0.5), ("lower", 0.3))
 
 
 def a_capture_of_4_seconds(monkeypatch):
     """An injected clock (a list holding now), on which `remat.optimize`'s capture "takes" 4 s
-    and which stands still while the solver runs; a tiny GPT and its inputs."""
+    and which stands still while the solver runs; the preparation reports PHASES; a tiny GPT
+    and its inputs."""
     now = [1000.0]
     real_prepare = optimize_module.prepare
 
     def slow_prepare(*args, **kwargs):
         now[0] += 4.0
-        return real_prepare(*args, **kwargs)
+        return dataclasses.replace(real_prepare(*args, **kwargs), phases=PHASES)
 
     monkeypatch.setattr(optimize_module, "prepare", slow_prepare)
     model, inputs = gpt(GPTConfig(block_size=32, vocab_size=128, n_layer=2, n_head=2,
@@ -47,42 +36,51 @@ def a_capture_of_4_seconds(monkeypatch):
     return now, model, inputs
 
 
-def test_optimize_counts_its_capture_in_the_default_limit(monkeypatch):
-    """The capture "takes" 4 s on the injected clock, which stands still while the solver runs:
-    the solve's limit is the call's less those 4 s, and the report says so."""
+@pytest.mark.parametrize("execution", ["compiled", "eager"])
+def test_the_default_limit_is_the_solvers_own(monkeypatch, execution):
+    """The capture's 4 s on the solver's clock leave the limit chosen by the problem's size
+    whole, in both modes; the report states it as chosen, and each phase's seconds."""
     now, model, inputs = a_capture_of_4_seconds(monkeypatch)
     plan = optimize(model, activation_budget="1GB", example_inputs=inputs,
-                    training=Training(reserve=0, fragmentation=0.0),
+                    execution=execution, training=Training(reserve=0, fragmentation=0.0),
                     solver_options=SolverOptions(clock=lambda: now[0], workers=2))
-    whole = sized_limit(len(plan.problem))
+    problem = plan.eager_problem if execution == "eager" else plan.problem
     info = plan.schedule.info
-    assert info["spent_before_solve"] == pytest.approx(4.0)
-    assert info["time_limit"] == pytest.approx((1 - SIZED_AFTER_SHARE) * whole - 4.0)
-    assert info["limits"] == (f"chosen by problem size: {whole:g} s for the whole call, 4.0 s "
-                              "of it spent before the solve")
-    assert f"({info['limits']})" in plan.report().render()
-    assert plan.solver_options.started is None  # a later re-plan counts from its own start
+    assert info["time_limit"] == sized_limit(len(problem))
+    assert info["limits"] == "chosen by problem size"
+    assert "spent_before_solve" not in info
+    names = [name for name, _ in plan.phases]
+    assert names == ["capture", "profile", "lower",
+                     *(["probe"] if execution == "eager" else []), "solve"]
+    assert plan.phases[:3] == PHASES
+    report = plan.report()
+    assert report.solver.phases == plan.phases
+    text = report.render()
+    assert "(chosen by problem size)" in text
+    assert "time by phase" in text and "capture 4.0 s, profile 0.5 s, lower 0.3 s" in text
+    assert f"({sum(s for _, s in plan.phases):.1f} s in all)" in text
 
 
-def test_an_eager_plan_counts_its_capture_and_states_its_limits(monkeypatch):
-    """execution="eager" as compiled: the capture's 4 s (injected clock) are the call's, and
-    the report states the limit the eager search ran under and who chose it."""
+def test_a_given_limit_is_stated_as_given(monkeypatch):
     now, model, inputs = a_capture_of_4_seconds(monkeypatch)
-    plan = optimize(model, activation_budget="1GB", example_inputs=inputs, execution="eager",
-                    training=Training(reserve=0, fragmentation=0.0),
-                    solver_options=SolverOptions(clock=lambda: now[0], workers=2))
-    whole = sized_limit(len(plan.eager_problem))
-    info = plan.schedule.info
-    assert info["spent_before_solve"] == pytest.approx(4.0)
-    assert info["time_limit"] == pytest.approx((1 - SIZED_AFTER_SHARE) * whole - 4.0)
-    assert info["limits"].startswith(f"chosen by problem size: {whole:g} s for the whole call")
-    assert f"({info['limits']})" in plan.report().render()
-    # A given limit is stated as given and is the solver's alone.
     given = optimize(model, activation_budget="1GB", example_inputs=inputs, execution="eager",
                      training=Training(reserve=0, fragmentation=0.0),
                      solver_options=SolverOptions(time_limit=5.0, relative_gap=0.0,
                                                   clock=lambda: now[0], workers=2))
     assert given.schedule.info["time_limit"] == 5.0
     assert given.schedule.info["limits"] == "given"
-    assert "spent_before_solve" not in given.schedule.info
-    assert plan.solver_options.started is None  # a later re-plan counts from its own start
+
+
+def test_sized_limits_do_not_depend_on_the_call():
+    whole = sized_limit(5000)
+    assert whole == 15.0  # 10 s + a second per 1,000 ops
+    assert SolverOptions().by_size(5000).time_limit == whole
+    assert SolverOptions(deterministic=True).by_size(5000).time_limit == whole
+    assert SolverOptions(time_limit=7).by_size(5000).time_limit == 7
+
+
+def test_prepare_records_its_phases(prepared):
+    """Each phase of the preparation, in order, within the preparation's own time."""
+    assert [name for name, _ in prepared.phases] == ["capture", "profile", "lower"]
+    assert all(seconds >= 0 for _, seconds in prepared.phases)
+    assert sum(seconds for _, seconds in prepared.phases) <= prepared.prepare_time

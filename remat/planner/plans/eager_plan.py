@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from types import MappingProxyType
 from typing import Any, Sequence
 
 from remat.errors import BudgetError, RematError
 from remat.planner.job.budget import format_size
 from remat.planner.plans.block_compile import compile_blocks
+from remat.planner.plans.gap_advice import warn_on_gap
+from remat.planner.plans.solver_report import with_phases
 from remat.planner.job.ranks import options_for_this_job
 from remat.planner.plans.plan import Plan, budget_error_in_user_terms, state_overflow
 from remat.planner.plans.prepare import (cache_configs, check_eager_device, check_same_parameters,
@@ -146,8 +149,10 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
     """The eager plan of least recompute within the budget: a selective-checkpoint policy for
     every block. `no_checkpoint`: where the step with no block checkpointed fits, that is
     the plan (no policy, nothing recomputed; `unwrapped_plan`)."""
+    probing = time.perf_counter()
     problem, structure, policies, to_graph = eager_structure(
         model, prepared, blocks, example_inputs, example_kwargs)
+    phases = [*prepared.phases, ("probe", time.perf_counter() - probing)]
     strategy = Strategy(solver)
     allowance = prepared.allowance(budget, activation_budget)
     if allowance < 0:  # known before any solve, whatever its time limit
@@ -157,16 +162,18 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
     if schedule is not None:  # no block wrapped: no policy
         structure, policies = structure.unwrapped(), {}
     else:
+        solving = time.perf_counter()
         schedule = _solved(prepared, problem, structure, allowance, budget, strategy,
                            solver_options)
+        schedule = with_phases(schedule, (*phases, ("solve", time.perf_counter() - solving)))
+        warn_on_gap(schedule, log)
     # schedule.peak is the eager timeline's (eager_schedule), so the terms are the eager step's.
     memory = prepared.step_memory(schedule, budget)
     log.info("eager plan: %d blocks, activation peak %s, recompute %.3g FLOPs", len(policies),
              format_size(schedule.peak), schedule.recompute_flops)
     return EagerPlan(model=model, prepared=prepared, schedule=schedule, memory=memory,
                      target=target, solver=strategy,
-                     solver_options=None if solver_options is None
-                     else dataclasses.replace(solver_options, started=None),
+                     solver_options=solver_options,
                      activation_budget=activation_budget, policies=policies,
                      structure=structure, eager_problem=problem, to_graph=to_graph)
 
@@ -175,8 +182,8 @@ def _solved(prepared, problem, structure, allowance: int, budget: int | None,
             strategy: Strategy, solver_options: SolverOptions | None):
     """`solve_eager`'s policy within `allowance`, a BudgetError in the user's terms if none."""
     try:
-        # The call's clock started before capture and probe (remat.optimize): limits left to
-        # None are sized by the eager problem and count that time.
+        # Limits left to None are sized by the eager problem: the solver's own, whatever the
+        # capture and probe before it took.
         schedule = solve_eager(problem, structure, allowance, strategy,
                                options_for_this_job(solver_options))
     except BudgetError as e:

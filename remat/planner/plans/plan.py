@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from functools import cached_property
 from typing import Any
 
@@ -15,8 +14,10 @@ from remat.planner.job import accounting
 from remat.planner.job.accounting import StepMemory
 from remat.planner.job.budget import format_size
 from remat.planner.plans.offload_report import offload_rows
-from remat.planner.plans.report import (Measured, MemoryColumn, Report, SolverSummary, kept_tensors,
+from remat.planner.plans.gap_advice import warn_on_gap
+from remat.planner.plans.report import (Measured, MemoryColumn, Report, kept_tensors,
                                   module_rows, price)
+from remat.planner.plans.solver_report import SolverSummary, phases_of, with_phases
 from remat.planner.plans.prepare import (Prepared, check_same_parameters, device_of,
                                    has_meta_weights, prepare)
 from remat.planner.job.ranks import options_for_this_job
@@ -90,6 +91,13 @@ class Plan:
         return self.schedule.gap
 
     @property
+    def phases(self) -> tuple[tuple[str, float], ...]:
+        """(phase, wall seconds) of the call that made the plan: the preparation's (capture,
+        profile, lower; `Prepared.phases`), the eager probe's, the solve's; kept in the
+        schedule's info, so a plan file carries them (`with_phases`)."""
+        return phases_of(self.schedule)
+
+    @property
     def training_mode(self) -> str:
         """"train" or "eval": the mode the model was in when planned. Dropout and BatchNorm
         make other graphs in the other mode: there the planned module runs the model itself, and
@@ -157,7 +165,6 @@ class Plan:
                 return torch.zeros(spec[0], dtype=spec[1], device=where)
             return spec
 
-        options = counting_from_now(self.solver_options)  # the re-plan's own call
         prepared = prepare(model, tuple(make(s) for s in self.prepared.inputs),
                            example_kwargs={k: make(s) for k, s in self.prepared.kwargs.items()},
                            training=self.training, target=self.target,
@@ -165,7 +172,7 @@ class Plan:
         plan = plan_prepared(model, prepared, budget=self.memory.budget,
                              activation_budget=self.activation_budget, target=self.target,
                              solver=self.solver,
-                             solver_options=options)
+                             solver_options=self.solver_options)
         log.warning("the plan was made on %s (%s tensors) and is applied on %s tensors, where "
                     "the step's graph differs: planned again on the full graph (activation "
                     "peak %s, was %s)", "a replicated capture" if type(self.prepared.captured)
@@ -255,14 +262,6 @@ class Plan:
                 f"{format_size(self.peak)}{budget}, recompute {self.recompute_flops:.3g} FLOPs>")
 
 
-def counting_from_now(options: SolverOptions | None) -> SolverOptions:
-    """`options` (or the defaults) started now, on their clock: a time limit left to the
-    problem's size is then the whole planning call's, capture, profiling and lowering included
-    (`SolverOptions.started`; the 70B spends 5 to 10 s of its 29.9 s before the solve)."""
-    options = options or SolverOptions()
-    return replace(options, started=(options.clock or time.perf_counter)())
-
-
 def plan_prepared(model: Any, prepared: Prepared, *, budget: int | None,
                   activation_budget: int | None, target: str,
                   solver: Strategy | str = Strategy.OPTIMAL,
@@ -284,15 +283,19 @@ def plan_prepared(model: Any, prepared: Prepared, *, budget: int | None,
              format_size(allowance))
     if allowance < 0:  # known before any solve, whatever its time limit
         raise state_overflow(prepared, budget, strategy, solver_options)
+    solving = time.perf_counter()
     try:
         schedule = solve(prepared.problem, allowance, strategy, solver_options)
     except BudgetError as e:
         raise budget_error_in_user_terms(prepared, e, budget=budget, strategy=strategy) from None
+    schedule = with_phases(schedule, (*prepared.phases,
+                                      ("solve", time.perf_counter() - solving)))
+    warn_on_gap(schedule, log)
     memory = prepared.step_memory(schedule, budget)
     log.info("plan: %s %s, activation peak %s, step %s", schedule.strategy,
              schedule.status.value, format_size(memory.activation_peak), format_size(memory.total))
     return Plan(model=model, prepared=prepared, schedule=schedule, memory=memory, target=target,
-                solver=strategy, solver_options=replace(solver_options, started=None),
+                solver=strategy, solver_options=solver_options,
                 activation_budget=activation_budget)
 
 

@@ -53,6 +53,9 @@ class Prepared:
     returns: str = "output"
     """What the planned module returns: "output" (the model's) or "loss"."""
     prepare_time: float = 0.0
+    phases: tuple[tuple[str, float], ...] = ()
+    """(phase, wall seconds) of the preparation: capture, profile, lower (the report's
+    "time by phase", with the solve's)."""
     sharded: Any = None
     """remat.fx_passes.lowering.sharding.Sharded: `problem` and the graph problem the rewrite runs."""
     call_spec: Any = None
@@ -138,7 +141,13 @@ def prepare(model: Any, example_inputs: Sequence[Any] = (), *,
     captured = (capture_replicated if replicate else capture)(
         model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn, returns=returns,
         **ranged)
-    done = progress or (lambda phase, seconds: None)
+    phases: list[tuple[str, float]] = []
+
+    def done(phase: str, seconds: float) -> None:
+        phases.append((phase, seconds))
+        if progress is not None:
+            progress(phase, seconds)
+
     done("capture", captured.capture_time)
     log.info("profiling %d nodes for %s", len(captured.graph.nodes), target)
     profiled = profile(captured, target=target)
@@ -163,6 +172,7 @@ def prepare(model: Any, example_inputs: Sequence[Any] = (), *,
                     meta_weights=has_meta_weights(model), inputs=_input_specs(example_inputs),
                     kwargs={k: _input_specs((v,))[0] for k, v in (example_kwargs or {}).items()},
                     returns=returns, prepare_time=time.perf_counter() - start,
+                    phases=tuple(phases),
                     call_spec=CallSpec.of(model, _as_tuple(example_inputs), example_kwargs or {},
                                           captured.shape_range, captured.autocast),
                     range_proof=proof)

@@ -3,7 +3,8 @@ tabulate only when printed. Torch-free.
 
 Four parts: (1) the memory of the step by term, for the plan and the baselines beside it; (2) the
 plan per module, collapsed to repeated blocks, and the largest tensors it keeps; (3) the price:
-recompute FLOPs and time, the step time on the target device, MFU and HFU; (4) the solver.
+recompute FLOPs and time, the step time on the target device, MFU and HFU; (4) the solver
+(`remat.planner.plans.solver_report`: its limits, the planning call's phases, the gap).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tabulate import tabulate
 from remat.planner.job.accounting import StepMemory
 from remat.planner.job.budget import format_size
 from remat.planner.plans.offload_report import OffloadRow, offload_price_row, offload_table
+from remat.planner.plans.solver_report import SolverSummary, solver_table
 from remat.solvers import Problem, Schedule
 from remat.solvers.baselines.standard import block_of
 
@@ -115,56 +117,6 @@ class Price:
 
 
 @dataclass(frozen=True)
-class SolverSummary:
-    strategy: str
-    status: str
-    objective: float
-    """Recompute seconds of the schedule, the quantity minimized."""
-    bound: float | None
-    gap: float | None
-    time: float
-    activation_budget: int
-    minimized: str = "time"
-    """The solver's objective: "time", or "flops" (then `bound` is scaled from the FLOPs bound
-    so that `gap` is the FLOPs objective's)."""
-    bound_from: str = ""
-    """Which proof gave `bound`: CP-SAT's search, or backward steps (relaxation.bound)."""
-    model: str = ""
-    """The execution model that answered ("single" or "rich", `SolverOptions.model`); under
-    "auto" the status, bound and gap are over the rich space."""
-    single_status: str = ""
-    """Under "auto": the single model's own status (over its smaller space)."""
-    time_limit: float | None = None
-    """The time limit the solver ran under (seconds; None for a strategy without one)."""
-    relative_gap: float | None = None
-    """The relative gap at which it could stop (0: it proves optimality or runs to the limit)."""
-    limits: str = ""
-    """Who chose those two: "chosen by problem size" (`SolverOptions`' defaults, `by_size`) or
-    "given" (the caller's options)."""
-    deterministic: bool | str | None = None
-    """True when the plan came from deterministic mode uncut (the same in any process), a
-    sentence when the wall-clock limit cut it, None in wall-clock mode."""
-
-    @staticmethod
-    def of(schedule: Schedule) -> "SolverSummary":
-        single = schedule.info.get("single") or {}
-        return SolverSummary(strategy=schedule.strategy, status=schedule.status.value,
-                             objective=schedule.cost, bound=schedule.bound, gap=schedule.gap,
-                             time=schedule.solve_time, activation_budget=schedule.budget or 0,
-                             minimized=schedule.info.get("objective", "time"),
-                             bound_from=schedule.info.get("bound_from", ""),
-                             model=schedule.info.get("model", ""),
-                             single_status=single.get("status", ""),
-                             time_limit=schedule.info.get("time_limit"),
-                             relative_gap=schedule.info.get("relative_gap"),
-                             limits=schedule.info.get("limits", ""),
-                             deterministic=schedule.info.get("deterministic"))
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
 class Measured:
     """Numbers measured by running the planned step, to set beside the prediction."""
 
@@ -209,7 +161,7 @@ class Report:
                  *(["Offloaded to host", offload_table(self.offloaded), ""]
                    if self.offloaded else []),
                  "The price", _price_table(self.price), "", "The solver",
-                 _solver_table(self.solver)]
+                 solver_table(self.solver)]
         if self.measured is not None:
             parts += ["", "Predicted vs measured", _measured_table(self.plan_memory,
                                                                    self.measured)]
@@ -358,28 +310,6 @@ def _price_table(p: Price) -> str:
         [f"HFU, {p.time_source}", pct(p.hfu), "as MFU, with the recomputed FLOPs"],
     ]
     return tabulate(rows, headers=["", "value", "source"], disable_numparse=True)
-
-
-def _solver_table(s: SolverSummary) -> str:
-    rows = [["strategy", s.strategy], ["status", s.status],
-            ["minimized", "recompute time" if s.minimized == "time"
-             else "recompute FLOPs (time breaks ties)"],
-            ["recompute time", f"{s.objective * 1e3:.4f} ms"],
-            ["bound", "n/a" if s.bound is None else f"{s.bound * 1e3:.4f} ms"],
-            ["gap", "n/a" if s.gap is None else f"{100 * s.gap:.2f} %"],
-            *([["bound from", s.bound_from]] if s.bound_from else []),
-            *([["execution model", s.model + (f" (the single model's plan is {s.single_status} "
-                                              "in its own space)" if s.single_status else "")]]
-              if s.model else []),
-            ["solve time", f"{s.time:.2f} s"],
-            *([["time limit, relative gap", f"{s.time_limit:g} s, {100 * s.relative_gap:g} %"
-                + (f" ({s.limits})" if s.limits else "")]]
-              if s.time_limit is not None and s.relative_gap is not None else []),
-            *([["repeatable", "yes: deterministic mode, the same plan in any process"
-                if s.deterministic is True else f"no: {s.deterministic}"]]
-              if s.deterministic is not None else []),
-            ["simulated-peak allowance", format_size(s.activation_budget)]]
-    return tabulate(rows, disable_numparse=True)
 
 
 def _measured_table(memory: StepMemory, measured: Measured) -> str:

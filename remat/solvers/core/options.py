@@ -1,7 +1,6 @@
 """Solver controls: explicit, with defaults, never hard-coded inside a strategy."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -15,13 +14,6 @@ SIZED_OPS_PER_SECOND = 1000
 SIZED_LIMIT_CAP = 30.0
 SIZED_GAP = 0.01
 SIZED_GAP_OPS = 2000
-# Where the call that plans began earlier (`SolverOptions.started`: `remat.optimize` captures,
-# profiles and lowers first), a limit chosen by size is the whole call's: the solver gets what
-# is left of it less SIZED_AFTER_SHARE for what follows the solve (the plan's memory, the
-# solver's last evaluations), and never less than SIZED_LEAST_SHARE of it (a slow capture
-# still leaves the solver time to plan). The 70B: 29.9 s for the call, 5 to 10 s of capture.
-SIZED_AFTER_SHARE = 0.05
-SIZED_LEAST_SHARE = 1 / 3
 
 
 def sized_limit(ops: int) -> float:
@@ -30,18 +22,16 @@ def sized_limit(ops: int) -> float:
     return min(SIZED_LIMIT_CAP, SIZED_LIMIT + ops / SIZED_OPS_PER_SECOND)
 
 
-def limit_left(limit: float, spent: float) -> float:
-    """What the solver gets of a call's `limit` when `spent` seconds of the call are gone."""
-    return max(SIZED_LEAST_SHARE * limit, (1 - SIZED_AFTER_SHARE) * limit - max(spent, 0.0))
-
-
 @dataclass(frozen=True, kw_only=True)
 class SolverOptions:
     time_limit: float | None = None
     """Seconds the whole call of the exact solver may take (baselines, hint, bounds, both
     stages, fallbacks) before it returns its best schedule with its gap: a hard deadline,
     checked by every stage. None: chosen by the problem's size (`by_size`: 10 s plus a second
-    per 1,000 ops, at most 30 s)."""
+    per 1,000 ops, at most 30 s). Given or chosen, the limit is the solver's own: in
+    `remat.optimize` the capture, profiling and lowering before the solve (and the eager
+    probe) do not count against it, so a slow capture on a busy machine leaves the solver its
+    whole limit; the report states each phase's seconds apart."""
     workers: int = 0
     """CP-SAT search workers; 0 lets OR-Tools pick one per core. (The bounds' relaxations
     run the portfolio of `remat.solvers.relaxation.bound.WORKERS` that proves them, whatever this
@@ -67,13 +57,6 @@ class SolverOptions:
     """Deterministic mode: the seconds the stages plan on, counted deterministically (None: half
     of `time_limit`, `remat.solvers.cpsat.search.DETERMINISTIC_SHARE`). Set it, with a generous
     `time_limit`, for the same plan on every rank of a job however loaded the machines."""
-    started: float | None = field(default=None, compare=False)
-    """When the call that plans began, on `clock` (None: with the solve). Where it is set and
-    `time_limit` is left to the problem's size (`by_size`), that limit is the whole call's: the
-    solver gets what is left of it once the time before the solve is spent (`limit_left`: less a
-    twentieth for what follows the solve, at least a third of it). `remat.optimize` sets it, so
-    that capture, profiling and lowering count. Deterministic mode keeps the whole limit (its
-    plan must not depend on how long the capture took)."""
     clock: Callable[[], float] | None = field(default=None, compare=False)
     """The clock of the call's `remat.solvers.core.deadline.Deadline` (None: `time.perf_counter`);
     tests replace it to see where a call stops without reading the wall clock."""
@@ -128,56 +111,35 @@ class SolverOptions:
         """Whether a limit is left to `by_size`."""
         return self.time_limit is None or self.relative_gap is None
 
-    def spent(self) -> float | None:
-        """Seconds since `started` on the options' clock that a limit chosen by size counts
-        (None: none; not started, a given limit, or deterministic mode)."""
-        if self.started is None or self.time_limit is not None or self.deterministic:
-            return None
-        return (self.clock or time.perf_counter)() - self.started
-
-    def by_size(self, ops: int, spent: float | None = None) -> "SolverOptions":
+    def by_size(self, ops: int) -> "SolverOptions":
         """These options with the limits the caller left to None chosen for a problem of `ops`
-        ops: what `solve` runs and the report states. `spent`: the seconds of the call already
-        gone (None: `self.spent()`), which a limit chosen by size counts."""
+        ops: what `solve` runs and the report states."""
         if not self.sized:
             return self
         limit = sized_limit(ops)
-        spent = self.spent() if spent is None else spent
-        if spent is not None:
-            limit = limit_left(limit, spent)
         gap = SIZED_GAP if ops >= SIZED_GAP_OPS else 0.0
         return replace(self, time_limit=limit if self.time_limit is None else self.time_limit,
                        relative_gap=gap if self.relative_gap is None else self.relative_gap)
 
 
 def sized_and_stated(options: SolverOptions, ops: int) -> tuple[SolverOptions, dict]:
-    """`options` with their limits chosen for a problem of `ops` ops (`by_size`, counting the
-    call's time before the solve where it is started), and what a schedule's info states of
-    them for the report: "time_limit", "relative_gap", "limits" (who chose them) and, where the
-    sized limit counted it, "spent_before_solve"."""
-    spent = options.spent()
-    sized = options.by_size(ops, spent)
+    """`options` with their limits chosen for a problem of `ops` ops (`by_size`), and what a
+    schedule's info states of them for the report: "time_limit", "relative_gap" and "limits"
+    (who chose them)."""
+    sized = options.by_size(ops)
     stated = {"time_limit": sized.time_limit, "relative_gap": sized.relative_gap,
-              "limits": who_chose_limits(options, ops, spent)}
-    if spent is not None:
-        stated["spent_before_solve"] = spent
+              "limits": who_chose_limits(options)}
     return sized, stated
 
 
-def who_chose_limits(options: SolverOptions, ops: int, spent: float | None) -> str:
+def who_chose_limits(options: SolverOptions) -> str:
     """Who chose the time limit and relative gap of `options` (before `by_size`), as the report
-    states it: "given", or chosen by the size of a problem of `ops` ops, with the whole call's
-    limit and the `spent` seconds of it gone before the solve where the sized limit counts
-    them."""
+    states it: "given", or chosen by the problem's size."""
     sized = [name for name, value in (("time limit", options.time_limit),
                                       ("relative gap", options.relative_gap)) if value is None]
     if not sized:
         return "given"
-    said = "chosen by problem size" if len(sized) == 2 else f"{sized[0]} chosen by problem size"
-    if spent is not None:
-        said += (f": {sized_limit(ops):g} s for the whole call, {spent:.1f} s of it spent "
-                 "before the solve")
-    return said
+    return "chosen by problem size" if len(sized) == 2 else f"{sized[0]} chosen by problem size"
 
 
 MODELS = ("single", "rich", "auto")
