@@ -1,11 +1,15 @@
 """Measuring one training step the same way for every strategy of `peers.py`.
 
-Three numbers come from dispatch modes: live bytes (remat's storage tracker), FLOPs (the
-formulas of `torch.utils.flop_counter`) and the gradients. For eager strategies the modes wrap
-the whole step. For compiled ones a mode around the call would make dynamo run the eager code
-instead of the graphs, so `Probe` enters the modes inside every compiled
-forward and backward graph and counts the graph calls, and `measure` refuses a compiled step
-whose graphs did not run.
+The peak is the CPU allocator's (torch.profiler's memory events,
+remat.fx_passes.measuring.allocator): it sees kernel scratch, a convolution backward's oneDNN
+workspace among it, which a dispatch-mode tracker of the storages ops return does not (on the
+U-Net, 24 MiB of its 123 MiB step). remat plans that scratch; a tracker's peak would credit
+every other strategy with it. FLOPs (the formulas of `torch.utils.flop_counter`) come from a
+dispatch mode. For eager strategies it wraps the whole step. For compiled ones a mode around
+the call would make dynamo run the eager code instead of the graphs, so `Probe` enters the
+modes inside every compiled forward and backward graph and counts the graph calls, and
+`measure` refuses a compiled step whose graphs did not run. The profiler is no dispatch mode:
+it wraps the compiled call, whose graph calls are counted and checked the same way.
 """
 from __future__ import annotations
 
@@ -15,10 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from remat.fx_passes.measuring.allocator import peak_and_result
 from remat.fx_passes.measuring.flops import FlopCounter, register_cpu_attention
-from remat.fx_passes.measuring.memory_tracker import MemoryTracker
 
 # PyTorch has no formula for the CPU attention kernels: attention would count zero FLOPs.
 register_cpu_attention()
@@ -77,16 +80,11 @@ def inside_planned(module, *modes) -> Iterator[Callable[[], dict[str, int]]]:
 
 @dataclass
 class Measured:
-    peak: int  # live bytes of storages created during the step, at their maximum
+    peak: int  # the allocator's peak of the step above what was allocated before it
     flops: int  # FLOPs of the whole step
     grads: list[torch.Tensor | None] = field(repr=False)
     seconds: float  # fastest of the timed steps (the machine may be shared: the least noisy)
     graph_calls: dict[str, int] | None = None  # compiled strategies: graph calls per step
-
-
-def tracker_mode(tracker) -> Any:
-    """The dispatch mode of a tracker, whatever the tracker calls it."""
-    return tracker if isinstance(tracker, TorchDispatchMode) else tracker.mode()
 
 
 def run_step(step: Callable, inputs: tuple, params: list[torch.nn.Parameter]) -> None:
@@ -96,28 +94,10 @@ def run_step(step: Callable, inputs: tuple, params: list[torch.nn.Parameter]) ->
     loss.backward()
 
 
-@contextlib.contextmanager
-def visible_rng_snapshots() -> Iterator[None]:
-    """`torch.get_rng_state()` copies the generator outside the dispatcher, so a dispatch-mode
-    tracker never sees the 5,056-byte snapshots that `torch.utils.checkpoint` keeps per
-    checkpointed block (and `fork_rng` takes in its recomputation). Inside this context they are
-    copied by an aten op, which the tracker counts, as it counts remat's own snapshots."""
-    original = torch.get_rng_state
-
-    def counted() -> torch.Tensor:
-        return torch.default_generator.get_state().clone()
-
-    torch.get_rng_state = counted
-    try:
-        yield
-    finally:
-        torch.get_rng_state = original
-
-
 def measure(step: Callable, inputs: tuple, model: torch.nn.Module, *, seed: int,
             reset: Callable[[], None], inside: Callable[..., ContextManager] | None = None,
             repeats: int = 2) -> Measured:
-    """Peak bytes and gradients (one step under the tracker), FLOPs (one under FlopCount) and
+    """Peak bytes and gradients (one step under the profiler), FLOPs (one under FlopCount) and
     the fastest of `repeats` steps without modes. Every step starts from the same seed and
     buffers. `inside` (Probe.inside, inside_planned) is given for compiled steps: the modes then
     go inside their graphs, and a step whose graphs did not run raises."""
@@ -136,14 +116,13 @@ def measure(step: Callable, inputs: tuple, model: torch.nn.Module, *, seed: int,
             run_step(step, inputs, params)
             return calls()
 
-    tracker = MemoryTracker()
-    with visible_rng_snapshots():
-        calls = one(tracker_mode(tracker))
+    # A mode that does nothing, so that the graph calls are counted (remat's hooks count
+    # them only while an instrument is entered) with nothing but the allocator watching.
+    peak, calls = peak_and_result(lambda: one(contextlib.nullcontext()))
     if inside is not None and not (calls["forward"] >= 1 and calls["backward"] >= 1):
         # The trap: a mode around a compiled call runs eager code. Here the modes sit inside
         # the graphs; a step that ran no graph measured nothing.
         raise RuntimeError(f"the compiled graphs did not run during the measured step: {calls}")
-    peak = int(tracker.peak)
     grads = [None if p.grad is None else p.grad.detach().clone() for p in params]
     counter = FlopCount()
     one(counter)

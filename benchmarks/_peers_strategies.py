@@ -146,8 +146,8 @@ def eager(case: Case, strategy: str, repeats: int) -> tuple[Measured, str]:
 
 def torch_budget(case: Case, fraction: float, repeats: int) -> Measured:
     """AOTAutograd with the min-cut partitioner that torch.compile uses, under
-    activation_memory_budget = fraction; graphs run op by op (boxed_nop) so the tracker sees
-    every tensor, as in remat's measured step."""
+    activation_memory_budget = fraction; graphs run op by op (boxed_nop), as in remat's measured
+    step."""
     from torch._functorch import config as functorch_config
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -180,8 +180,8 @@ class Remat:
     (`prepare`: capture, profile, lower; `plan_prepared`: solve, simulate) so the capture runs
     once per model, as in remat.sweep.
 
-    Budgets and peaks here are in the benchmark's terms: the live bytes of the storages the step
-    creates, the parameters' gradients included (the tracker sees them made in the backward, and
+    Budgets and peaks here are in the benchmark's terms: the allocator's peak of the step, the
+    parameters' gradients included (the allocator sees them made in the backward, and
     every baseline's measured peak counts them). remat's `activation_budget` and
     `plan.activation_peak` leave those gradients out (they are state), so a budget is given to
     remat less `gradients`, and its figures are read back with them added."""

@@ -15,10 +15,12 @@ fits each budget; the fraction bounds saved bytes, not the peak); torch.utils.ch
 every block; Chen's sqrt(n) segments (checkpoint_sequential-style over the blocks, or remat's
 chen_sqrt schedule where the blocks are not a chain); no checkpointing.
 
-Every strategy is measured the same way: live bytes of the storages the step creates (remat's
-MemoryTracker, entered inside the compiled graphs for compiled strategies, whose graph calls are
+Every strategy is measured the same way: the CPU allocator's peak of the step (torch.profiler's
+memory events; kernel scratch included, such as a convolution backward's workspace, which remat
+plans and a storage tracker would leave out; for compiled strategies their graph calls are
 checked), the parameters' gradients included: remat's activation_budget leaves them out, so it
-is given each budget less the gradients, and its predicted peak has them added back. FLOPs by FlopCounterMode's formulas (recompute = the step's minus no-checkpointing's),
+is given each budget less the gradients, and its predicted peak has them added back.
+FLOPs by FlopCounterMode's formulas (recompute = the step's minus no-checkpointing's),
 gradients against eager's with the same seed, and CPU step time. Compiled strategies run their
 graphs op by op (boxed_nop): they are compared by what they save and recompute, not by kernels.
 

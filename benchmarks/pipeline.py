@@ -15,11 +15,14 @@ layer (2 a rank) for the multi-stage schedules. Per schedule, three runs of the 
 The budget of each rank: halfway between the least any of remat's candidate combinations
 holds and what its cheapest one holds (AdamW; nothing reserved, 1 % margin).
 
-Per rank: peak = what the rank holds when the step starts (parameters, optimizer state, the
-runtime's receive buffers, the batch) plus the allocator's peak of one step above it
-(torch.profiler memory events; frees of blocks from before the step not counted; the lesser
-of two steps); recompute = the step's FLOPs (remat's counter: matmuls and attention) less
-those of the same step without checkpointing; remat's prediction beside its measurement.
+Per rank: peak = what the rank holds for good (parameters, optimizer state, the runtime's
+receive buffers, the batch) plus the allocator's peak of one step above that: the CPU
+allocator's count on every thread (remat.fx_passes.measuring.every_thread, gloo's thread
+included), with what the last step left for this one to free (a zero-bubble stage's receive
+buffers' input gradients) counted as held at the start; the higher of two steps,
+each checked to end at its gradients (every free seen; "(unclean)" otherwise); recompute =
+the step's FLOPs (remat's counter: matmuls and attention) less those of the same step without
+checkpointing; remat's prediction beside its measurement.
 Timing-free: a busy machine changes the run time only (a few minutes on 2 cores).
 """
 from __future__ import annotations
@@ -70,7 +73,7 @@ def plan_for(schedule: str, microbatches: int, reuse=None):
 def run(rank: int, schedule: str, plan, variant: str, microbatches: int) -> dict:
     from torch.utils.checkpoint import checkpoint
 
-    from remat.fx_passes.measuring.allocator import allocator_peak
+    from remat.fx_passes.measuring.every_thread import addresses, every_thread_reading
     from remat.fx_passes.measuring.flops import FlopCounter
 
     model, (tokens, targets) = llama(CONFIG, batch=BATCH, data_seed=1)
@@ -93,21 +96,24 @@ def run(rank: int, schedule: str, plan, variant: str, microbatches: int) -> dict
         step()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    held = _bytes(params) + _bytes(t for st in opt.state.values() for t in st.values()
-                                   if t.dim()) \
-        + _bytes(receive_buffers(stages)) + _bytes(batch)
-    peaks = []
+    state = [t for st in opt.state.values() for t in st.values() if t.dim()]
+    held = _bytes(params) + _bytes(state) + _bytes(receive_buffers(stages)) + _bytes(batch)
+    peaks, clean = [], True
     for _ in range(2):
         gc.collect()
         dist.barrier()
-        peaks.append(allocator_peak(step))
+        reading = every_thread_reading(step, held=addresses(
+            [*params, *state, *receive_buffers(stages), *batch]))
+        peaks.append(reading.from_before + reading.peak)
+        clean &= reading.end == _bytes(p.grad for p in params if p.grad is not None)
         opt.zero_grad(set_to_none=True)
     dist.barrier()
     counter = FlopCounter()
     with counter:
         step()
     opt.zero_grad(set_to_none=True)
-    return {"peak": held + min(peaks), "step": min(peaks), "flops": counter.total}
+    return {"peak": held + max(peaks), "step": max(peaks), "flops": counter.total,
+            "clean": clean}
 
 
 def _bytes(tensors) -> int:
@@ -116,6 +122,9 @@ def _bytes(tensors) -> int:
 
 
 def worker(rank: int, init: str, plans: dict, microbatches: int, out: str) -> None:
+    from remat.fx_passes.measuring.every_thread import track_every_thread
+
+    track_every_thread()  # before the job allocates: the readings see its every free
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     try:
         torch.set_num_threads(1)
@@ -163,7 +172,11 @@ def main(argv=None) -> None:
                 continue
             base = got["none"]["flops"]
             rec = lambda v: (got[v]["flops"] - base) / 1e6  # noqa: E731
-            fits = lambda v: "" if got[v]["peak"] <= plan.budgets[rank] else " (over)"  # noqa
+
+            def fits(v: str) -> str:  # over the budget; a reading that missed a free
+                return ("" if got[v]["peak"] <= plan.budgets[rank] else " (over)") \
+                    + ("" if got[v]["clean"] else " (unclean)")
+
             flight = ", ".join(f"{s}: {plan.ranks[rank].in_flight.get(s, 0)}"
                                for s in plan.order.stages_of(rank))
             names = "; ".join(f"{s.stage}: {s.chosen.name}" for s in plan.stages

@@ -20,9 +20,9 @@ any of remat's candidate combinations holds and what no checkpointing holds (Ada
 reserved, 1 % margin).
 
 Per rank the script prints: its coordinates, the budget, remat's predicted peak, the allocator's
-(what the rank holds when the step starts plus torch.profiler's peak of one step above it: of
-`--readings` steps, the least peak of those whose recorded end is the least, as a reading that
-missed a free on gloo's thread ends higher), how far the measurement is over the prediction, and whether the gradients
+(what the rank holds when the step starts plus the allocator's peak of one step above it,
+counted on every thread, gloo's included: remat.fx_passes.measuring.every_thread; the highest
+of `--readings` steps), how far the measurement is over the prediction, and whether the gradients
 of a step equal those of the same job without remat (bitwise, and the worst relative
 difference of the parameters after two AdamW steps).
 """
@@ -48,7 +48,7 @@ from remat.planner.parallel.fsdp import reduce_peak  # noqa: E402
 
 # benchmarks/pipeline.py's model: hidden 64, 4 layers, sequence 32.
 CONFIG = replace(LLAMA_TEST, layers=4, dropout=0.0, seq=32, hidden=64, mlp=176)
-READINGS = 5
+READINGS = 3  # profiled steps a rank, each judged
 
 
 @dataclass(frozen=True)
@@ -130,11 +130,13 @@ def _bytes(tensors) -> int:
                 for t in map(_local, tensors)}.values())
 
 
-def train_rank(rank: int, job: Job, mesh, plan, measure: bool, readings: int = READINGS) -> dict:
+def train_rank(rank: int, job: Job, mesh, plan, measure: bool,
+               readings_wanted: int = READINGS) -> dict:
     """This rank's part of the job, with remat's plan (`measure`) or without: the gradients of
     the first step, the parameters after `job.steps` AdamW steps and, with the plan, what the
-    rank holds when a step starts and the allocator's peak of a step above it (the least of
-    `readings` steps; each reading's (peak, end) in "readings")."""
+    rank holds when a step starts and the allocator's peak of a step above it, counted on
+    every thread (the most of `readings_wanted` steps; each reading's (peak above what the
+    rank holds, end, gradients' bytes) in "readings")."""
     pp, dp, _ = job.coords(rank)
     modules, tokens, targets = job_stages(job, mesh, data_seed=1 + dp)
     mine = plan.order.stages_of(pp)
@@ -163,30 +165,26 @@ def train_rank(rank: int, job: Job, mesh, plan, measure: bool, readings: int = R
                                       for n, p in named}}
     if not measure:
         return out
-    from remat.fx_passes.measuring.allocator import AllocatorTrace, cpu_memory_events, paired
+    from remat.fx_passes.measuring.every_thread import addresses, every_thread_reading
 
-    held = (_bytes(params)
-            + _bytes(t for st in opt.state.values() for t in st.values() if _local(t).dim())
-            + _bytes(receive_buffers(stages)) + _bytes(batch))
-    peaks = []
-    # Several readings: a collective's output (an all-reduce's clone, an all-gather's flat
-    # buffer) whose last reference gloo's worker thread drops is freed on a thread the
-    # profiler does not record, and such a reading counts it live to the step's end
-    # (docs/parallelism.md); which readings catch it depends on timing.
-    for _ in range(readings):
+    state = [t for st in opt.state.values() for t in st.values() if _local(t).dim()]
+    held = _bytes(params) + _bytes(state) + _bytes(receive_buffers(stages)) + _bytes(batch)
+    readings = []
+    # Each reading counts the allocator on every thread: a collective's output (an
+    # all-reduce's clone, an all-gather's flat buffer) whose last reference gloo's worker
+    # thread drops is freed on a thread the profiler does not record (docs/parallelism.md).
+    for _ in range(readings_wanted):
         gc.collect()
         dist.barrier()
         torch.manual_seed(7)
-        with cpu_memory_events() as events:
-            step()
-        trace = AllocatorTrace(tuple(paired(events)))
-        peaks.append((trace.peak, trace.end))  # the end: what the step left, as recorded
+        reading = every_thread_reading(step, held=addresses(
+            [*map(_local, params), *map(_local, state), *receive_buffers(stages), *batch]))
+        # Checked by the caller: the step left its gradients (every free seen).
+        readings.append((reading.from_before + reading.peak, reading.end,
+                         _bytes(p.grad for p in params if p.grad is not None)))
         opt.zero_grad(set_to_none=True)
-    # A reading that missed a free counts the block to its end: only those with the least end
-    # are clean; the least peak of those.
-    least = min(end for _, end in peaks)
-    return {**out, "held": held, "peak": min(p for p, end in peaks if end == least),
-            "readings": peaks}
+    # The verdict rests on every reading: the highest.
+    return {**out, "held": held, "peak": max(p for p, _, _ in readings), "readings": readings}
 
 
 def compare(plain: dict, planned: dict) -> dict:
@@ -202,6 +200,9 @@ def compare(plain: dict, planned: dict) -> dict:
 
 def worker(rank: int, init: str, jobs: dict, results: str, readings: int = READINGS) -> None:
     """Every job of `jobs` (name -> (Job, plan)) on this rank, plain then planned."""
+    from remat.fx_passes.measuring.every_thread import track_every_thread
+
+    track_every_thread()  # before the job allocates: the readings see its every free
     world = next(iter(jobs.values()))[0].world
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
@@ -210,7 +211,7 @@ def worker(rank: int, init: str, jobs: dict, results: str, readings: int = READI
         for name, (job, plan) in jobs.items():
             mesh = job_mesh(job)
             plain = train_rank(rank, job, mesh, plan, measure=False)
-            planned = train_rank(rank, job, mesh, plan, measure=True, readings=readings)
+            planned = train_rank(rank, job, mesh, plan, measure=True, readings_wanted=readings)
             out[name] = {**compare(plain, planned), "held": planned["held"],
                          "peak": planned["peak"], "readings": planned["readings"]}
         torch.save(out, f"{results}.{rank}")
@@ -233,7 +234,8 @@ def rows(jobs: dict, measured: list) -> list[dict]:
                         "recompute": sum(s.recompute_flops for s in plan.stages
                                          if s.rank == pp) * job.microbatches,
                         **{k: got[k] for k in ("held", "bitwise", "worst", "names",
-                                               "readings")}})
+                                               "readings")},
+                        "clean": all(end == grads for _, end, grads in got["readings"])})
     return out
 
 
@@ -252,7 +254,7 @@ def main(argv=None) -> None:
                         help="vocabulary size (a large one makes the end-of-step reduction of "
                              "the embedding's and output's gradients the first stage's peak)")
     parser.add_argument("--readings", type=int, default=READINGS,
-                        help="profiled steps per rank; the least peak is taken")
+                        help="profiled steps per rank; the highest peak is taken")
     args = parser.parse_args(argv)
     config = replace(CONFIG, vocab_size=args.vocab)
     jobs, free = {}, None
@@ -296,10 +298,10 @@ def main(argv=None) -> None:
               f"{'yes' if r['held'] == r['static'] else k(r['held'] - r['static'])} | "
               f"{r['recompute'] / 1e6:.2f} | {'yes' if r['bitwise'] else 'no'} | "
               f"{r['worst']:.1e} |")
-    for r in rows(jobs, measured):  # readings that disagree (docs/parallelism.md: gloo frees)
-        if len({end for _, end in r["readings"]}) > 1:
-            print(f"{r['job']} rank {r['rank']}: readings (peak, end) "
-                  + ", ".join(f"({p:,}, {e:,})" for p, e in r["readings"]))
+    for r in rows(jobs, measured):  # readings that disagree, or left more than gradients
+        if len(set(r["readings"])) > 1 or not r["clean"]:
+            print(f"{r['job']} rank {r['rank']}: readings (peak, end, gradients) "
+                  + ", ".join(f"({p:,}, {e:,}, {g:,})" for p, e, g in r["readings"]))
 
 
 if __name__ == "__main__":

@@ -37,12 +37,15 @@ allocator (a gloo send's work keeps its tensor while the work object lives):
 - The multi-stage runtime keeps every send's works to the end of the step. A V-shaped
   schedule hands tensors between the two stages of its turn on one rank without a send
   (`set_local_fwd_input`, `set_local_bwd_input`): the output becomes the next stage's input
-  buffer and the input gradient the previous stage's output-gradient buffer, each kept to
-  the end of the step (and on, until the next step hands on its own), like a sent one. The
-  output is held by its own stage up to its W (or B) anyway; from then on it is kept as the
-  next stage's input. The buffer each replaces (the last step's) is freed at the hand-off,
-  but allocated before the step, its free is one that the CPU profiler does not report; as
-  measured (docs/parallelism.md) the handed-on tensors count on top of the receive buffers.
+  buffer and the input gradient the previous stage's output-gradient buffer. Those buffers
+  are receive buffers, which the rank holds from step to step (counted with its state); each
+  hand-on replaces the last step's tensor there, which is freed. So an input gradient handed
+  back costs nothing beyond its buffer once made, and an output handed on costs nothing
+  beyond its buffer once its own stage lets it go (its W or B); until then it is counted
+  twice, in the buffer and in its micro-batch, and a negative `Kept` takes one count off.
+  Measured with the allocator counting every free (remat.fx_passes.measuring.every_thread):
+  the CPU profiler alone reports no free of a block allocated before it started, and read
+  the handed-on tensors on top of the buffers.
 """
 from __future__ import annotations
 
@@ -128,16 +131,22 @@ class ScheduleOrder:
                                         f"{s}B{m} sends"))
             else:
                 hands_on = not last and self.stage_rank[s + 1] == rank  # a V's turn
+                hands_back = s != 0 and self.stage_rank[s - 1] == rank
                 for m in mbs:
                     if sends:
                         out.append(Kept(output[s], freed[m], None, f"{s}F{m} sent"))
-                    # Handed on to the next stage on the same rank, the output is that
-                    # stage's input buffer from then on: it outlives its own W (module doc).
+                    # Handed on to the next stage on the same rank, the output replaces
+                    # the last step's in that stage's input buffer, a receive buffer (held
+                    # anyway), which is freed: from then on, while the micro-batch still
+                    # holds its output (to its W), the buffer's bytes are counted twice.
                     if hands_on:
-                        out.append(Kept(output[s], freed[m], None, f"{s}F{m} handed on"))
-                    # Handed back to a stage on the same rank (a V-shaped turn), the input
-                    # gradient stays to the end of the step too (measured).
-                    if s != 0:
+                        out.append(Kept(-output[s], forwards[m], freed[m],
+                                        f"{s}F{m} handed on: the last step's freed"))
+                    # Sent back, the input gradient stays to the end of the step with its
+                    # send's work (measured); handed back to the previous stage on the same
+                    # rank, it replaces the last step's in that stage's output-gradient
+                    # buffer, a receive buffer: nothing beyond it.
+                    if s != 0 and not hands_back:
                         out.append(Kept(input_grad[s], made[m], None, f"{s}B{m} sent"))
         return [k for k in out if k.until is None or k.until > k.after]
 

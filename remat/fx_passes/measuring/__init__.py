@@ -3,7 +3,8 @@ in FLOPs (`flops`) and time (`timing`, a roofline for a `devices` entry or measu
 scratch ops allocate beyond their outputs (`scratch`, `workspace`), all written into the
 nodes' meta by one pass (`profile_pass`); and the two independent readers of memory that checks
 compare with: the allocator (`allocator`: profiler memory events on the CPU,
-``max_memory_allocated`` on CUDA) and a dispatch-level tracker (`memory_tracker`).
+``max_memory_allocated`` on CUDA; `every_thread`: the CPU allocator's own count, which sees
+the frees of a collective library's threads) and a dispatch-level tracker (`memory_tracker`).
 
 Uses `tracing` below it. The names below are loaded on first use: the device table alone
 (`devices`, what `remat --help` lists) imports no torch.

@@ -62,7 +62,9 @@ class Kept:
     """A tensor that the runtime keeps after the micro-batch's own passes are done with it (a
     stage's output sent on, its input's gradient sent back, the logits in a loop variable):
     `size` bytes, live while the rank runs its actions after action `after` up to action
-    `until` (indices into its action order; None: to the end of the step)."""
+    `until` (indices into its action order; None: to the end of the step). A negative size
+    takes bytes off for that while: a tensor that replaces one counted elsewhere, such as the
+    last step's in a receive buffer, which is freed as it is replaced."""
 
     size: int
     after: int
