@@ -88,3 +88,32 @@ def test_each_block_compiles_on_its_own_and_an_uncompiled_run_is_an_error(plan):
         shorter = tuple(x[:, : CONFIG.seq // 2] for x in inputs)
         with pytest.raises(remat.RematError, match="'layers.0' ran without remat's partitioner"):
             model(*shorter).backward()
+
+
+def test_hf_blocks_compiled_alone_follow_the_plan_where_their_ops_differ(caplog):
+    """Transformers builds GPT-2's attention mask outside the blocks: traced whole, the blocks
+    see a mask; compiled alone, None, and run fused attention without the mask's ops. The
+    plan's decisions follow the ops matched by target, and the step trains as eager does."""
+    pytest.importorskip("transformers")
+    from tests.gradients import REORDERED_SUMS
+    from tests.models import gpt2_hf
+
+    model, (ids,) = gpt2_hf(batch=2, seq=32)
+    model.model.config.use_cache = False
+    for module in model.modules():  # one step each, compared: no random masks
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    eager = copy.deepcopy(model)
+    save_all = remat.optimize(model, activation_budget=10**12, example_inputs=(ids,),
+                              execution="eager", solver="save_all").activation_peak
+    plan = remat.optimize(model, activation_budget=save_all * 3 // 4, example_inputs=(ids,),
+                          execution="eager", solver_options=SolverOptions(time_limit=10))
+    with caplog.at_level("WARNING", logger="remat.fx_passes.compiled.block_compile"):
+        compiled = plan.compile_blocks(model)
+        compiled(ids).loss.backward()
+    assert "compiled to" in caplog.text and "follow the plan" in caplog.text
+    assert any(len(p.recomputed) for made in compiled.remat_partitions.values() for p in made)
+    eager(ids).loss.backward()
+    for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+        scale = max(a.grad.abs().max().item(), 1e-30)
+        assert (a.grad - b.grad).abs().max().item() <= REORDERED_SUMS * scale, name

@@ -34,7 +34,8 @@ from remat.solvers.timeline.evaluate import make_schedule
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BlockPlan", "block_partition_fn", "compile_block", "compile_model_blocks"]
+__all__ = ["BlockPlan", "aligned_kept", "block_partition_fn", "compile_block",
+           "compile_model_blocks"]
 
 
 @dataclass(frozen=True)
@@ -58,18 +59,10 @@ def block_partition_fn(plan: BlockPlan, on_partition: Callable[[Partition], None
         problem = lower(captured)
         forward = [v for v, op in enumerate(problem.ops) if op.phase is Phase.FORWARD]
         targets = tuple(problem.ops[v].target for v in forward)
-        if targets != plan.targets:
-            k = next((k for k, (a, b) in enumerate(zip(targets, plan.targets)) if a != b),
-                     min(len(targets), len(plan.targets)))
-            got = targets[k] if k < len(targets) else "nothing more"
-            want = plan.targets[k] if k < len(plan.targets) else "nothing more"
-            raise RematError(
-                f"compile_blocks: block {plan.path!r} compiled to {len(targets)} forward ops "
-                f"where the plan has {len(plan.targets)}; op {k} is {got} where the plan has "
-                f"{want}: plan with the inputs and settings you train with")
+        kept = plan.kept if targets == plan.targets else aligned_kept(plan, targets)
         candidates = set(recomputable(problem))
         recomputed = drop_unneeded(problem, {v for k, v in enumerate(forward)
-                                             if k not in plan.kept and v in candidates})
+                                             if k not in kept and v in candidates})
         try:
             schedule = make_schedule(problem, recomputed)
         except ValueError as e:
@@ -82,6 +75,36 @@ def block_partition_fn(plan: BlockPlan, on_partition: Callable[[Partition], None
         return result.forward, result.backward
 
     return apply
+
+
+def aligned_kept(plan: BlockPlan, targets: tuple[str, ...]) -> frozenset[int]:
+    """The positions of the block's compiled forward ops (`targets`) that keep their values,
+    where the compiled block traced other ops than the plan's capture: Hugging Face models
+    build the attention mask outside the blocks, materialized when the whole model is traced
+    and None when a block is compiled alone, so the block runs fused attention where the plan
+    saw the masked math. Ops matched by target, in order, follow the plan; each run of
+    unmatched ops keeps its values if the plan kept any op of the run it replaces (a kept
+    attention stays kept), else recomputes them. A warning names the first difference."""
+    import difflib
+
+    matcher = difflib.SequenceMatcher(a=plan.targets, b=targets, autojunk=False)
+    kept: set[int] = set()
+    for tag, a0, a1, b0, b1 in matcher.get_opcodes():
+        if tag == "equal":
+            kept.update(b0 + k for k in range(b1 - b0) if a0 + k in plan.kept)
+        elif any(a in plan.kept for a in range(a0, a1)):
+            kept.update(range(b0, b1))
+    first = next((op for op in matcher.get_opcodes() if op[0] != "equal"), None)
+    if first is not None:
+        _, a0, _, b0, _ = first
+        log.warning("compile_blocks: block %r compiled to %d forward ops where the plan has %d "
+                    "(first difference: op %d is %s where the plan has %s); %d ops matched by "
+                    "target follow the plan, the others follow the ops they replace",
+                    plan.path, len(targets), len(plan.targets), b0,
+                    targets[b0] if b0 < len(targets) else "nothing more",
+                    plan.targets[a0] if a0 < len(plan.targets) else "nothing more",
+                    sum(size for *_, size in matcher.get_matching_blocks()))
+    return frozenset(kept)
 
 
 def compile_block(module: torch.nn.Module, plan: BlockPlan,
