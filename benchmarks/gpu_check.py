@@ -30,6 +30,11 @@ Three more checks, each a short table:
   (`remat.solvers.timeline.overlap`, with the link's bandwidth measured here): see
   benchmarks/_offload_check.py. ``--checks offload`` runs this check alone (a few minutes of
   device time); ``--smoke`` runs it on the CPU, on a tiny model, to exercise its code.
+- **Inductor**: `benchmarks/inductor.py`'s comparison on CUDA, on its U-Net: torch.compile at
+  activation_memory_budget 0.4 and 0.8 beside `remat.optimize(..., compile=True)` at each of
+  their measured peaks and at remat's least; the check is the allocator at most the plan's
+  peak at most the budget in every remat row (a torch.compile point lower on both memory and
+  recompute FLOPs is printed, not counted). ``--checks inductor`` runs it alone.
 """
 from __future__ import annotations
 
@@ -122,8 +127,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--time-limit", type=float, default=60.0)
-    parser.add_argument("--checks", choices=("all", "offload"), default="all",
-                        help="offload: only the overlapped offload against its prediction")
+    parser.add_argument("--checks", choices=("all", "offload", "inductor"), default="all",
+                        help="offload: only the overlapped offload against its prediction; "
+                             "inductor: only remat compiled against torch.compile's budget")
     parser.add_argument("--smoke", action="store_true",
                         help="run the offload check on the CPU on a tiny model (code paths)")
     args = parser.parse_args(argv)
@@ -136,6 +142,9 @@ def main(argv=None) -> int:
         return 0
 
     from tabulate import tabulate
+
+    if args.checks == "inductor":
+        return 0 if inductor_part() else 1
 
     from remat.fx_passes.tracing.capture import capture
     from remat.fx_passes.lowering.lower import lower
@@ -218,10 +227,24 @@ def main(argv=None) -> int:
           f"ratio {ratios[len(ratios) // 2]:.2f} over {len(ratios)} timed ops", flush=True)
 
     missed += not offload_part(model, inputs, problem, target, args.steps)
-    checked += 1
+    missed += not inductor_part()
+    checked += 2
     print(f"# total {time.perf_counter() - begin:.0f} s; {checked - missed}/{checked} checks "
           "passed")
     return 1 if missed else 0
+
+
+def inductor_part() -> bool:
+    """benchmarks/inductor.py's U-Net on CUDA: torch.compile at 0.4 and 0.8 beside remat
+    compiled with Inductor; True when every remat row's allocator <= plan <= budget."""
+    import inductor
+
+    torch._dynamo.reset()
+    rows = inductor.rows_of(inductor.on(inductor.unet(), "cuda"), [0.4, 0.8])
+    inductor.verdicts(rows)
+    print(inductor.table(rows), flush=True)
+    return all(r.verdict.startswith("ok") for r in rows
+               if r.runner.startswith("remat") and r.activations >= 0)
 
 
 def offload_part(model, inputs, problem, target: str, steps: int) -> bool:

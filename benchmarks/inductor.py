@@ -69,20 +69,31 @@ def loss_of(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
+def on(case: Case, device: str) -> Case:
+    """`case` with its model and inputs on `device`."""
+    def move(x):
+        return x.to(device) if isinstance(x, torch.Tensor) else x
+    return Case(case.name, case.model.to(device), tuple(move(a) for a in case.args),
+                {k: move(v) for k, v in case.kwargs.items()})
+
+
 def measure(case: Case, call: Callable) -> tuple[int, float]:
     """(the allocator's activation peak of the third step, its fastest step in seconds)."""
     model = case.model
+    device = next(model.parameters()).device
     for _ in range(3):
         for p in model.parameters():
             p.grad = None
         peak, held = step_peak(lambda: call(*case.args, **case.kwargs),
-                               lambda out, seed: loss_of(out).backward(seed))
+                               lambda out, seed: loss_of(out).backward(seed), device)
         del held
     grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters()
                 if p.grad is not None)
 
     def step():
         loss_of(call(*case.args, **case.kwargs)).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     return peak - grads, time_step(step)
 
 
@@ -225,22 +236,26 @@ def llama() -> Case:
 MODELS = {"vit": vit, "qwen2": qwen2, "unet": unet, "llama": llama}
 
 
+def table(rows: list[Row]) -> str:
+    return tabulate([[r.model, r.runner, f"{r.activations / MIB:.2f}" if r.activations >= 0
+                      else "-", "" if r.plan is None else f"{r.plan / MIB:.2f}",
+                      "" if r.simulated is None else f"{r.simulated / MIB:.2f}",
+                      f"{r.recompute / 1e9:.2f}" if r.recompute >= 0 else "-",
+                      f"{r.step:.2f}x" if r.step else "-", r.verdict] for r in rows],
+                    headers=["model", "runner", "activations MiB", "remat plan MiB",
+                             "simulated MiB", "recompute GFLOP", "step / eager", "verdict"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--budgets", nargs="+", type=float, default=[0.2, 0.4, 0.6, 0.8, 1.0])
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     for name in args.models:
-        rows = rows_of(MODELS[name](), args.budgets)
+        rows = rows_of(on(MODELS[name](), args.device), args.budgets)
         verdicts(rows)
-        print(tabulate([[r.model, r.runner, f"{r.activations / MIB:.2f}" if r.activations >= 0
-                         else "-", "" if r.plan is None else f"{r.plan / MIB:.2f}",
-                         "" if r.simulated is None else f"{r.simulated / MIB:.2f}",
-                         f"{r.recompute / 1e9:.2f}" if r.recompute >= 0 else "-",
-                         f"{r.step:.2f}x" if r.step else "-", r.verdict] for r in rows],
-                       headers=["model", "runner", "activations MiB", "remat plan MiB",
-                                "simulated MiB", "recompute GFLOP", "step / eager",
-                                "verdict"]), flush=True)
+        print(table(rows), flush=True)
 
 
 if __name__ == "__main__":

@@ -216,7 +216,7 @@ def test_an_outer_fullgraph_compile_says_what_to_do(how):
         module.compile(backend="aot_eager", fullgraph=True)
         compiled = module
     with pytest.raises(RematError, match=r"fullgraph=True.*opaque.*plan\.module directly.*"
-                                         r"planned_module\(\.\.\., compile=True\)") as e:
+                                         r"remat\.optimize\(\.\.\., compile=True\)") as e:
         compiled(*inputs)
     assert isinstance(e.value.__cause__, Unsupported)
     assert not module.partitions

@@ -249,7 +249,7 @@ _OPAQUE_REASON = ("remat's planned step is compiled with its own partitioner, an
                   "torch.compile tracing into it would partition the model again and drop the "
                   "plan; so the step is opaque to it. Without fullgraph=True the outer compile "
                   "runs the step as one call, plan kept; to compile the step itself with "
-                  "Inductor, use planned_module(..., compile=True)")
+                  "Inductor, plan with remat.optimize(..., compile=True)")
 
 
 _FULLGRAPH_REFUSED = (
@@ -257,8 +257,8 @@ _FULLGRAPH_REFUSED = (
     "with remat's own partitioner and is opaque to an outer torch.compile (tracing into it "
     "would partition the model again and drop the plan), so it cannot be one full graph. "
     "Call plan.module directly (it is already compiled, the plan kept), compile it without "
-    "fullgraph=True (the step then runs as one call, plan kept), or build the step with "
-    "planned_module(..., compile=True) to have Inductor compile the planned graphs")
+    "fullgraph=True (the step then runs as one call, plan kept), or plan with "
+    "remat.optimize(..., compile=True) to have Inductor compile the planned graphs")
 
 
 def _opaque_to_dynamo(step: Callable) -> Callable:
