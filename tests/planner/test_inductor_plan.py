@@ -185,3 +185,14 @@ def test_meta_weights_are_refused_before_capture():
     with pytest.raises(RematError, match="real weights"):
         remat.optimize(model, activation_budget=10**9,
                        example_inputs=(torch.randn(8, 16, device="meta"),) * 2, compile=True)
+
+
+def test_a_step_that_fails_under_inductor_names_the_op_by_op_remedy(monkeypatch):
+    def fails(*args, **kwargs):
+        raise RuntimeError("C++ compile error\ndetails")
+
+    monkeypatch.setattr(inductor_check, "measure_activations", fails)
+    model, inputs = models.mlp(batch=8, width=16, depth=2)
+    with pytest.raises(RematError, match=r"failed under Inductor \(RuntimeError: C\+\+ compile "
+                                         r"error\).*compile=False"):
+        remat.optimize(model, activation_budget=10**9, example_inputs=inputs, compile=True)

@@ -141,8 +141,16 @@ def compiled_plan(model: Any, replan: Callable[[int], Any], cut_to: Callable[[in
         plan.compile = True
         module = plan.apply(model)
         # The first call compiles (and Inductor's compile allocates): the second is the step.
-        for _ in range(2):
-            measured = measure_activations(module, model, example_inputs, example_kwargs)
+        try:
+            for _ in range(2):
+                measured = measure_activations(module, model, example_inputs, example_kwargs)
+        except RematError:
+            raise
+        except Exception as e:  # the op-by-op step traced and lowered: Inductor failed
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise RematError(f"compile=True: the planned step failed under Inductor "
+                             f"({type(e).__name__}: {first}); plan with compile=False to run "
+                             "it op by op") from e
         predicted = plan.memory.activation_peak
         readings.append(InductorReading(cut, predicted, measured))
         log.info("under Inductor: %s of activations measured, %s simulated",
