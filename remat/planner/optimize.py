@@ -82,7 +82,9 @@ def optimize(model: Any, budget: int | str | None = None, *,
     budget the plan is made again with room for the excess
     (`remat.planner.plans.inductor_check`). Recomputations are planned just before their
     readers (``SolverOptions(free_positions=False)``), where Inductor's fused step reads the
-    most predictably. A plan file keeps the choice."""
+    most predictably, and the least recompute FLOPs is the objective (``objective="flops"``,
+    seconds breaking ties): Inductor fuses a recomputed pointwise op into its reader, so what
+    costs time is what costs FLOPs. A plan file keeps the choice."""
     if execution not in ("compiled", "eager"):
         raise ValueError(f"execution must be \"compiled\" or \"eager\", not {execution!r}")
     if blocks is not None and execution != "eager":
@@ -113,8 +115,9 @@ def optimize(model: Any, budget: int | str | None = None, *,
 
     def plan_one(example_inputs, example_kwargs, shape_range=None) -> Plan:
         options = solver_options
-        if compile:  # recomputations just before their readers: see inductor_check
-            options = dataclasses.replace(options or SolverOptions(), free_positions=False)
+        if compile:  # fused recomputations, just before their readers: see inductor_check
+            options = dataclasses.replace(options or SolverOptions(), free_positions=False,
+                                          objective="flops")
         prepared = prepare(model, example_inputs, example_kwargs=example_kwargs,
                            training=training, target=target, loss_fn=loss_fn, returns=returns,
                            shape_range=shape_range)
