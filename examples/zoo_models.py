@@ -123,37 +123,11 @@ def every_expert(build: Callable) -> Callable:
 def dbrx_every_expert(model):
     """DBRX's experts (transformers 5.24 `DbrxExperts`) loop ``for expert_idx in expert_hit``,
     the experts this batch routes a token to: a loop of a length read from the data, which no
-    one graph holds. Here every expert runs, in the same order; one that no token picked gets
-    ``torch.where`` of nothing and adds nothing, so the sums are the same. Per instance: the
-    class is left as it is."""
-    import types
+    one graph holds. `remat.every_expert` runs every expert, in the same order (the same sums).
+    Per instance: the class is left as it is."""
+    import remat
 
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        batch_size = hidden_states.shape[0]
-        hidden_states = hidden_states.reshape(-1, self.hidden_size)
-        next_states = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            expert_mask = torch.nn.functional.one_hot(top_k_index, self.num_experts + 1)
-            expert_mask = expert_mask.permute(2, 1, 0)
-        shape = (-1, self.ffn_hidden_size, self.hidden_size)
-        for expert_idx in range(self.num_experts):
-            with torch.no_grad():
-                idx, token_idx = torch.where(expert_mask[expert_idx])
-            # top-k picks an expert at most once per token: at most every token comes here,
-            # the worst case remat plans for (torch alone bounds it by the mask's top_k*tokens)
-            torch._check(token_idx.shape[0] <= hidden_states.shape[0])
-            v1 = self.mlp.v1.view(shape)[expert_idx]
-            w1 = self.mlp.w1.view(shape)[expert_idx]
-            w2 = self.mlp.w2.view(shape)[expert_idx]
-            states = self.mlp(hidden_states[token_idx], w1, v1, w2)
-            states = states.view(-1, self.hidden_size) * top_k_weights[token_idx, idx, None]
-            next_states.index_add_(0, token_idx, states)
-        return next_states.view(batch_size, -1, self.hidden_size)
-
-    for module in model.modules():
-        if type(module).__name__ == "DbrxExperts":
-            module.forward = types.MethodType(forward, module)
-    return model
+    return remat.every_expert(model)
 
 
 def dbrx(experts: int = 16, top_k: int = 4, layers: int = 2) -> Callable:

@@ -18,6 +18,7 @@ _LAZY = {
     "load_plan": "remat.planner.load_plan",
     "broadcast_plan": "remat.planner.broadcast",
     "for_trainer": "remat.planner.hf",
+    "every_expert": "remat.planner.hf",
 }
 
 __all__ = ["BudgetError", "CaptureError", "RematError", "SolverError", *_LAZY]

@@ -16,12 +16,26 @@ Evaluation (``Trainer.evaluate()``, ``generate()``) runs the model plainly, with
 (`remat.fx_passes.tracing.plain`). A model that would train before its plan was made (the
 Trainer run without ``activation_checkpointing=True``) is refused at its first training
 forward, not trained silently without it.
+
+`remat.every_expert(model)`: transformers' DBRX as remat can plan it.
+
+DBRX's experts (`DbrxExperts`, transformers 5.x) loop ``for expert_idx in expert_hit``, over
+the experts this batch routes a token to: a loop whose length is read from the data, which no
+one graph holds (capture stops there with a CaptureError naming this call), and which DBRX
+offers no ``experts_implementation`` to replace. `every_expert` runs every expert instead, in
+the same order: an expert no token picked gets ``torch.where`` of nothing and adds nothing, so
+the sums, the loss and the gradients are the same. Each expert's tokens stay a size read from
+the data (``torch.where(mask)``), which remat plans at its worst case: every token. The change
+is per instance (the class is left as it is) and stays: the plan is made and run on it.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import types
 from typing import Any, Sequence
+
+import torch
 
 from remat.errors import RematError
 from remat.planner.job.training import Training
@@ -29,7 +43,7 @@ from remat.solvers import SolverOptions, Strategy
 
 log = logging.getLogger(__name__)
 
-__all__ = ["for_trainer"]
+__all__ = ["every_expert", "for_trainer"]
 
 
 def for_trainer(model: Any, budget: int | str | None = None, *,
@@ -183,3 +197,43 @@ def _on_device(kwargs: dict[str, Any], model: Any) -> dict[str, Any]:
     device = next((p.device for p in model.parameters()), None)
     return {k: v.to(device) if isinstance(v, torch.Tensor) and device is not None else v
             for k, v in kwargs.items()}
+
+
+LOOPS_OVER_HITS = ("DbrxExperts",)  # transformers' experts modules this rewrites
+
+
+def every_expert(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with each `DbrxExperts` looping over every expert (see the module); returns
+    the model itself. Refused where there is none."""
+    found = [m for m in model.modules() if type(m).__name__ in LOOPS_OVER_HITS]
+    if not found:
+        raise RematError(f"every_expert: {type(model).__name__} holds no {LOOPS_OVER_HITS[0]} "
+                         "(transformers' DBRX experts); nothing to rewrite")
+    for module in found:
+        module.forward = types.MethodType(_every_expert_forward, module)
+    return model
+
+
+def _every_expert_forward(self, hidden_states, top_k_index, top_k_weights):
+    """`DbrxExperts.forward` (transformers 5.24) with ``range(self.num_experts)`` for
+    ``expert_hit``."""
+    batch_size = hidden_states.shape[0]
+    hidden_states = hidden_states.reshape(-1, self.hidden_size)
+    next_states = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        expert_mask = torch.nn.functional.one_hot(top_k_index, self.num_experts + 1)
+        expert_mask = expert_mask.permute(2, 1, 0)
+    shape = (-1, self.ffn_hidden_size, self.hidden_size)
+    for expert_idx in range(self.num_experts):
+        with torch.no_grad():
+            idx, token_idx = torch.where(expert_mask[expert_idx])
+        # top-k picks an expert at most once per token, so at most every token comes here:
+        # the worst case remat plans for (torch alone bounds it by the mask's top_k * tokens)
+        torch._check(token_idx.shape[0] <= hidden_states.shape[0])
+        v1 = self.mlp.v1.view(shape)[expert_idx]
+        w1 = self.mlp.w1.view(shape)[expert_idx]
+        w2 = self.mlp.w2.view(shape)[expert_idx]
+        states = self.mlp(hidden_states[token_idx], w1, v1, w2)
+        states = states.view(-1, self.hidden_size) * top_k_weights[token_idx, idx, None]
+        next_states.index_add_(0, token_idx, states)
+    return next_states.view(batch_size, -1, self.hidden_size)

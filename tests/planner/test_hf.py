@@ -110,3 +110,34 @@ def test_a_range_plan_compiles_at_its_first_call_under_a_flops_profiler():
     with profile(activities=[ProfilerActivity.CPU]) as after:
         torch.ones(3).add(1)
     assert "aten::add" in {e.key for e in after.key_averages()}  # recording is back on
+
+
+def test_a_classification_head_compiles_once():
+    """Swin's classification loss sets config.problem_type at its first call. Traced with
+    None, the first compiled call replayed the assignment and the second failed dynamo's
+    guard and compiled the whole step again, its compile's own 24 bytes (constants of the
+    drop-path divisions) inside that step's memory. The compiled step sets the problem type
+    before its first call, as the model itself would: one compile, and the allocator within
+    the prediction from the second step on."""
+    from remat.fx_passes.measuring.allocator import step_peak
+
+    model, kwargs = build("swin")
+    eager = copy.deepcopy(model)
+    assert model.config.problem_type is None
+    plan = remat.optimize(model, activation_budget=10**9, example_kwargs=kwargs,
+                          solver="checkpoint_blocks")
+    assert model.config.problem_type is None  # planning leaves the model as it was
+    held = []
+    for seed in (1, 2):
+        for p in model.parameters():
+            p.grad = None
+        torch.manual_seed(seed)
+        peak, _ = step_peak(lambda: plan.module(**kwargs),
+                            lambda out, grad: out.loss.backward(grad))
+        held.append(peak - sum(p.grad.numel() * p.grad.element_size()
+                               for p in model.parameters() if p.grad is not None))
+    assert len(plan.module.partitions) == 1  # compiled at the first call only
+    eager(**kwargs)
+    assert model.config.problem_type == eager.config.problem_type == \
+        "single_label_classification"
+    assert held[1] == plan.activation_peak, held

@@ -125,3 +125,43 @@ def test_a_routing_decision_is_kept_from_the_forward(execution):
     run(x, y).backward()
     for p, q in zip(model.parameters(), reference.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def shipped_dbrx():
+    """transformers' DBRX as it ships (its tester's configuration, 8 experts, top 4)."""
+    torch.manual_seed(0)
+    config = transformers.DbrxConfig(
+        vocab_size=99, d_model=32, n_layers=2, n_heads=2, max_seq_len=512,
+        attn_config={"clip_qkv": 8, "rope_theta": 500000},
+        ffn_config={"ffn_hidden_size": 32, "moe_jitter_eps": 0, "moe_loss_weight": 0.05,
+                    "moe_num_experts": 8, "moe_top_k": 4, "ffn_act_fn": {"name": "gelu"}},
+        pad_token_id=0, use_cache=False)
+    return transformers.DbrxForCausalLM(config).train()
+
+
+@pytest.mark.parametrize("execution", ["compiled", "eager"])
+def test_shipped_dbrx_is_refused_with_the_change_then_planned(execution):
+    """DBRX's experts loop over the experts a batch hits (a length read from the data): the
+    capture is refused naming the call that changes it, `remat.every_expert`, after which
+    the model is planned and trains as the shipped model does."""
+    model = shipped_dbrx()
+    shipped = copy.deepcopy(model)
+    kwargs = next(batches(1))
+    with pytest.raises(remat.CaptureError, match=r"DbrxExperts loops `for expert_idx in "
+                                                 r"expert_hit`.*remat\.every_expert\(model\)"):
+        remat.optimize(model, activation_budget=10**9, example_kwargs=kwargs,
+                       solver="checkpoint_blocks", execution=execution)
+    plan = remat.optimize(remat.every_expert(model), activation_budget=10**9,
+                          example_kwargs=kwargs, solver="checkpoint_blocks",
+                          execution=execution)
+    run = plan.module if execution == "compiled" else plan.apply(model)
+    for step, batch in enumerate(batches(2, seed=5)):
+        for m in (model, shipped):
+            m.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        run(**batch).loss.backward()
+        torch.manual_seed(step)
+        shipped(**batch).loss.backward()
+        assert relative_grad_gap(model, shipped) <= REORDERED_SUMS, (execution, step)
+    with pytest.raises(remat.RematError, match="holds no DbrxExperts"):
+        remat.every_expert(mixtral())

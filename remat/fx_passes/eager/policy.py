@@ -143,15 +143,16 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
     # that node packed what the op reads: its outputs after it ran, its inputs before.
     packer: dict[int, int] = {}
     for block, members in ops.items():
+        tensors = {v for v in members if not is_size_arithmetic(nodes[v])}  # sizes pack nothing
         by_seq: dict[Any, int] = {}
-        for v in members:
+        for v in tensors:
             seq = nodes[v].meta.get("seq_nr")
             if seq is not None:
                 by_seq[seq] = max(by_seq.get(seq, v), v)
         for b, name in owner.items():
             p = by_seq.get(nodes[b].meta.get("seq_nr")) if name == block else None
             if p is not None:
-                packer[b] = _last_needed(problem, b, p, set(members))
+                packer[b] = _last_needed(problem, b, p, tensors, set(members) - tensors)
     # A node's backward is a run of consecutive backward ops with its sequence number.
     node_end: dict[int, int] = {}
     run: list[int] = []
@@ -172,10 +173,11 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
     groups = tuple(joint for pol in policies.values() for joint in pol.joint if len(joint) > 1)
     cpu = torch.device(captured.device).type == "cpu"
     # A backward op that reads a weight or an input of the step (a placeholder, no op of the
-    # problem) unpacks what its block's node saved through checkpoint's hooks all the same.
+    # problem, and no size: ``s0``) unpacks what its node saved through checkpoint's hooks.
     tangents = set(captured.tangents)
     unpacks = frozenset(b for b in owner if not is_size_arithmetic(nodes[b]) and any(
-        n.op == "placeholder" and n.name not in tangents for n in nodes[b].all_input_nodes))
+        n.op == "placeholder" and n.name not in tangents
+        and isinstance(n.meta.get("val"), torch.Tensor) for n in nodes[b].all_input_nodes))
     blocks = EagerBlocks(ops={p: tuple(m) for p, m in ops.items()}, owner=owner,
                          state_bytes=state_bytes(torch.device("cpu")) if cpu else 0,
                          packer=packer, cacheable=cacheable, groups=groups,
@@ -261,16 +263,17 @@ def _python_backward(problem: Problem, nodes: list[fx.Node]) -> frozenset[int]:
     return frozenset(b for b in backward if not nodes[b].meta.get("autograd_backward"))
 
 
-def _last_needed(problem: Problem, b: int, p: int, members: set[int]) -> int:
+def _last_needed(problem: Problem, b: int, p: int, members: set[int], sizes=()) -> int:
     """The last forward op the recomputation must run for backward op `b`, whose autograd
     node is forward op `p`'s: what `b` reads of `p`'s outputs (`p`, or the getitem that takes
     it out), and the op before `p` for what it reads of `p`'s inputs (a node packs its inputs
-    before its kernel runs, and checkpoint's early stop fires at the last pack)."""
+    before its kernel runs, and checkpoint's early stop fires at the last pack; not `sizes`,
+    the block's size arithmetic, which eager does not run)."""
     made = {p} | {g for g in problem.users[p] if g in members
                   and problem.ops[g].inputs == (p,) and problem.ops[p].kind is Kind.TUPLE}
     reads = {problem.root[s] for s in problem.ops[b].inputs if s < problem.num_forward}
-    return max((r if r in made else p - 1) for r in reads & members) if reads & members \
-        else p - 1
+    before = next(v for v in range(p - 1, -2, -1) if v not in sizes)
+    return max([r if r in made else before for r in reads & members], default=before)
 
 
 def expected_ops(problem: Problem, nodes: list[fx.Node], path: str, members: Sequence[int],
@@ -353,14 +356,15 @@ def with_eager_bytes(problem: Problem, policies: dict[str, BlockPolicy],
 
 
 def eager_problem(problem: Problem, nodes: list[fx.Node], device: str) -> Problem:
-    """The problem with the bytes eager PyTorch allocates where they differ from the joint
-    graph's: no generator snapshots (checkpoint keeps the state, `EagerBlocks.state_bytes`),
-    a dropout that draws nothing returns its input (a view of it, here); on the CPU
-    a dropout's mask is its noise tensor, in the input's dtype, and its backward a plain
-    product with it (no scratch); a Python number an op takes as a tensor is one (8 bytes)
-    while the op runs."""
+    """The problem as eager PyTorch allocates: no generator snapshots (checkpoint keeps the
+    state, `EagerBlocks.state_bytes`), a dropout that draws nothing returns its input (a view);
+    on the CPU a dropout's mask is its noise, in the input's dtype, its backward a product
+    with it (no scratch); a Python number an op takes as a tensor is one (8 bytes) while the
+    op runs; a size (a symbolic graph's arithmetic) is a Python int, read by no op."""
     index = {n: i for i, n in enumerate(nodes)}
-    ops = list(problem.ops)
+    sizes = {v for v, node in enumerate(nodes) if is_size_arithmetic(node)}
+    ops = [replace(op, inputs=tuple(i for i in op.inputs if i not in sizes))
+           if sizes.intersection(op.inputs) else op for op in problem.ops]
     for v, node in enumerate(nodes):
         if node.target is rng_state:  # checkpoint keeps one state per block instead
             ops[v] = replace(ops[v], size=0)

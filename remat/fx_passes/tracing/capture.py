@@ -32,7 +32,9 @@ Dynamo caches compiled frames per code object; `capture` and `compile_step` rese
 (``torch._dynamo.reset()``) so that captures never see each other's caches or recompile limits.
 Hugging Face causal LMs whose ``loss_type`` is None (GPT-2) warn in their loss lookup, a graph
 break: `capture` and the compiled step name the loss they fall back to while they trace and
-run, and put the attribute back after (the Trainer reads it to count the loss's tokens).
+run, and put the attribute back after (the Trainer reads it to count the loss's tokens). A
+classification head's ``config.problem_type``, which its first call sets, the compiled step
+sets before that call (`loss_type`), so that one compile serves every call.
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ from remat.fx_passes.tracing.call_checks import autocast_state
 from remat.fx_passes.tracing.dynamic import (Bucket, ShapeRange, concretize, mark, marked,
                                              tracing_sizes)
 from remat.fx_passes.tracing.fake_weights import fake_meta_tensors
-from remat.fx_passes.tracing.loss_type import loss_types_named, unnamed_loss_types
+from remat.fx_passes.tracing.loss_type import (loss_types_named, problem_types_settled,
+                                               unnamed_loss_types, unset_problem_types)
 from remat.fx_passes.tracing.profiler import compiles_unprofiled
 from remat.fx_passes.tracing.rng import snapshot_random_ops
 from remat.fx_passes.tracing.step_io import (capture_failure, check_inputs, default_loss, progress,
@@ -219,11 +222,15 @@ def compile_step(model: torch.nn.Module, partition_fn: Callable, *,
     if shape_range is not None:
         compiled = marked(compiled, shape_range, bucket)
     unnamed = unnamed_loss_types(model)
+    heads = unset_problem_types(model)
 
     def step(*args, **kwargs):
         # Named at every call, as when captured: dynamo guards on the attribute. Sizes that
         # depend on the data are traced as capture traced them (a call may recompile), and
-        # unseen by a profiler that would specialize them (profiler.py).
+        # unseen by a profiler that would specialize them (profiler.py). A problem type the
+        # first call would set is set before it (loss_type.py: else the second call compiles
+        # again).
+        problem_types_settled(heads, kwargs)
         with loss_types_named(unnamed), data_dependent_sizes(), compiles_unprofiled():
             return compiled(*args, **kwargs)
 

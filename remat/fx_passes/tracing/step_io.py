@@ -340,6 +340,14 @@ def _graph_break(e: Exception) -> CaptureError:
                     "hold that step; loop over a fixed range (every expert) or use experts "
                     "of static shapes (transformers: experts_implementation=\"batched_mm\" "
                     "where the model offers it), and retry.")
+            if "modeling_dbrx.py" in where and "expert_hit" in where:
+                hint = ("transformers' DbrxExperts loops `for expert_idx in expert_hit`, over "
+                        "the experts this batch hits: a loop whose length is read from the "
+                        "data, which one graph cannot hold, and DBRX offers no "
+                        "experts_implementation. Call remat.every_expert(model) before "
+                        "optimize: it makes each DbrxExperts loop over range(num_experts) "
+                        "(an expert no token picked adds nothing: the same loss and "
+                        "gradients), and retry.")
     else:
         message = f"tracing the training step failed: {reason}"
         hint = "check that the model runs eagerly on these inputs."
