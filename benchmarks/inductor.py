@@ -14,7 +14,7 @@ of the same weights and batch:
   graph's; remat: the plan's);
 - `step`: the fastest of five steps over plain eager's.
 `verdict` (remat rows): allocator <= the plan's peak <= budget, and the rows of torch.compile
-or per-block that are lower on both memory and recompute FLOPs (a peer that dominates).
+or per-block lower than it on both memory and recompute FLOPs (a peer that dominates).
 
     python benchmarks/inductor.py [--models vit unet qwen2 llama] [--budgets 0.2 0.4 0.6 0.8 1.0]
 """
@@ -176,14 +176,15 @@ def rows_of(case: Case, fractions: list[float]) -> list[Row]:
 
 
 def verdicts(rows: list[Row]) -> None:
+    """Each remat row: "ok" where the allocator read at most the plan's peak and the plan's
+    peak is at most the budget; then the peers lower on both memory and recompute FLOPs."""
     peers = [r for r in rows if r.runner.startswith(("torch.compile", "per-block"))]
     for row in rows:
         if not row.runner.startswith("remat") or row.activations < 0:
             continue
         fits = row.activations <= row.plan and (row.budget is None or row.plan <= row.budget)
-        better = [p.runner for p in peers if p.activations <= row.activations
-                  and p.recompute <= row.recompute
-                  and (p.activations, p.recompute) != (row.activations, row.recompute)]
+        better = [p.runner for p in peers if p.activations < row.activations
+                  and p.recompute < row.recompute]
         row.verdict = (("ok" if fits else "OVER") +
                        (f"; dominated by {', '.join(better)}" if better else ""))
 

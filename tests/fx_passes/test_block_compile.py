@@ -111,7 +111,7 @@ def test_hf_blocks_compiled_alone_follow_the_plan_where_their_ops_differ(caplog)
     with caplog.at_level("WARNING", logger="remat.fx_passes.compiled.block_compile"):
         compiled = plan.compile_blocks(model)
         compiled(ids).loss.backward()
-    assert "compiled to" in caplog.text and "follow the plan" in caplog.text
+    assert "compiled to 48 forward ops where the plan has 51" in caplog.text
     assert any(len(p.recomputed) for made in compiled.remat_partitions.values() for p in made)
     eager(ids).loss.backward()
     for (name, a), b in zip(eager.named_parameters(), model.parameters()):

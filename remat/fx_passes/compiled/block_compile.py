@@ -79,32 +79,32 @@ def block_partition_fn(plan: BlockPlan, on_partition: Callable[[Partition], None
 
 def aligned_kept(plan: BlockPlan, targets: tuple[str, ...]) -> frozenset[int]:
     """The positions of the block's compiled forward ops (`targets`) that keep their values,
-    where the compiled block traced other ops than the plan's capture: Hugging Face models
-    build the attention mask outside the blocks, materialized when the whole model is traced
-    and None when a block is compiled alone, so the block runs fused attention where the plan
-    saw the masked math. Ops matched by target, in order, follow the plan; each run of
-    unmatched ops keeps its values if the plan kept any op of the run it replaces (a kept
-    attention stays kept), else recomputes them. A warning names the first difference."""
+    where the compiled block runs fewer ops than the plan's capture traced: Hugging Face
+    models build the attention mask outside the blocks, materialized when the whole model is
+    traced and None when a block is compiled alone, so the block runs its attention without
+    the mask's ops. Where every compiled op is one of the plan's, in order, each follows the
+    plan's decision, with a warning naming the first op dropped; a compiled op the plan never
+    saw is refused (its decision would be a guess)."""
     import difflib
 
     matcher = difflib.SequenceMatcher(a=plan.targets, b=targets, autojunk=False)
-    kept: set[int] = set()
-    for tag, a0, a1, b0, b1 in matcher.get_opcodes():
-        if tag == "equal":
-            kept.update(b0 + k for k in range(b1 - b0) if a0 + k in plan.kept)
-        elif any(a in plan.kept for a in range(a0, a1)):
-            kept.update(range(b0, b1))
-    first = next((op for op in matcher.get_opcodes() if op[0] != "equal"), None)
-    if first is not None:
-        _, a0, _, b0, _ = first
-        log.warning("compile_blocks: block %r compiled to %d forward ops where the plan has %d "
-                    "(first difference: op %d is %s where the plan has %s); %d ops matched by "
-                    "target follow the plan, the others follow the ops they replace",
-                    plan.path, len(targets), len(plan.targets), b0,
-                    targets[b0] if b0 < len(targets) else "nothing more",
-                    plan.targets[a0] if a0 < len(plan.targets) else "nothing more",
-                    sum(size for *_, size in matcher.get_matching_blocks()))
-    return frozenset(kept)
+    opcodes = matcher.get_opcodes()
+    unplanned = next((op for op in opcodes if op[0] in ("insert", "replace")), None)
+    if unplanned is not None:
+        _, a0, _, b0, _ = unplanned
+        raise RematError(
+            f"compile_blocks: block {plan.path!r} compiled to {len(targets)} forward ops "
+            f"where the plan has {len(plan.targets)}; op {b0} is {targets[b0]} where the plan "
+            f"has {plan.targets[a0] if a0 < len(plan.targets) else 'nothing more'}: plan with "
+            "the inputs and settings you train with")
+    kept = frozenset(b0 + k for tag, a0, _, b0, b1 in opcodes if tag == "equal"
+                     for k in range(b1 - b0) if a0 + k in plan.kept)
+    dropped = next(op for op in opcodes if op[0] == "delete")
+    log.warning("compile_blocks: block %r compiled to %d forward ops where the plan has %d: "
+                "from op %d (%s) the plan's capture traced ops this block does not run; the "
+                "others follow the plan", plan.path, len(targets), len(plan.targets),
+                dropped[1], plan.targets[dropped[1]])
+    return kept
 
 
 def compile_block(module: torch.nn.Module, plan: BlockPlan,
