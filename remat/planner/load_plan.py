@@ -136,8 +136,7 @@ def _compiled_as_saved(plan: Plan, body: dict) -> None:
     plan.compile = True
     if body.get("inductor"):
         plan.inductor = InductorCheck.from_dict(body["inductor"])
-        excess = plan.inductor.measured - plan.inductor.predicted
-        plan.memory = dataclasses.replace(plan.memory, compiled_excess=excess)
+        plan.memory = dataclasses.replace(plan.memory, compiled_excess=plan.inductor.excess)
 
 
 def _check_loss_fn(body: dict, loss_fn: Callable | None, source: str) -> None:

@@ -78,6 +78,11 @@ class InductorCheck:
     def predicted(self) -> int:
         return self.readings[-1].predicted
 
+    @property
+    def excess(self) -> int:
+        """`StepMemory.compiled_excess` of the accepted plan: the reading less the simulation."""
+        return self.measured - self.predicted
+
     def note(self) -> str:
         last = self.readings[-1]
         difference = last.measured - last.predicted
@@ -171,8 +176,8 @@ def compiled_plan(model: Any, replan: Callable[[int], Any], cut_to: Callable[[in
         # the allowance less this excess leaves (this plan was at most the allowance less
         # the last cut, so the new cut is larger).
         plan, cut = _replanned(plan, replan, cut_to, readings, measured - predicted)
-    plan.memory = memory
     plan.inductor = InductorCheck(tuple(readings))
+    plan.memory = dataclasses.replace(plan.memory, compiled_excess=plan.inductor.excess)
     plan.__dict__["module"] = module  # the cached property: the step measured, compiled once
     return plan
 
