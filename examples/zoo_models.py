@@ -195,6 +195,24 @@ def t5(config_cls: str, model_cls: str) -> Callable:
     return build
 
 
+def whisper() -> Callable:
+    """WhisperModelTester: d_model 16, 2 + 2 layers, 80 mel bins by 60 frames, batch 3,
+    dropout 0.1; labels of 7 tokens (the decoder's inputs, shifted right inside)."""
+    fields = dict(vocab_size=200, d_model=16, encoder_layers=2, decoder_layers=2,
+                  encoder_attention_heads=4, decoder_attention_heads=4, num_mel_bins=80,
+                  encoder_ffn_dim=16, decoder_ffn_dim=16, dropout=0.1, attention_dropout=0.1,
+                  max_source_positions=30, max_target_positions=40, bos_token_id=98,
+                  eos_token_id=98, pad_token_id=0, decoder_start_token_id=85,
+                  suppress_tokens=None, begin_suppress_tokens=None)
+
+    def build():
+        g = _generator()
+        model = _model("WhisperForConditionalGeneration", _config("WhisperConfig", fields))
+        return model, {"input_features": torch.rand(3, 80, 60, generator=g),
+                       "labels": ids((3, 7), 200, g)}
+    return build
+
+
 def vision(config_cls: str, model_cls: str, fields: dict, *, batch: int = BATCH,
            image: int = 30, labels: int = 10) -> Callable:
     def build():
@@ -278,6 +296,7 @@ ARCHS: dict[str, tuple[str, Callable]] = {
     "mbart": ("encoder-decoder", seq2seq("MBartConfig", "MBartForConditionalGeneration")),
     "pegasus": ("encoder-decoder", seq2seq("PegasusConfig", "PegasusForConditionalGeneration")),
     "marian": ("encoder-decoder", seq2seq("MarianConfig", "MarianMTModel")),
+    "whisper": ("encoder-decoder", whisper()),
     # vision
     "vit": ("vision", vision("ViTConfig", "ViTForImageClassification", VIT)),
     "deit": ("vision", vision("DeiTConfig", "DeiTForImageClassification", VIT)),

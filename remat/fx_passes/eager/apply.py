@@ -11,7 +11,9 @@ with grad enabled) runs plainly too, and a backward through it is refused
 (`remat.fx_passes.tracing.plain`)."""
 from __future__ import annotations
 
+import contextlib
 import itertools
+import weakref
 from functools import partial
 from typing import Any
 
@@ -22,6 +24,7 @@ from remat.fx_passes.eager.block_policy import BlockPolicy
 from remat.fx_passes.eager.call_guard import (autocast_cause, current, guard_calls,
                                               mismatch_cause)
 from remat.fx_passes.eager.offload import EagerOffloads
+from remat.fx_passes.eager.recompute_state import KeepState, with_state_kept, writes_state
 from remat.fx_passes.eager.runs import module_path, run_index
 from remat.fx_passes.eager.selective import policy_contexts
 from remat.fx_passes.eager.traced import register, traced_checkpoint
@@ -135,12 +138,23 @@ def _checkpointed(module: torch.nn.Module, forward, planned: Any,
     if refused is not None:
         raise RematError(refused)
 
+    if offloads is None and not policy.cache and _CHECKED.get(id(policy)) is policy:
+        # Nothing cached, and the block's ops were checked against the plan at an earlier
+        # call: plain checkpoint, without selective checkpoint's per-op dispatch.
+        with uncached_autocast():
+            return checkpoint(forward, *args, use_reentrant=False,
+                              context_fn=partial(_state_kept_only, policy, module), **kwargs)
+
     counters: list[Any] = []
 
     def contexts():
         counter = itertools.count()
         counters.append(counter)
-        return policy_contexts(policy, counter, lambda: mismatch_cause(planned, module, autocast))
+        # The recomputation leaves the buffers as the forward left them (BatchNorm's running
+        # statistics updated once, as eager PyTorch does).
+        return with_state_kept(policy_contexts(
+            policy, counter, lambda: mismatch_cause(planned, module, autocast)), module,
+            policy.ops)
 
     # Offload: saved-tensor hooks around checkpoint's call, so that they see the
     # block's inputs it saves (only in a planned training call: the plain paths above save
@@ -156,4 +170,21 @@ def _checkpointed(module: torch.nn.Module, forward, planned: Any,
                 f"{len(policy.ops)}; the block's ops differ between capture and run (other "
                 "shapes, flags such as use_cache, or code paths): plan with the inputs and "
                 f"settings you train with{mismatch_cause(planned, module, autocast)}")
+        _CHECKED[id(policy)] = policy
     return out
+
+
+# The policies whose block ran (and matched the plan op for op) at least once: a policy that
+# caches nothing then runs as plain checkpoint (`_checkpointed`). Selective checkpoint's own
+# dispatch costs tens of microseconds per op, in the forward and in the recomputation
+# (benchmarks/eager_overhead.py), while a policy that caches nothing decides nothing; the
+# call guard still checks every call's inputs, flags and autocast against the plan's.
+_CHECKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _state_kept_only(policy: BlockPolicy, module: torch.nn.Module):
+    """Plain checkpoint's contexts: the recomputation keeps the buffers as the forward left
+    them where the block writes into them (batch norm), and adds nothing elsewhere."""
+    if not writes_state(policy.ops):
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    return contextlib.nullcontext(), KeepState(module)

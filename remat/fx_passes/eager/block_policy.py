@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["BlockPolicy", "canonical", "with_cache", "with_offload"]
+__all__ = ["BlockPolicy", "canonical", "counterpart", "with_cache", "with_offload"]
 
 
 # Ops that functionalization turns into others: compared as one.
@@ -17,6 +17,34 @@ _SAME = {"aten._unsafe_view.default": "aten.view.default",
 def canonical(op_name: str) -> str:
     """An op's name as both sides compare it (`_SAME`)."""
     return _SAME.get(op_name, op_name)
+
+
+# Eager batch norm and the op the capture decomposes it into (its running statistics updated
+# functionally): one op on both sides, by backend.
+_BATCH_NORM = "batch_norm"
+_BATCH_NORMS = {"aten.native_batch_norm.default", "aten.cudnn_batch_norm.default",
+                "aten.miopen_batch_norm.default", "aten._native_batch_norm_legit.default",
+                "aten._native_batch_norm_legit.no_stats",
+                "aten._native_batch_norm_legit_functional.default",
+                "aten._native_batch_norm_legit_no_training.default"}
+
+
+def counterpart(op_name: str) -> str:
+    """The name an eager op shares with its joint-graph counterpart, where eager and the
+    functional capture dispatch different ops for one computation: an in-place op
+    (``aten.relu_.default``, ``nn.ReLU(inplace=True)``; ``aten.add_.Tensor``, BatchNorm's
+    ``num_batches_tracked += 1``) and the out-of-place op functionalization turns it into,
+    eager batch norm and ``_native_batch_norm_legit_functional``. Used only to match the two
+    sequences (`remat.fx_passes.eager.probe.aligned`): the policy keeps the names eager
+    dispatches."""
+    name = canonical(op_name)
+    if name in _BATCH_NORMS:
+        return _BATCH_NORM
+    namespace, _, rest = name.partition(".")
+    base, dot, overload = rest.partition(".")
+    if base.endswith("_") and not base.endswith("__"):
+        return f"{namespace}.{base[:-1]}{dot}{overload}"
+    return name
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
+from remat.fx_passes.eager.block_policy import BlockPolicy, canonical, counterpart
 from remat.fx_passes.eager.unused import Unused, UnusedTracker, plain_storage
 
 log = logging.getLogger(__name__)
@@ -287,12 +287,14 @@ def aligned(policy: BlockPolicy, observed: Sequence[str], freed: Sequence[int] =
             mutated: Iterable[int] = (), nbytes: Sequence[int] = ()) -> BlockPolicy:
     """The block's policy over the ops eager PyTorch really dispatches, each matched to the
     joint-graph ops it stands for where the two sequences agree (difflib's longest matching
-    blocks); an eager op without a match is never cached, a joint op without one is not
+    blocks; an in-place op matches its functional counterpart, `counterpart`); an eager op
+    without a match is never cached, a joint op without one is not
     cacheable. `freed` (from `probe`) gives each matched joint op its forward lifetime; the
     `mutated` positions (overwritten in place later, or writing in place) are never cached;
     `nbytes` the bytes eager made for a matched op that stands for one joint op
     (`BlockPolicy.eager_bytes`)."""
-    matcher = difflib.SequenceMatcher(a=policy.ops, b=list(observed), autojunk=False)
+    matcher = difflib.SequenceMatcher(a=[counterpart(o) for o in policy.ops],
+                                      b=[counterpart(o) for o in observed], autojunk=False)
     joint: list[tuple[int, ...]] = [()] * len(observed)
     cacheable = [False] * len(observed)
     for block in matcher.get_matching_blocks():
@@ -300,7 +302,11 @@ def aligned(policy: BlockPolicy, observed: Sequence[str], freed: Sequence[int] =
             joint[block.b + k] = policy.joint[block.a + k]
             cacheable[block.b + k] = policy.cacheable[block.a + k] and block.b + k not in mutated
     matched = sum(b.size for b in matcher.get_matching_blocks())
-    if matched < DIFFERENT_CODE * max(len(observed), len(policy.ops)):
+    # Eager ops without a counterpart that make no bytes (batch norm's empty reserve tensor
+    # on the CPU) cannot move the memory predicted: they do not count as other code.
+    empty = sum(1 for k, ops in enumerate(joint) if not ops and k < len(nbytes)
+                and nbytes[k] == 0 and observed[k] == "aten.empty.memory_format")
+    if matched < DIFFERENT_CODE * max(len(observed) - empty, len(policy.ops)):
         log.warning(
             "block %r: only %d of its %d eager ops match the %d of the captured graph: eager "
             "PyTorch runs other code in this block than the capture did under torch.compile "

@@ -30,7 +30,7 @@ import torch
 
 from remat.errors import RematError
 from remat.fx_passes.eager.call_guard import current
-from remat.fx_passes.eager.block_policy import canonical
+from remat.fx_passes.eager.block_policy import counterpart
 from remat.fx_passes.tracing.plain import records_graph, refuse_backward, wrong_mode_message
 
 __all__ = ["LOOKAHEAD", "aligned_contexts", "compiled_contexts", "register",
@@ -93,10 +93,10 @@ def aligned_contexts(policy):
     def decide(ctx, op, *args, **kwargs):
         if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
             return CheckpointPolicy.MUST_SAVE
-        name = canonical(str(op))
+        name = counterpart(str(op))  # an in-place op may be traced functionalized
         start = cursors[ctx.is_recompute]
         for k in range(start, min(start + LOOKAHEAD, len(policy.ops))):
-            if policy.ops[k] == name:
+            if counterpart(policy.ops[k]) == name:
                 cursors[ctx.is_recompute] = k + 1
                 return CheckpointPolicy.MUST_SAVE if k in policy.cache else \
                     CheckpointPolicy.PREFER_RECOMPUTE

@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
+from remat.fx_passes.eager.block_policy import BlockPolicy, canonical, counterpart
 
 __all__ = ["Unused", "UnusedTracker", "unused_tensors"]
 
@@ -158,7 +158,8 @@ def unused_tensors(unused: Unused, order: Sequence[tuple[str, int]],
         if s not in segments:
             high = min(block(s)) - 1 if s < len(order) else num_forward - 1
             policy = expected(range(low(s), high + 1))
-            matcher = difflib.SequenceMatcher(a=policy.ops, b=unused.segments[s],
+            matcher = difflib.SequenceMatcher(a=[counterpart(o) for o in policy.ops],
+                                              b=[counterpart(o) for o in unused.segments[s]],
                                               autojunk=False)
             joint = [()] * len(unused.segments[s])
             for m in matcher.get_matching_blocks():

@@ -275,15 +275,17 @@ def eager_step(prepared, paths: Sequence[str], *, observed=None, policies=None, 
     given (a saved plan's, `remat.planner.plans.plan_file`, with what its probe found: `probed`,
     `eager_blocks`'s, in the joint graph's numbering)."""
     from remat.fx_passes.eager.policy import eager_blocks, eager_problem, with_eager_bytes
+    from remat.fx_passes.eager.recompute_state import state_kept_recomputable
     from remat.fx_passes.lowering.lower import op_nodes
 
     captured, joint = prepared.captured, prepared.sharded.graph
+    nodes = op_nodes(captured, joint)
+    joint = state_kept_recomputable(joint, nodes)
     structure, policies = eager_blocks(captured, joint, paths, observed, policies=policies,
                                        probed=probed)
     # Checkpoint's recomputations run the graph's ops with eager's bytes; under ZeRO-2/3 the
     # collectives of FSDP2 are inserted among them as in the compiled mode (gathered
     # parameters, full gradients until their reduce-scatter), and the blocks renumbered.
-    nodes = op_nodes(captured, joint)
     problem = eager_problem(joint, nodes, captured.device)
     if captured.shape_range is None:  # the probe saw one shape: a range keeps its bound
         # and one routing: a size read from the data keeps its worst case (tracing.unbacked)
@@ -292,7 +294,7 @@ def eager_step(prepared, paths: Sequence[str], *, observed=None, policies=None, 
     problem = dataclasses.replace(problem, host_bandwidth=joint.host_bandwidth,
                                   host_capacity=joint.host_capacity)
     to_graph = tuple(range(len(problem)))
-    if prepared.sharded.problem is not joint:
+    if prepared.sharded.problem is not prepared.sharded.graph:
         sharded = shard_step(problem, captured, prepared.training)
         problem, to_graph = sharded.problem, sharded.graph_index
         structure = structure.renumbered({g: i for i, g in enumerate(to_graph)
