@@ -3,13 +3,15 @@ Problem op for op (names included); stacks that are not uniform are captured who
 import logging
 from dataclasses import replace
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from examples.llama import LLAMA_TINY, llama
 from remat.fx_passes import capture, lower
-from remat.fx_passes.tracing.replicate import ReplicatedCapture, capture_replicated, find_stack
+from remat.fx_passes.tracing.replicate import (ReplicatedCapture, capture_replicated,
+                                              find_periodic_stack, find_stack, stack_period)
 from tests import models
 
 
@@ -110,6 +112,41 @@ def test_find_stack_compares_attributes_but_not_layer_index():
     short = nn.Module()
     short.blocks = nn.ModuleList(_Scaled(1.0, i) for i in range(3))
     assert find_stack(short) is None  # three blocks: nothing to gain
+
+
+def test_a_stack_equal_with_a_period_is_found_with_its_period():
+    alternating = nn.Module()
+    alternating.blocks = nn.ModuleList(_Scaled(float(i % 2), i) for i in range(8))
+    path, _, period = find_periodic_stack(alternating)
+    assert (path, period) == ("blocks", 2)
+    assert stack_period(list("abcabcabcabc")) == 3
+    assert stack_period(list("ababab")) is None  # three groups: nothing to gain
+    assert stack_period(list("ababa")) is None  # the period does not divide the count
+    assert stack_period(list("aaaab")) is None
+
+
+def test_gemma2_alternating_layers_replicated_by_pairs_equals_full_trace():
+    """Gemma-2's layers alternate sliding-window and full attention: each pair is a block.
+    Its mask building leaves names that dead-code elimination removed (``arange_2``), which
+    the replicated graph skips as the full trace does."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=99, hidden_size=32, intermediate_size=37, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+        max_position_embeddings=64, use_cache=False)).train()
+    ids = torch.randint(0, 99, (2, 12))
+    full = capture(model, (), example_kwargs={"input_ids": ids, "labels": ids})
+    assert any(n.name == "arange_3" for n in full.graph.nodes) and \
+        not any(n.name == "arange_2" for n in full.graph.nodes)
+    rep = capture_replicated(model, (), example_kwargs={"input_ids": ids, "labels": ids})
+    assert isinstance(rep, ReplicatedCapture)
+    assert (rep.block_path, rep.blocks, rep.traced_blocks) == ("model.layers", 8, 6)
+    expected, got = lower(full), lower(rep)
+    assert got.ops == expected.ops
+    assert [n.name for n in rep.graph.nodes] == [n.name for n in full.graph.nodes]
+    assert (rep.params, rep.buffers, rep.param_count) == \
+        (full.params, full.buffers, full.param_count)
 
 
 def test_plan_of_a_replicated_capture_runs_on_the_full_graph(caplog):

@@ -19,6 +19,10 @@
     code ever saw most of them: a plan that runs re-captures the full graph
     (`remat.planner.optimize.Plan.apply` does).
 
+    A stack whose blocks are equal with a period (Gemma-2's layers alternate sliding-window
+    and full attention: period 2) is replicated group by group: the first, a middle and the
+    last group of `period` blocks are traced, and the middle group is copied.
+
     Nothing is replicated, and the whole model is captured as `capture` does it, with a log
     line saying why, when: no stack of four or more equal blocks exists (a U-Net); the three
     traced blocks differ in their graphs (ops, shapes, constants or the way they read each
@@ -38,6 +42,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import torch
 from torch import nn
 
 from remat.fx_passes.tracing.capture import Captured, capture
@@ -45,7 +50,8 @@ from remat.fx_passes.tracing.replicate_graph import TRACED, NotUniform, replicat
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PER_LAYER_ATTRIBUTES", "ReplicatedCapture", "capture_replicated", "find_stack"]
+__all__ = ["PER_LAYER_ATTRIBUTES", "ReplicatedCapture", "capture_replicated", "find_periodic_stack",
+           "find_stack", "model_sizes", "stack_period"]
 
 PER_LAYER_ATTRIBUTES = frozenset({"layer_idx", "layer_id", "layer_index", "block_idx"})
 _SIMPLE = (int, float, bool, str, type(None))
@@ -74,20 +80,40 @@ def _signature(block: nn.Module) -> tuple:
 
 
 def find_stack(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """(path, container) of the stack of equal blocks with the most parameters, or None."""
+    """(path, container) of the stack of equal blocks with the most parameters, or None.
+    Equal with a period (`stack_period`): Gemma-2's layers alternate sliding-window and
+    full attention, and each pair of layers is a block."""
+    found = find_periodic_stack(model)
+    return None if found is None else found[:2]
+
+
+def find_periodic_stack(model: nn.Module) -> tuple[str, nn.Module, int] | None:
+    """(path, container, period) of the stack whose groups of `period` consecutive blocks
+    are equal, with the most parameters, or None; the period is the least that holds, and a
+    stack needs more than `TRACED` groups."""
     best, best_params = None, -1
     for path, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) <= TRACED \
                 or list(module._modules) != [str(i) for i in range(len(module))]:
             continue  # too short, or children named otherwise than by their index
-        children = list(module)
-        first = _signature(children[0])
-        if any(_signature(c) != first for c in children[1:]):
+        period = stack_period([_signature(c) for c in module])
+        if period is None:
             continue
         params = sum(p.numel() for p in module.parameters())
         if params > best_params:
-            best, best_params = (path, module), params
+            best, best_params = (path, module, period), params
     return best
+
+
+def stack_period(signatures: Sequence[Any]) -> int | None:
+    """The least period p such that block i equals block i mod p, p dividing the count, with
+    more than `TRACED` groups of p; None where there is none."""
+    count = len(signatures)
+    for period in range(1, count // (TRACED + 1) + 1):
+        if count % period == 0 and all(signatures[i] == signatures[i % period]
+                                       for i in range(period, count)):
+            return period
+    return None
 
 
 def capture_replicated(model: nn.Module, example_inputs: Sequence[Any] = (), *,
@@ -96,30 +122,33 @@ def capture_replicated(model: nn.Module, example_inputs: Sequence[Any] = (), *,
     `options` are `capture`'s (example_kwargs, loss_fn, fake_device, returns)."""
     start = time.perf_counter()
     name = name or type(model).__name__
-    found = find_stack(model)
+    found = find_periodic_stack(model)
     if found is None:
         log.info("replication: %s has no ModuleList/Sequential of more than %d equal blocks; "
                  "capturing the whole model", name, TRACED)
         return capture(model, example_inputs, name=name, **options)
-    path, stack = found
+    path, stack, period = found
     blocks = len(stack)
     children = list(stack)
-    short = type(stack)(*[children[0], children[blocks // 2], children[-1]]) \
-        if isinstance(stack, nn.Sequential) else nn.ModuleList(
-            [children[0], children[blocks // 2], children[-1]])
+    groups = blocks // period
+    kept = [*children[:period], *children[groups // 2 * period:(groups // 2 + 1) * period],
+            *children[-period:]]
+    short = type(stack)(*kept) if isinstance(stack, nn.Sequential) else nn.ModuleList(kept)
     with _swapped(model, path, short) as root:
         traced = capture(root, example_inputs, name=name, **options)
     try:
-        result = ReplicatedCapture(**replicated_fields(traced, model, path, blocks),
-                                   block_path=path, blocks=blocks, traced_blocks=TRACED)
+        fields = replicated_fields(traced, model, path, blocks, period)
+        result = ReplicatedCapture(**{**fields, **model_sizes(model)}, block_path=path,
+                                   blocks=blocks, traced_blocks=TRACED * period)
     except NotUniform as why:
         log.warning("replication: the blocks of %s.%s are not interchangeable (%s); capturing "
                     "the whole model", name, path or "<root>", why)
         return capture(model, example_inputs, name=name, **options)
     result.capture_time = time.perf_counter() - start
-    log.info("replication: traced %d of the %d blocks of %s.%s and replicated the middle one: "
-             "%d nodes in %.1f s", TRACED, blocks, name, path or "<root>",
-             len(result.graph.nodes), result.capture_time)
+    log.info("replication: traced %d of the %d blocks of %s.%s and replicated the middle "
+             "%s: %d nodes in %.1f s", TRACED * period, blocks, name, path or "<root>",
+             "one" if period == 1 else f"{period}", len(result.graph.nodes),
+             result.capture_time)
     return result
 
 
@@ -141,3 +170,16 @@ class _swapped:
     def __exit__(self, *exc) -> None:
         if self.path:
             self.parent._modules[self.attr] = self.original
+
+
+def model_sizes(model: nn.Module) -> dict:
+    """The parameter, buffer and dtype fields of `Captured` for the whole model."""
+    unique = {p.untyped_storage()._cdata if p.device.type != "meta" else id(p): p
+              for p in model.parameters()}
+    dtypes: dict[torch.dtype, int] = {}
+    for p in unique.values():
+        dtypes[p.dtype] = dtypes.get(p.dtype, 0) + p.numel() * p.element_size()
+    return {"param_count": sum(p.numel() for p in unique.values()),
+            "param_bytes": sum(dtypes.values()),
+            "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
+            "dtype": str(max(dtypes, key=dtypes.get)).replace("torch.", "") if dtypes else ""}

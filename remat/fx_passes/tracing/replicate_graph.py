@@ -22,7 +22,7 @@ import torch
 from torch import fx, nn
 
 from remat.fx_passes.tracing.capture import Captured
-from remat.fx_passes.tracing.names import module_path
+from remat.fx_passes.tracing.names import module_path, name_gaps, node_number, numbered
 from remat.fx_passes.tracing.rng import SUFFIX, rng_state
 from remat.solvers.core.problem import Phase
 
@@ -44,8 +44,8 @@ def _layer_of(node: fx.Node, prefix: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _regions(traced: Captured, prefix: str) -> tuple[list[fx.Node], list[list[fx.Node]],
-                                                     list[list[fx.Node]]]:
+def _regions(traced: Captured, prefix: str, period: int = 1
+             ) -> tuple[list[fx.Node], list[list[fx.Node]], list[list[fx.Node]]]:
     """(the graph's nodes, the forward region of each traced block, the backward regions).
     A forward region runs from a block's first node to the next block's first node, so it holds
     whatever the step runs between them; the backward alike, in the backward's block order."""
@@ -59,6 +59,7 @@ def _regions(traced: Captured, prefix: str) -> tuple[list[fx.Node], list[list[fx
             tainted.add(node)
     split = next((i for i, n in enumerate(nodes) if n in tainted), len(nodes))
     labels = [_layer_of(n, prefix) for n in nodes]
+    labels = [None if layer is None else layer // period for layer in labels]  # groups
     first: dict[tuple[Phase, int], int] = {}
     for i, layer in enumerate(labels):
         if layer is not None:
@@ -182,18 +183,25 @@ def _rule(blocks: _Blocks, a0, a1, a2, name: str) -> tuple:
 
 
 # -- the full graph, built in the order the full trace has it
-def replicated_fields(traced: Captured, model: nn.Module, path: str, count: int) -> dict:
-    """The fields of the `Captured` of `model`, whose stack at `path` has `count` blocks,
-    built from `traced`, the capture of the model cut to three of them. Raises NotUniform."""
+def replicated_fields(traced: Captured, model: nn.Module, path: str, count: int,
+                      period: int = 1) -> dict:
+    """The fields of the `Captured` of `model` (but its sizes: `model_sizes`), whose stack
+    at `path` has `count` blocks,
+    built from `traced`, the capture of the model cut to three of them, or, with `period`,
+    to three groups of `period` consecutive blocks (each group a block here: the first,
+    the template, the last). Raises NotUniform."""
     prefix = f"{path}." if path else ""
-    nodes, forward, backward = _regions(traced, prefix)
+    nodes, forward, backward = _regions(traced, prefix, period)
+    count //= period
     placeholders = traced.placeholders
     by_name = {p.name: p for p in placeholders}
     params: dict[fx.Node, tuple[int, str]] = {}
     for placeholder, qualified in {**traced.params, **traced.buffers}.items():
         match = re.match(re.escape(prefix) + r"(\d+)\.(.+)$", qualified)
-        if match:
-            params[by_name[placeholder]] = (int(match.group(1)), match.group(2))
+        if match:  # (group, name within the group: the block's place in it, with a period)
+            index, rest = int(match.group(1)), match.group(2)
+            params[by_name[placeholder]] = (index // period, rest if period == 1
+                                            else f"{index % period}.{rest}")
     regions = {(b, r): (forward if r == "f" else backward)[b] for b in range(TRACED) for r in "fb"}
     where = {n: (b, r, p) for (b, r), region in regions.items() for p, n in enumerate(region)}
     blocks = _Blocks(where, regions, params)
@@ -246,7 +254,7 @@ def replicated_fields(traced: Captured, model: nn.Module, path: str, count: int)
         new[(source, j)] = node
         if source in params:
             param_node[(j, params[source][1])] = node
-            qualified[node.name] = (f"{prefix}{j}.{params[source][1]}",
+            qualified[node.name] = (_qualified(prefix, j, params[source][1], period),
                                     source.name in traced.buffers)
         else:
             renamed[source.name] = node.name
@@ -256,6 +264,11 @@ def replicated_fields(traced: Captured, model: nn.Module, path: str, count: int)
                                         source.name in traced.buffers)
 
     relabelled: dict[tuple, dict] = {}
+    # Names as the full trace's: fx numbers each base in creation order, counting the nodes
+    # that dead-code elimination removed after tracing (Gemma-2's mask building leaves
+    # gaps), so each copy skips the gaps its source had.
+    gap = dict(zip(nodes, name_gaps([n.name for n in nodes])))
+    last_number: dict[str, int] = {}
 
     def rewritten(source: fx.Node, j: int | None) -> dict:
         meta = {k: v for k, v in source.meta.items() if k != "remat"}
@@ -265,7 +278,8 @@ def replicated_fields(traced: Captured, model: nn.Module, path: str, count: int)
                 if key in meta:
                     relabel_key = (tuple(meta[key].items()), traced_block, j)
                     if relabel_key not in relabelled:
-                        relabelled[relabel_key] = _relabel(meta[key], prefix, traced_block, j)
+                        relabelled[relabel_key] = _relabel(meta[key], prefix, traced_block, j,
+                                                           period)
                     meta[key] = relabelled[relabel_key]
         return meta
 
@@ -278,9 +292,13 @@ def replicated_fields(traced: Captured, model: nn.Module, path: str, count: int)
         else:
             leaves = [original(a, block) if isinstance(a, fx.Node) else a for a in leaves]
         args, kwargs = _unflatten(spec, iter(leaves))
-        candidate = "remat_rng_pending" if source.target is rng_state else _base(source.name)
+        random = source.target is rng_state
+        base = _base(source.name)
+        candidate = "remat_rng_pending" if random else numbered(base, last_number, gap[source])
         node = graph.create_node(source.op, source.target, tuple(args), dict(kwargs),
                                  name=candidate, type_expr=source.type)
+        if not random:
+            last_number[base] = node_number(node.name)[1]
         node.meta = rewritten(source, j)
         new[(source, j)] = node
 
@@ -330,8 +348,7 @@ def replicated_fields(traced: Captured, model: nn.Module, path: str, count: int)
         buffers={n: q for n, (q, buffer) in qualified.items() if buffer},
         user_inputs=[renamed[n] for n in traced.user_inputs],
         tangents=[renamed[n] for n in traced.tangents],
-        mutated_inputs=[renamed[n] for n in traced.mutated_inputs],
-        **_sizes(model))
+        mutated_inputs=[renamed[n] for n in traced.mutated_inputs])
     return fields_
 
 
@@ -357,26 +374,27 @@ def _apply(rule: tuple, j: int, at, param_node, original) -> Any:
     return at(j + step, rule[1], rule[2])
 
 
-def _relabel(stack: dict, prefix: str, old: int, new: int) -> dict:
-    pattern = re.compile("^" + re.escape(f"{prefix}{old}") + r"(?=\.|$)")
+def _qualified(prefix: str, group: int, name: str, period: int) -> str:
+    """The full model's name of parameter `name` of `group` (with a period, `name` begins
+    with the block's place in its group)."""
+    place, _, rest = name.partition(".") if period > 1 else ("0", "", name)
+    return f"{prefix}{group * period + int(place)}.{rest}"
+
+
+def _relabel(stack: dict, prefix: str, old: int, new: int, period: int = 1) -> dict:
+    """Module paths of group `old` of the short stack as those of group `new`."""
+    pattern = re.compile("^" + re.escape(prefix) + r"(\d+)(?=\.|$)")
+
+    def moved(match: re.Match) -> str:
+        index = int(match.group(1))
+        return match.group(0) if index // period != old else \
+            f"{prefix}{new * period + index % period}"
+
     result = {}
     for key, value in stack.items():
         qualified, kind = value if isinstance(value, tuple) else (value, None)
         path = module_path(str(qualified))
         if pattern.match(path):
-            qualified = pattern.sub(f"{prefix}{new}", path)
+            qualified = pattern.sub(moved, path)
         result[key] = (qualified, kind) if isinstance(value, tuple) else qualified
     return result
-
-
-def _sizes(model: nn.Module) -> dict:
-    """The parameter, buffer and dtype fields of `Captured` for the whole model."""
-    unique = {p.untyped_storage()._cdata if p.device.type != "meta" else id(p): p
-              for p in model.parameters()}
-    dtypes: dict[torch.dtype, int] = {}
-    for p in unique.values():
-        dtypes[p.dtype] = dtypes.get(p.dtype, 0) + p.numel() * p.element_size()
-    return {"param_count": sum(p.numel() for p in unique.values()),
-            "param_bytes": sum(dtypes.values()),
-            "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),
-            "dtype": str(max(dtypes, key=dtypes.get)).replace("torch.", "") if dtypes else ""}
