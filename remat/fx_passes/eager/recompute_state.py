@@ -43,9 +43,8 @@ class KeepState(TorchDispatchMode):
 
     def __enter__(self):
         # Read at entry: `.to()` or `load_state_dict(assign=True)` may have replaced tensors.
-        self.state = {t.untyped_storage().data_ptr()
-                      for t in (*self.module.buffers(), *self.module.parameters())
-                      if t.untyped_storage().nbytes() > 0}
+        self.state = {key for t in (*self.module.buffers(), *self.module.parameters())
+                      if (key := _storage_key(t)) is not None}
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -65,8 +64,21 @@ class KeepState(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _is_state(self, value: Any) -> bool:
-        return isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > 0 and \
-            value.untyped_storage().data_ptr() in self.state
+        key = _storage_key(value)
+        return key is not None and key in self.state
+
+
+def _storage_key(value: Any) -> int | None:
+    """Where a tensor's data lives (a DTensor's: its local shard's), or None: not a tensor,
+    no data (an empty storage), or none to read (a fake or meta tensor)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    local = getattr(value, "_local_tensor", value)
+    try:
+        storage = local.untyped_storage()
+        return storage.data_ptr() if storage.nbytes() > 0 else None
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _written_positions(func, args, kwargs) -> list[int | str]:
