@@ -154,11 +154,20 @@ def state_kept_recomputable(problem: Problem, nodes: list[fx.Node]) -> Problem:
     above the allocator."""
     ops = list(problem.ops)
     for v, node in enumerate(nodes):
-        if v < problem.num_forward and node.target in _BATCH_NORM_TRAINING \
-                and len(node.args) > 5 and node.args[5] is True \
-                and ops[v].not_recomputable is Reason.MUTATION:
+        if v >= problem.num_forward or ops[v].not_recomputable is not Reason.MUTATION:
+            continue
+        if (node.target in _BATCH_NORM_TRAINING and len(node.args) > 5
+                and node.args[5] is True) or _buffer_update(node):
             ops[v] = replace(ops[v], not_recomputable=None)
     return problem if ops == list(problem.ops) else replace(problem, ops=tuple(ops))
 
 
 _BATCH_NORM_TRAINING = (torch.ops.aten._native_batch_norm_legit_functional.default,)
+
+
+def _buffer_update(node: fx.Node) -> bool:
+    """A buffer's new value that only the step's write-back reads (BatchNorm's
+    ``num_batches_tracked + 1``): eager PyTorch writes it in place, and its recomputation
+    writes into a copy; held to the block's backward, its 8 bytes put eager predictions of
+    BatchNorm models above the allocator."""
+    return bool(node.users) and all(user.op == "output" for user in node.users)
