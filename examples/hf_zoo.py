@@ -185,12 +185,18 @@ class _Warnings(logging.Handler):
 
 
 def run_arch(name: str, options: SolverOptions, modes=MODES, fraction: float = 0.5,
-             least: bool = True) -> list[Row]:
+             least: bool = True, inductor: bool = False) -> list[Row]:
     """Both modes' rows for one architecture (a failure is a row with its error), each at the
     budget `fraction` of the way from its own mode's per-block checkpointing peak to its saving
-    everything peak (`budget_range`), with both modes' least budgets where `least`."""
+    everything peak (`budget_range`), with both modes' least budgets where `least`; with
+    `inductor`, both modes' rows and then the two Inductor rows of `examples.zoo_inductor`
+    (remat's compile=True at the compiled row's budget, the eager row's plan under
+    torch.compile)."""
     family = ARCHS[name][0]
+    if inductor:
+        modes = MODES
     rows = [Row(name, family, mode) for mode in modes]
+    plans = {}
     try:
         base, kwargs = build(name)
         reference = copy.deepcopy(base)
@@ -236,6 +242,7 @@ def run_arch(name: str, options: SolverOptions, modes=MODES, fraction: float = 0
             logging.getLogger("remat").removeHandler(warnings)
             if any("runs other code" in m for m in warnings.messages):
                 row.note = "eager runs other code than captured (warned)"
+        plans[row.mode] = plan
         row.status = plan.status.value
         row.gap = plan.gap
         bounded = plan.prepared.captured.graph_module.meta.get("remat_worst_case")
@@ -253,6 +260,12 @@ def run_arch(name: str, options: SolverOptions, modes=MODES, fraction: float = 0
             row.grad_diff = grad_diff(expected, planned)
         except Exception as e:
             row.error = f"run: {_first_line(e)}"
+    if inductor:
+        from examples.zoo_inductor import inductor_rows
+
+        compiled, eager_row = rows
+        rows += inductor_rows(name, family, base, kwargs, expected, compiled.budget or None,
+                              plans.get("eager"), eager_row.budget or None, options)
     return rows
 
 
@@ -320,6 +333,10 @@ def main(argv=None) -> int:
                              "saving everything (1)")
     parser.add_argument("--no-least", action="store_true",
                         help="skip the two least-budget searches (each --time-limit long)")
+    parser.add_argument("--inductor", action="store_true",
+                        help="add two rows per architecture: remat's compile=True at the "
+                             "compiled budget, and torch.compile of the applied eager plan "
+                             "(examples/zoo_inductor.py; a minute or more of compiles each)")
     parser.add_argument("--out", help="also write the rows to this JSON file")
     parser.add_argument("-v", "--verbose", action="store_true", help="remat's INFO log")
     args = parser.parse_args(argv)
@@ -330,7 +347,7 @@ def main(argv=None) -> int:
     rows: list[Row] = []
     for name in args.archs.split(","):
         new = run_arch(name, options, modes=args.modes.split(","), fraction=args.fraction,
-                       least=not args.no_least)
+                       least=not args.no_least, inductor=args.inductor)
         print(tabulate([r.cells() for r in new], tablefmt="plain", disable_numparse=True),
               flush=True)
         rows += new
@@ -349,6 +366,10 @@ def main(argv=None) -> int:
     above = [r for r in ran if r.allocator > r.predicted]
     print(f"\n{len(ran)} of {len(rows)} rows ran; {len(above)} above the prediction; "
           f"{sum(r.grad_diff != 0 for r in ran)} with gradients not bitwise equal")
+    if args.inductor:
+        from examples.zoo_inductor import summary
+
+        print(summary(rows))
     return 0
 
 
