@@ -3,6 +3,7 @@
 
     python examples/hf_zoo.py                                # every architecture, 10 s solves
     python examples/hf_zoo.py --archs llama,t5,mixtral --time-limit 5 --out zoo.json
+    python examples/hf_zoo.py --archs llama,vit --inductor   # and two Inductor rows each
 
 For each architecture, built as its `ModelTester` builds it and in train mode (dropout on where
 the tester sets it), remat captures the step once, ``model(**kwargs).loss.backward()``, and
@@ -28,6 +29,11 @@ smallest activation budget each mode's planner can meet (compiled: the peak the 
 names in its BudgetError at budget 0; eager: the least eager peak of any per-block policy,
 CP-SAT over the eager timeline), "proven" where the search proved it the least. The promise is that no row is above its
 prediction, and none more than 2 % below it without a stated reason.
+
+`--inductor` adds two rows per architecture (`examples/zoo_inductor.py`): remat's plan
+compiled by Inductor (``compile=True``) at the compiled row's budget, and the eager row's plan
+applied and compiled by ``torch.compile``, against the eager prediction; docs/inductor.md,
+"The zoo under Inductor", has their table.
 """
 from __future__ import annotations
 
