@@ -3,6 +3,7 @@
 
     python examples/hf_zoo.py                                # every architecture, 10 s solves
     python examples/hf_zoo.py --archs llama,t5,mixtral --time-limit 5 --out zoo.json
+    python examples/hf_zoo.py --archs llama,vit --inductor   # and two Inductor rows each
 
 For each architecture, built as its `ModelTester` builds it and in train mode (dropout on where
 the tester sets it), remat captures the step once, ``model(**kwargs).loss.backward()``, and
@@ -28,6 +29,11 @@ smallest activation budget each mode's planner can meet (compiled: the peak the 
 names in its BudgetError at budget 0; eager: the least eager peak of any per-block policy,
 CP-SAT over the eager timeline), "proven" where the search proved it the least. The promise is that no row is above its
 prediction, and none more than 2 % below it without a stated reason.
+
+`--inductor` adds two rows per architecture (`examples/zoo_inductor.py`): remat's plan
+compiled by Inductor (``compile=True``) at the compiled row's budget, and the eager row's plan
+applied and compiled by ``torch.compile``, against the eager prediction; docs/inductor.md,
+"The zoo under Inductor", has their table.
 """
 from __future__ import annotations
 
@@ -185,12 +191,18 @@ class _Warnings(logging.Handler):
 
 
 def run_arch(name: str, options: SolverOptions, modes=MODES, fraction: float = 0.5,
-             least: bool = True) -> list[Row]:
+             least: bool = True, inductor: bool = False) -> list[Row]:
     """Both modes' rows for one architecture (a failure is a row with its error), each at the
     budget `fraction` of the way from its own mode's per-block checkpointing peak to its saving
-    everything peak (`budget_range`), with both modes' least budgets where `least`."""
+    everything peak (`budget_range`), with both modes' least budgets where `least`; with
+    `inductor`, both modes' rows and then the two Inductor rows of `examples.zoo_inductor`
+    (remat's compile=True at the compiled row's budget, the eager row's plan under
+    torch.compile)."""
     family = ARCHS[name][0]
+    if inductor:
+        modes = MODES
     rows = [Row(name, family, mode) for mode in modes]
+    plans = {}
     try:
         base, kwargs = build(name)
         reference = copy.deepcopy(base)
@@ -236,6 +248,7 @@ def run_arch(name: str, options: SolverOptions, modes=MODES, fraction: float = 0
             logging.getLogger("remat").removeHandler(warnings)
             if any("runs other code" in m for m in warnings.messages):
                 row.note = "eager runs other code than captured (warned)"
+        plans[row.mode] = plan
         row.status = plan.status.value
         row.gap = plan.gap
         bounded = plan.prepared.captured.graph_module.meta.get("remat_worst_case")
@@ -253,6 +266,12 @@ def run_arch(name: str, options: SolverOptions, modes=MODES, fraction: float = 0
             row.grad_diff = grad_diff(expected, planned)
         except Exception as e:
             row.error = f"run: {_first_line(e)}"
+    if inductor:
+        from examples.zoo_inductor import inductor_rows
+
+        compiled, eager_row = rows
+        rows += inductor_rows(name, family, base, kwargs, expected, compiled.budget or None,
+                              plans.get("eager"), eager_row.budget or None, options)
     return rows
 
 
@@ -320,6 +339,10 @@ def main(argv=None) -> int:
                              "saving everything (1)")
     parser.add_argument("--no-least", action="store_true",
                         help="skip the two least-budget searches (each --time-limit long)")
+    parser.add_argument("--inductor", action="store_true",
+                        help="add two rows per architecture: remat's compile=True at the "
+                             "compiled budget, and torch.compile of the applied eager plan "
+                             "(examples/zoo_inductor.py; a minute or more of compiles each)")
     parser.add_argument("--out", help="also write the rows to this JSON file")
     parser.add_argument("-v", "--verbose", action="store_true", help="remat's INFO log")
     args = parser.parse_args(argv)
@@ -330,7 +353,7 @@ def main(argv=None) -> int:
     rows: list[Row] = []
     for name in args.archs.split(","):
         new = run_arch(name, options, modes=args.modes.split(","), fraction=args.fraction,
-                       least=not args.no_least)
+                       least=not args.no_least, inductor=args.inductor)
         print(tabulate([r.cells() for r in new], tablefmt="plain", disable_numparse=True),
               flush=True)
         rows += new
@@ -349,6 +372,10 @@ def main(argv=None) -> int:
     above = [r for r in ran if r.allocator > r.predicted]
     print(f"\n{len(ran)} of {len(rows)} rows ran; {len(above)} above the prediction; "
           f"{sum(r.grad_diff != 0 for r in ran)} with gradients not bitwise equal")
+    if args.inductor:
+        from examples.zoo_inductor import summary
+
+        print(summary(rows))
     return 0
 
 

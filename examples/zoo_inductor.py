@@ -1,0 +1,128 @@
+"""The zoo's two Inductor rows per architecture (`python examples/hf_zoo.py --inductor`).
+
+- ``inductor``: ``remat.optimize(model, activation_budget=B, example_kwargs=kwargs,
+  compile=True)`` at the compiled row's budget B; ``plan.module(**kwargs)`` and the backward
+  run as the zoo runs compiled plans. Its prediction (`plan.activation_peak`) is the reading of
+  one measured Inductor step (`remat.planner.plans.inductor_check`), so the row checks that
+  reading against the zoo's own; the note gives the op-by-op simulated peak beside it.
+- ``eager+compile``: the eager row's plan applied to a fresh copy (``plan.apply``), then
+  ``torch.compile`` (Inductor), the step run twice (the first compiles) before the measured
+  one, against the eager plan's prediction. torch.compile knows nothing of the plan: its
+  partitioner decides again what the compiled blocks save, so this row may be above
+  (benchmarks/compile_applied.py, docs/limitations.md).
+
+Both are judged as the zoo's rows are: the allocator's activation peak (`activation_peak`) and
+the gradients against eager PyTorch's (`grad_diff`), here within `INDUCTOR_SUMS`. Both run
+with Inductor's ``fallback_random`` on (remat's compile=True sets it itself): aten's random
+kernels on eager's generator, so the dropout masks are eager's and the gradients comparable.
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+import remat
+from examples.hf_zoo import (Row, _first_line, activation_peak, grad_diff,
+                             training_step)
+from remat.planner.job.budget import format_size
+from remat.solvers import SolverOptions
+
+MODES = ("inductor", "eager+compile")
+
+# Relative to the largest |eager gradient| (hf_zoo.grad_diff). Inductor runs the step's sums
+# in its own order (fused reductions, a bias gradient summed over every token in vectorized
+# partial sums) and its vectorized exp/tanh/erf differ from aten's by an ulp or so. A sum of
+# n float32 terms reordered moves by at most about n * 1.2e-7 of the terms' size; the zoo's
+# largest per-gradient sums are over the tokens of a batch (ViT: 13 images of 225 patches,
+# 2925 terms; 3.5e-4 by that bound). So 1e-3: room for the largest reordered sum of the zoo,
+# and still about a hundred times below what a wrong recomputation (another dropout mask, a
+# stale value) moves a gradient by, a sizeable fraction of it.
+INDUCTOR_SUMS = 1e-3
+
+
+def inductor_rows(name: str, family: str, base: torch.nn.Module, kwargs: dict,
+                  expected: list, budget: int | None, eager_plan, eager_budget: int | None,
+                  options: SolverOptions) -> list[Row]:
+    """The two rows of `name` (module doc): `budget` is the compiled row's budget,
+    `eager_plan` the eager row's plan (None where it failed: the row says so)."""
+    return [remat_inductor(name, family, base, kwargs, expected, budget, options),
+            applied_compiled(name, family, base, kwargs, expected, eager_plan, eager_budget)]
+
+
+def remat_inductor(name, family, base, kwargs, expected, budget, options) -> Row:
+    row = Row(name, family, "inductor", budget=budget or 0)
+    if budget is None:
+        row.error = "no compiled budget (the compiled row failed)"
+        return row
+    torch._dynamo.reset()
+    model = copy.deepcopy(base)
+    start = time.perf_counter()
+    try:
+        plan = remat.optimize(model, activation_budget=budget, example_kwargs=kwargs,
+                              compile=True, solver_options=options)
+    except Exception as e:  # the table reports every failure with its cause
+        row.error = f"plan: {_first_line(e)}"
+        return row
+    finally:
+        row.plan_seconds = time.perf_counter() - start
+    row.status, row.gap = plan.status.value, plan.gap
+    row.predicted = plan.activation_peak
+    check = plan.inductor
+    replans = len(check.readings) - 1
+    row.note = (f"simulated {check.predicted:,}"
+                + (f"; {replans} re-plan(s)" if replans else ""))
+    return _run(row, plan.module, model, kwargs, expected)
+
+
+def applied_compiled(name, family, base, kwargs, expected, eager_plan, eager_budget) -> Row:
+    row = Row(name, family, "eager+compile", budget=eager_budget or 0)
+    if eager_plan is None:
+        row.error = "no eager plan (the eager row failed)"
+        return row
+    torch._dynamo.reset()
+    row.status, row.gap = eager_plan.status.value, eager_plan.gap
+    row.predicted = eager_plan.activation_peak
+    try:
+        model = eager_plan.apply(copy.deepcopy(base))
+        call = compile_applied(model)
+    except Exception as e:
+        row.error = f"apply: {_first_line(e)}"
+        return row
+    with torch._inductor.config.patch(fallback_random=True):
+        return _run(row, call, model, kwargs, expected)
+
+
+def compile_applied(model: torch.nn.Module):
+    """torch.compile with its default backend, Inductor (a test replaces it: no compiles)."""
+    return torch.compile(model)
+
+
+def _run(row: Row, call, model: torch.nn.Module, kwargs: dict, expected: list) -> Row:
+    try:
+        step = training_step(call, kwargs, seed=7)
+        for _ in range(2):  # the first call compiles
+            step()
+        row.allocator = activation_peak(step, model)
+        row.grad_diff = grad_diff(expected, model)
+    except Exception as e:
+        row.error = f"run: {_first_line(e)}"
+    if row.grad_diff is not None and row.grad_diff > INDUCTOR_SUMS:
+        row.error = (row.error or "") + (f"gradients {row.grad_diff:.0e} above "
+                                         f"{INDUCTOR_SUMS:.0e}")
+    return row
+
+
+def summary(rows: list[Row]) -> str:
+    """One line per Inductor row above its prediction, and the count within tolerance."""
+    mine = [r for r in rows if r.mode in MODES]
+    ran = [r for r in mine if r.over is not None]
+    lines = [f"{len(ran)} of {len(mine)} Inductor rows ran; "
+             f"{sum(r.grad_diff <= INDUCTOR_SUMS for r in ran)} with gradients within "
+             f"{INDUCTOR_SUMS:.0e} of eager's (relative to the largest)"]
+    for r in ran:
+        if r.allocator > r.predicted:
+            lines.append(f"  above: {r.arch} {r.mode} by {format_size(r.allocator - r.predicted)}"
+                         f" ({r.over:+.2f} %)")
+    return "\n".join(lines)

@@ -1,0 +1,40 @@
+"""`examples/hf_zoo.py --inductor`'s rows, without compiling: Inductor is replaced by the
+op-by-op runners (remat's boxed_nop compilers; torch.compile by the model itself), so each row
+must read exactly what the op-by-op plan predicts, with eager PyTorch's gradients. The
+Inductor readings themselves are docs/inductor.md's "The zoo under Inductor" (a minute of
+compiles per row, not for the test suite)."""
+import pytest
+from torch._dynamo.backends.debugging import boxed_nop
+
+import examples.zoo_inductor as zoo_inductor
+import remat.fx_passes.compiled.planned as planned
+from examples.hf_zoo import run_arch
+from remat.solvers import SolverOptions
+
+pytest.importorskip("transformers")
+
+
+def test_the_inductor_rows_run_and_are_judged(monkeypatch):
+    monkeypatch.setattr(planned, "inductor_compilers", lambda: (boxed_nop, boxed_nop))
+    monkeypatch.setattr(zoo_inductor, "compile_applied", lambda model: model)
+    rows = run_arch("llama", SolverOptions(time_limit=2), modes=("eager",), least=False,
+                    inductor=True)
+    assert [r.mode for r in rows] == ["compiled", "eager", "inductor", "eager+compile"]
+    compiled, eager, remat_compiled, applied = rows
+    assert not any(r.error for r in rows), rows
+    # compile=True at the compiled row's budget; its reading (op by op here) is the prediction
+    assert remat_compiled.budget == compiled.budget
+    assert remat_compiled.predicted <= remat_compiled.budget
+    assert remat_compiled.note.startswith(f"simulated {remat_compiled.predicted:,}")
+    assert remat_compiled.allocator == remat_compiled.predicted
+    # the eager row's plan applied again: its prediction, and eager's reading
+    assert (applied.budget, applied.predicted) == (eager.budget, eager.predicted)
+    assert applied.allocator == eager.allocator == eager.predicted
+    assert remat_compiled.grad_diff == applied.grad_diff == 0.0
+
+
+def test_a_failed_mode_gives_its_inductor_row_a_cause():
+    row, failed = zoo_inductor.inductor_rows("llama", "decoder", None, {}, [], None, None,
+                                             None, SolverOptions())
+    assert row.error.startswith("no compiled budget") and row.allocator is None
+    assert failed.error.startswith("no eager plan") and failed.allocator is None
