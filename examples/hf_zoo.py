@@ -13,7 +13,7 @@ simulated figures: for compiled, the joint graph's baselines; for eager, remat's
 timeline with every block checkpointed and nothing cached, and with no block checkpointed
 (what plain eager PyTorch holds). Where checkpointing every block holds more than saving
 everything (its copies of the random state and of the block inputs outweigh what it frees:
-ResNet, DeepSeek-V3 in eager), the budget is per-block checkpointing's own peak, the least
+DeepSeek-V3 in eager), the budget is per-block checkpointing's own peak, the least
 of the range that the mode's plans reach. Then, in each mode:
 
 - compiled: ``plan.module(**kwargs)``, the rewritten joint graph;
