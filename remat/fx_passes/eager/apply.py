@@ -24,7 +24,7 @@ from remat.fx_passes.eager.block_policy import BlockPolicy
 from remat.fx_passes.eager.call_guard import (autocast_cause, current, guard_calls,
                                               mismatch_cause)
 from remat.fx_passes.eager.offload import EagerOffloads
-from remat.fx_passes.eager.recompute_state import KeepState, with_state_kept, writes_state
+from remat.fx_passes.eager.recompute_state import with_state_kept
 from remat.fx_passes.eager.runs import module_path, run_index
 from remat.fx_passes.eager.selective import policy_contexts
 from remat.fx_passes.eager.traced import register, traced_checkpoint
@@ -185,6 +185,5 @@ _CHECKED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 def _state_kept_only(policy: BlockPolicy, module: torch.nn.Module):
     """Plain checkpoint's contexts: the recomputation keeps the buffers as the forward left
     them where the block writes into them (batch norm), and adds nothing elsewhere."""
-    if not writes_state(policy.ops):
-        return contextlib.nullcontext(), contextlib.nullcontext()
-    return contextlib.nullcontext(), KeepState(module)
+    return with_state_kept((contextlib.nullcontext(), contextlib.nullcontext()), module,
+                           policy.ops)

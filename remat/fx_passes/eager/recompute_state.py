@@ -15,6 +15,7 @@ schema does not mark them (``native_batch_norm``, ``cudnn_batch_norm``,
 ``miopen_batch_norm``), from their running statistics in training."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
+from remat.fx_passes.eager.block_policy import canonical, counterpart
 from remat.solvers.core.problem import Problem, Reason
 
 __all__ = ["KeepState", "state_kept_recomputable", "with_state_kept", "writes_state"]
@@ -104,32 +106,16 @@ def _written_positions(func, args, kwargs) -> list[int | str]:
 
 def writes_state(ops) -> bool:
     """Whether a block's op sequence (`BlockPolicy.ops`) may write into the model's state:
-    a batch norm or an in-place op among them."""
-    return any("batch_norm" in op or (base.endswith("_") and not base.endswith("__"))
-               for op in ops for base in op.split(".")[1:2])
+    a batch norm or an in-place op among them (the ops whose joint-graph counterpart is
+    another op, `counterpart`)."""
+    return any(counterpart(op) != canonical(op) for op in ops)
 
 
-class _Both:
+@contextlib.contextmanager
+def _both(first, second):
     """Two context managers entered in order and left in reverse."""
-
-    def __init__(self, first, second) -> None:
-        self.first, self.second = first, second
-
-    def __enter__(self):
-        self.first.__enter__()
-        try:
-            self.second.__enter__()
-        except BaseException:
-            self.first.__exit__(None, None, None)
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            self.second.__exit__(*exc)
-        finally:
-            self.first.__exit__(*exc)
-        return False
+    with first, second:
+        yield
 
 
 def with_state_kept(contexts: tuple, module: torch.nn.Module, ops) -> tuple:
@@ -140,7 +126,7 @@ def with_state_kept(contexts: tuple, module: torch.nn.Module, ops) -> tuple:
     if not writes_state(ops):
         return contexts
     forward, recomputation = contexts
-    return forward, _Both(recomputation, KeepState(module))
+    return forward, _both(recomputation, KeepState(module))
 
 
 def state_kept_recomputable(problem: Problem, nodes: list[fx.Node]) -> Problem:
