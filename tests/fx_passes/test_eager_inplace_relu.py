@@ -132,8 +132,7 @@ def test_batch_norm_blocks_recompute_without_touching_state_and_as_predicted(inp
     budget = int(0.75 * plain)
     plan = remat.optimize(model, activation_budget=budget, example_inputs=(x, t),
                           execution="eager", blocks=["inc", "down1", "down2", "up1", "up2"])
-    assert any(not p.cache for p in plan.block_policies.values()) or \
-        any(len(p.cache) < len(p.ops) for p in plan.block_policies.values())
+    assert plan.schedule.recomputed, "at three quarters of plain eager, the plan recomputes"
     model = plan.apply(model)
     step(reference)()
     peak, _ = allocator_peak(step(model))

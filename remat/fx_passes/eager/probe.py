@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from remat.fx_passes.eager.block_policy import BlockPolicy, canonical, counterpart
+from remat.fx_passes.eager.recompute_state import written_positions
 from remat.fx_passes.eager.unused import Unused, UnusedTracker, plain_storage
 
 log = logging.getLogger(__name__)
@@ -264,15 +265,10 @@ def _storage(t: Any):
 
 
 def _written(func, args, kwargs) -> list[torch.Tensor]:
-    """The tensors op `func` writes into (in-place and out= arguments)."""
-    schema = getattr(func, "_schema", None)
-    if schema is None or not schema.is_mutable:
-        return []
+    """The tensors op `func` writes into (in-place and out= arguments, by its schema)."""
     written = []
-    for i, argument in enumerate(schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        value = args[i] if i < len(args) else kwargs.get(argument.name)
+    for where in written_positions(func, args, kwargs, unmarked=False):
+        value = args[where] if isinstance(where, int) else kwargs[where]
         written.extend(t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
     return written
 

@@ -26,7 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from remat.fx_passes.eager.block_policy import canonical, counterpart
 from remat.solvers.core.problem import Problem, Reason
 
-__all__ = ["KeepState", "state_kept_recomputable", "with_state_kept", "writes_state"]
+__all__ = ["KeepState", "state_kept_recomputable", "with_state_kept", "writes_state",
+           "written_positions"]
 
 # Batch norm kernels that update their running statistics (arguments 3 and 4) when
 # `training` (argument 5) is true, without saying so in their schema.
@@ -51,7 +52,7 @@ class KeepState(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        written = _written_positions(func, args, kwargs)
+        written = written_positions(func, args, kwargs)
         if written:
             args, kwargs = list(args), dict(kwargs)
             for where in written:
@@ -83,13 +84,14 @@ def _storage_key(value: Any) -> int | None:
         return None
 
 
-def _written_positions(func, args, kwargs) -> list[int | str]:
+def written_positions(func, args, kwargs, *, unmarked: bool = True) -> list[int | str]:
     """Where op `func`'s call holds the tensors it writes into: argument positions, or
-    keyword names."""
+    keyword names, from its schema (``Tensor(a!)``); with `unmarked`, also the running
+    statistics of the batch norm kernels whose schema does not mark them."""
     schema = getattr(func, "_schema", None)
     if schema is None:
         return []
-    if schema.name.split("::")[-1] in _UNMARKED_BATCH_NORMS:
+    if unmarked and schema.name.split("::")[-1] in _UNMARKED_BATCH_NORMS:
         return [3, 4] if len(args) > 5 and args[5] else []
     if not schema.is_mutable:
         return []
