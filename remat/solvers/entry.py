@@ -41,6 +41,13 @@ LIMITED = {STRATEGIES[Strategy.OPTIMAL], STRATEGIES[Strategy.TILED]}
 # 54 % with the 6 s that shares of 0.25 and 0.15 left it.
 COMPILED_SEED_SHARE = 0.1
 HEURISTIC_SHARE = 0.15
+# Above this many ops the compiled seed is not tried: the compiled model takes longer to build
+# than its share (Phi-3-mini's 6,762 ops beside two busy processes: "no time left to build the
+# model" after its 1.7 s, a warning and per-block checkpointing's policy), and the exact
+# search's slot bound gets there from the heuristic's policy alone (Phi-3-mini, Mistral-7B,
+# Llama-3-8B: the same plans and gaps without it, 1.3 to 2 s sooner;
+# `benchmarks/real_sizes.py --modes eager`).
+COMPILED_SEED_MAX_OPS = 2000
 # With a host link: the policy planned again with block inputs kept in host memory, at the end.
 OFFLOAD_SHARE = 0.15
 
@@ -118,7 +125,8 @@ def solve_eager(problem: Problem, blocks: EagerBlocks, budget: int,
     options, stated = sized_and_stated(options or SolverOptions(), len(problem))
     deadline = Deadline(options.time_limit, clock=options.clock or time.perf_counter)
     seeds: list[frozenset[int]] = [frozenset(), blocks.cacheable]
-    seed_time = deadline.share(COMPILED_SEED_SHARE)  # 0: no time left, no seed
+    seed_time = (deadline.share(COMPILED_SEED_SHARE)  # 0: no time left, no seed
+                 if len(problem) <= COMPILED_SEED_MAX_OPS else 0.0)
     try:
         # Checkpoint recomputes each value at most once, in the backward: the single model's
         # space is the one this seed is for.
@@ -130,16 +138,16 @@ def solve_eager(problem: Problem, blocks: EagerBlocks, budget: int,
     # The eager planner weighs ops by their cost under the objective (seconds, or FLOPs);
     # the schedule it returns is then costed in seconds like every other.
     costed = with_objective(problem, options.objective)
-    # First under the heuristic's deadline: the seed that a few evaluations find.
-    seeds.insert(0, cheapest_prefix(costed, blocks, budget))
+    # The heuristic's share of the limit, its first seed (a few evaluations) included.
+    heuristic_time = deadline.within(deadline.share(HEURISTIC_SHARE))
+    seeds.insert(0, cheapest_prefix(costed, blocks, budget, heuristic_time))
     # With a host link, the last share of the limit plans the block inputs kept in host
     # memory, on top of the policy found before it (the exact search plans no offload).
     offload_time = deadline.share(OFFLOAD_SHARE) if problem.host_bandwidth else 0.0
     solving = deadline.until(deadline.end - offload_time) if offload_time else deadline
     failed = None
     try:
-        heuristic = plan_eager(costed, blocks, budget, seeds,
-                               deadline.within(deadline.share(HEURISTIC_SHARE)))
+        heuristic = plan_eager(costed, blocks, budget, seeds, heuristic_time)
     except BudgetError as e:
         if strategy is not Strategy.OPTIMAL and not offload_time:
             raise

@@ -10,7 +10,7 @@ import pytest
 from remat.errors import BudgetError
 from remat.solvers import SolverOptions, Status, Strategy, make_schedule, solve, solve_eager
 from remat.solvers.core.deadline import Deadline
-from remat.solvers.eager.heuristic import plan_eager
+from remat.solvers.eager.heuristic import cheapest_prefix, plan_eager
 from remat.solvers.eager.search import optimal_eager
 from remat.solvers.timeline.eager import eager_schedule
 from tests.synthetic.eager import random_eager
@@ -116,3 +116,44 @@ def test_eager_nothing_fits_and_no_time_is_a_budget_error_labelled_found(strateg
         assert "below 0 bytes" not in text
         assert solve_eager(problem, blocks, error.smallest, strategy, no_time()).peak \
             <= error.smallest
+
+
+def test_eager_first_seed_stops_at_the_deadline():
+    """The bisection for the first seed runs under the heuristic's deadline: with no time it
+    evaluates no prefix, returns the empty one and says where it stopped; with time, it
+    finds a prefix whose caching fits."""
+    stopped = 0
+    for problem, blocks in eager_problems():
+        budget = eager_schedule(problem, blocks, blocks.cacheable).peak
+        found = cheapest_prefix(problem, blocks, budget)
+        assert eager_schedule(problem, blocks, found).peak <= budget
+        expired = Deadline(10.0, clock=NoTime())
+        assert cheapest_prefix(problem, blocks, budget, expired) == frozenset()
+        if found:  # there was a bisection to stop
+            assert expired.stopped == ("eager: first seed", "no time left")
+            stopped += 1
+    assert stopped
+
+
+def test_eager_large_problems_get_no_compiled_seed(monkeypatch):
+    """Above COMPILED_SEED_MAX_OPS the eager solve does not run the compiled solver for a
+    seed (its model would not be built within its share); below it, it does."""
+    import remat.solvers.entry as entry
+
+    problem, blocks = eager_problems()[0]
+    budget = eager_schedule(problem, blocks, ()).peak
+    calls = []
+    compiled = entry.solve
+
+    def counting(*args, **kwargs):
+        calls.append(args[0])
+        return compiled(*args, **kwargs)
+
+    monkeypatch.setattr(entry, "solve", counting)
+    options = SolverOptions(time_limit=10, workers=2, deterministic=False)
+    assert solve_eager(problem, blocks, budget, "greedy", options).peak <= budget
+    assert calls == [problem]
+    monkeypatch.setattr(entry, "COMPILED_SEED_MAX_OPS", len(problem) - 1)
+    calls.clear()
+    assert solve_eager(problem, blocks, budget, "greedy", options).peak <= budget
+    assert calls == []

@@ -50,9 +50,11 @@ class EagerModel(StorageHolds, EagerDecisions):
     their fixed forward slots and at their block's running recomputation steps after them."""
 
     def __init__(self, problem: Problem, blocks: EagerBlocks, units: Units,
-                 deadline: Deadline | None = None):
+                 deadline: Deadline | None = None, *, complete: bool = True):
         """OutOfTime when `deadline` passes while the model is built (DBRX's: 1.5 to 4.5 s
-        under a load of 7, where the limit was 3.5 s)."""
+        under a load of 7, where the limit was 3.5 s). `complete=False` leaves out what only
+        a solve of the whole model reads, until `complete()`: the slot relaxation
+        (`remat.solvers.eager.slots`) reads the holds, events and literals alone."""
         self.problem, self.blocks, self.units = problem, blocks, units
         self._tick = ticker(deadline, "eager: building the model")
         self.model = cp_model.CpModel()
@@ -63,13 +65,30 @@ class EagerModel(StorageHolds, EagerDecisions):
         self._slots()
         held, finished = self._checkpoint_holds()
         self._holds(size, held, finished)
-        profile, temp_at = self._fixed_profile(temp)
-        events = self._hold_events(profile)
-        self._pair_rows()
+        profile, self.temp_at = self._fixed_profile(temp)
+        self.events = self._hold_events(profile)
         self.fixed = profile.levels(self.slots)
         self.fixed_peak = max(self.fixed, default=0)
-        self._memory_chain(events, temp_at, temp)
+        self._total = sum(h.size for h in self.holds) + sum(temp) + 1
         self._cost()
+        self.completed = False
+        if complete:
+            self.complete()
+
+    def complete(self, deadline: Deadline | None = None) -> None:
+        """The rows only a solve of the whole model reads: the chains of "held to candidate
+        slot e or later" literals and their lower bounds, the pair rows, the memory chain and
+        the peak. Gemma-2-9B's 14,276 ops: most of the model's 250,000 variables' rows, built
+        only where the slot relaxation left the search over every slot to run. OutOfTime
+        when `deadline` passes first (the model is then unusable)."""
+        if self.completed:
+            return
+        if deadline is not None:
+            self._tick = ticker(deadline, "eager: completing the model")
+        self._end_rows()
+        self._pair_rows()
+        self._memory_chain()
+        self.completed = True
 
     def _runs_with_nothing_cached(self) -> dict:
         """Step 1: the runs with nothing cached (`runs`, and each op's run); P, what each
@@ -196,18 +215,28 @@ class EagerModel(StorageHolds, EagerDecisions):
             ends = [(k, m.NewBoolVar(f"held[{k}]")) for k in moving]
             self._bools.update((x.Index(), x) for _, x in ends)
             self.ends.append(ends)
-            previous_end, previous = fixed_end, h.presence
+            previous_end = fixed_end
             for k, x in ends:
                 event(previous_end + 1, h.size, x)
                 event(k + 1, -h.size, x)
+                previous_end = k
+        return events
+
+    def _end_rows(self) -> None:
+        """Each hold's chain of end literals implies the one before (and its presence), and
+        each is bounded below by the terms that hold the storage to its slot."""
+        m = self.model
+        for h, ends in zip(self.holds, self.ends):
+            self._tick()
+            previous = h.presence
+            for _, x in ends:
                 if previous is not TRUE:
                     m.AddImplication(x, previous)
-                previous_end, previous = k, x
+                previous = x
             at = dict(ends)
             for k, lits in h.terms:
                 if k in at:  # held to k when every literal holds (and to what is before)
                     m.Add(at[k] >= sum(lits) - (len(lits) - 1))
-        return events
 
     def _pair_rows(self) -> None:
         """A storage that a recomputation reads is held there, by the original or the copy:
@@ -218,16 +247,13 @@ class EagerModel(StorageHolds, EagerDecisions):
                 self.model.Add(sum(x for x in either if x is not TRUE)
                                + sum(x is TRUE for x in either) >= lit)
 
-    def _memory_chain(self, events: dict[int, list], temp_at: dict[int, list],
-                      temp: list[int]) -> None:
+    def _memory_chain(self) -> None:
         """Step 7: the memory chain (`decided`, the level of what the decisions move, slot by
         slot) and the peak, checked wherever something rises."""
-        m = self.model
-        total = sum(h.size for h in self.holds) + sum(temp) + 1
+        m, total = self.model, self._total
         self.peak = m.NewIntVar(self.fixed_peak, max(total, self.fixed_peak), "peak")
-        self.events, self.temp_at = events, temp_at
-        self.decided = memory_chain(m, events, temp_at, self.fixed, self.slots, total, self.peak,
-                                    self._tick)
+        self.decided = memory_chain(m, self.events, self.temp_at, self.fixed, self.slots, total,
+                                    self.peak, self._tick)
 
     def _cost(self) -> None:
         """The objective: the cost units of the recomputations that run under a literal

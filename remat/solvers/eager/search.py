@@ -52,6 +52,16 @@ REPAIR_SHARE = 0.7
 # 1 ms limit under a load of 7, its Python build 4.5 s then): a stage starts only with at least
 # this share of the model's build time left, which scales with the model and the load alike.
 SOLVE_SETUP_SHARE = 0.25
+# The model is built in two parts (`EagerModel(complete=False)`, then `complete`): what the slot
+# stage reads, then the rows of the search over every slot, which takes about as long again
+# (Gemma-2-9B: 2.7 s and 2.9 s under a load of 4; Phi-3-mini 0.9 s and 1.0 s). Until it is
+# complete, the whole build is taken to be this many times the first part.
+WHOLE_BUILD_FACTOR = 2.0
+# The least-peak stage runs only with at least this many times the model's build time for it:
+# its first seconds load the whole model, and with less it found nothing past the cost stage's
+# policy (Gemma-2-9B's 14,276 ops under a load of 4: 9.7 s for a 6 s share, UNKNOWN; Phi-3-mini
+# and Llama-3.2-1B on a quiet core, UNKNOWN in 2.4 s and 1.1 s).
+PEAK_STAGE_BUILDS = 2.0
 # CP-SAT's full-problem workers, first first (the portfolio keeps as many as there are workers).
 SUBSOLVERS = ("max_lp", "default_lp", "quick_restart", "core")
 
@@ -140,6 +150,7 @@ class _EagerCall:
         self.start: Schedule | None = start if start is not None else self.resort
         self.model: EagerModel | None = None
         self.setup = 0.0  # the least time a CP-SAT stage needs to load the model
+        self.build_time = 0.0  # the model's construction (Python) time
         self.reserve = 0.0  # the time kept for the least-peak stage
         # The least-cost stage's answer: the policy, its cost in units and the bound proven.
         self.cached: frozenset[int] | None = None
@@ -153,8 +164,7 @@ class _EagerCall:
         model, capacity = self.model, self.units.capacity(self.budget)
         if model.fixed_peak > capacity:  # what no policy moves exceeds the budget already
             return self.least()
-        model.model.Add(model.peak <= capacity)
-        model.model.Minimize(model.cost)
+        self.capacity = capacity
         self.reserve = PEAK_STAGE_SHARE * self.deadline.limit
         relaxed = self.slot_stage(capacity)
         if relaxed is not None and math.isinf(relaxed.bound):  # no policy fits even at those slots
@@ -174,18 +184,42 @@ class _EagerCall:
         return self.result(self.start, self.bound, "searched")
 
     def build(self) -> bool:
-        """Builds the model where the deadline allows; the time it took sets `setup`."""
+        """Builds what the slot stage reads of the model where the deadline allows; the time
+        it took sets `setup` and `build_time` (the whole build's, estimated)."""
         deadline = self.deadline
         if not deadline.check("eager: the model"):
             return False
         building = deadline.elapsed()
         try:
-            self.model = EagerModel(self.costed, self.blocks, self.units, deadline)
+            self.model = EagerModel(self.costed, self.blocks, self.units, deadline,
+                                    complete=False)
         except OutOfTime:
             return False
-        self.setup = SOLVE_SETUP_SHARE * (deadline.elapsed() - building)
+        self.build_time = WHOLE_BUILD_FACTOR * (deadline.elapsed() - building)
+        self.setup = SOLVE_SETUP_SHARE * self.build_time
         self.info.update(cache_units=len(self.model.cache), slots=self.model.slots,
                          variables=len(self.model.model.Proto().variables))
+        return True
+
+    def complete(self) -> bool:
+        """The whole model for a CP-SAT search over every slot: its remaining rows, the peak
+        within the capacity, least cost its objective; the time it took corrects `setup` and
+        `build_time`. False where the deadline passed first (the model is then not solved)."""
+        model, deadline = self.model, self.deadline
+        if model.completed:
+            return True
+        if self.info.get("completion") == "out of time":
+            return False
+        started = deadline.elapsed()
+        try:
+            model.complete(deadline)
+        except OutOfTime:
+            self.info["completion"] = "out of time"
+            return False
+        model.model.Add(model.peak <= self.capacity)
+        model.model.Minimize(model.cost)
+        self.build_time += deadline.elapsed() - started - self.build_time / WHOLE_BUILD_FACTOR
+        self.setup = SOLVE_SETUP_SHARE * self.build_time
         return True
 
     def slot_stage(self, capacity: int) -> SlotBound | None:
@@ -228,7 +262,8 @@ class _EagerCall:
             self.cached, self.best = relaxed.cached, model.units_cost(relaxed.cached)
             self.bound = floor * units.cost + model.fixed_cost
             return None
-        if deadline.left() - self.reserve < self.setup:  # CP-SAT would only load the model
+        if (deadline.left() - self.reserve < self.setup  # CP-SAT would only load the model
+                or not self.complete()):
             deadline.stop("eager: least cost", "no time left to load the model")
             if floor > 0:
                 self.info["bound_from"] = "slot bound"
@@ -258,16 +293,23 @@ class _EagerCall:
     def least_peak_stage(self) -> None:
         """Stage 2: least peak at the least cost found, where the time allows."""
         model, deadline = self.model, self.deadline
+        seconds = min(deadline.left(), PEAK_STAGE_SHARE * deadline.limit)
         if deadline.left() <= max(0.05, self.setup):
             self.info["peak_stage"] = "skipped: no time left"
             return
+        if seconds < PEAK_STAGE_BUILDS * self.build_time:
+            self.info["peak_stage"] = (f"skipped: {seconds:.1f} s left for it, the model took "
+                                       f"{self.build_time:.1f} s to build")
+            return
+        if not self.complete():
+            self.info["peak_stage"] = "skipped: no time left to complete the model"
+            return
+        seconds = min(deadline.left(), seconds)
         deadline.enter("eager: least peak at that cost")
         model.model.Add(model.cost <= self.best)
         model.model.Minimize(model.peak)
         model.hint(self.cached)
-        status2, solver = _solve(model, self.options, deadline,
-                                 min(deadline.left(), PEAK_STAGE_SHARE * deadline.limit),
-                                 "least peak")
+        status2, solver = _solve(model, self.options, deadline, seconds, "least peak")
         if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             self.cached = model.decision(solver.Value)
             self.info["peak_stage"] = "proven" if status2 == cp_model.OPTIMAL else "stopped"
