@@ -129,9 +129,15 @@ def optimize(model: Any, budget: int | str | None = None, *,
                                    target=target, solver=solver, solver_options=options,
                                    blocks=blocks, example_inputs=example_inputs,
                                    example_kwargs=example_kwargs)
-        def solved(allowance_cut: int = 0) -> Plan:
+        def solved(allowance_cut: int = 0, *, least: bool = False) -> Plan:
+            chosen = options
+            if least and (options is None or options.deterministic is None):
+                # The plan of the least simulated peak, read under Inductor, is the least a
+                # BudgetError names: made in deterministic mode, the same plan (and reading)
+                # comes back when that figure is asked for.
+                chosen = dataclasses.replace(options or SolverOptions(), deterministic=True)
             return plan_prepared(model, prepared, budget=whole, activation_budget=activations,
-                                 target=target, solver=solver, solver_options=options,
+                                 target=target, solver=solver, solver_options=chosen,
                                  allowance_cut=allowance_cut)
 
         if not compile:

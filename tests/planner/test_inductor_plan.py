@@ -150,6 +150,43 @@ def test_a_budget_below_the_least_simulated_peak_is_met_where_inductor_reads_bel
     assert e.value.smallest == budget + 1
 
 
+def test_the_least_a_budget_error_names_is_met_when_asked_for(monkeypatch):
+    """Asked for less than anything reads, the error names the least plan's reading; asked
+    for that, the same plan is made (deterministic mode at the least simulated peak) and its
+    reading stands."""
+    import remat.planner.optimize as optimize_module
+
+    model, inputs = models.mlp(batch=32, width=64, depth=6)
+    made = []
+    plan_prepared = optimize_module.plan_prepared
+
+    def recording(*args, **kwargs):
+        plan = plan_prepared(*args, **kwargs)
+        made.append((kwargs["solver_options"].deterministic, plan.schedule.saved,
+                     plan.schedule.recomputed))
+        return plan
+
+    monkeypatch.setattr(optimize_module, "plan_prepared", recording)
+    with pytest.raises(BudgetError) as least:
+        remat.optimize(model, activation_budget=1, example_inputs=inputs,
+                       solver_options=SolverOptions(time_limit=10))
+    reading = least.value.smallest - 100  # fused, the least plan reads 100 bytes lower
+    injected(monkeypatch, [reading])
+    with pytest.raises(BudgetError) as error:
+        remat.optimize(model, activation_budget=1, example_inputs=inputs, compile=True,
+                       solver_options=SolverOptions(time_limit=10))
+    assert error.value.smallest == reading
+    first = made[-1]  # the plan at the least simulated peak, read
+    assert first[0] is True
+    made.clear()
+    injected(monkeypatch, [reading])
+    plan = remat.optimize(model, activation_budget=reading, example_inputs=inputs,
+                          compile=True, solver_options=SolverOptions(time_limit=10))
+    assert plan.activation_peak == reading
+    assert made == [first]
+    assert first[1:] == (plan.schedule.saved, plan.schedule.recomputed)
+
+
 def test_readings_that_never_fit_are_a_budget_error_naming_them(monkeypatch):
     model, inputs = models.mlp(batch=32, width=64, depth=4)
     budget = save_all_peak(model, inputs) * 3 // 4

@@ -16,6 +16,10 @@ allocator saw.
   names what was measured.
 - A budget below the least simulated peak: the least plan is compiled and read, and stands
   if Inductor's step fits (fusion keeps pointwise intermediates out of memory).
+- The plan at the least simulated peak is made in deterministic mode (unless the options say
+  otherwise): plans of equal simulated peak and cost read differently under Inductor (a ViT:
+  18.57 and 19.79 MiB from two solves at one budget), so the least a BudgetError names would
+  otherwise be refused when fed back.
 
 Recomputations are planned just in time (`SolverOptions(free_positions=False)`): on a ViT
 (2 layers, hidden 192, 224 px, batch 4) three least-peak plans with recomputations at free
@@ -137,7 +141,9 @@ def compiled_plan(model: Any, replan: Callable[[int], Any], cut_to: Callable[[in
     """The compiled-mode plan of `model` made by ``replan(allowance_cut)``, compiled by
     Inductor and accepted on the allocator's reading of one step, made again while the
     reading is over the budget (module doc). ``cut_to(smallest)`` is the cut that leaves the
-    solver what a budget of `smallest` would. The returned plan's `module` is the compiled
+    solver what a budget of `smallest` would; ``replan(cut, least=True)`` makes the plan at
+    the least simulated peak the same way in every call (deterministic mode), so that the
+    least a BudgetError names is read again when asked for. The returned plan's `module` is the compiled
     step that was measured, its activation peak the reading."""
     refused = None
     try:
@@ -147,7 +153,7 @@ def compiled_plan(model: Any, replan: Callable[[int], Any], cut_to: Callable[[in
             raise
         # Fused, Inductor's step may read below the least simulated peak: that plan is tried.
         refused, cut = e, cut_to(e.smallest)
-        plan = replan(cut)
+        plan = replan(cut, least=True)
     readings: list[InductorReading] = []
     while True:
         plan.compile = True
@@ -200,7 +206,7 @@ def _replanned(plan: Any, replan: Callable[[int], Any], cut_to: Callable[[int], 
         if least_cut is None or least_cut <= readings[-1].allowance_cut:
             raise _not_met(plan, readings, cut, e) from None
     try:
-        return replan(least_cut), least_cut
+        return replan(least_cut, least=True), least_cut
     except BudgetError as e:
         raise _not_met(plan, readings, cut, e) from None
 
