@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
+from remat.errors import BudgetError
 from remat.fx_passes.measuring.devices import device as target_device
 from remat.planner.job.budget import parse_size
 from remat.planner.plans.eager_plan import check_no_cache, plan_eager_mode
@@ -130,15 +131,22 @@ def optimize(model: Any, budget: int | str | None = None, *,
                                    blocks=blocks, example_inputs=example_inputs,
                                    example_kwargs=example_kwargs)
         def solved(allowance_cut: int = 0, *, least: bool = False) -> Plan:
-            chosen = options
-            if least and (options is None or options.deterministic is None):
-                # The plan of the least simulated peak, read under Inductor, is the least a
-                # BudgetError names: made in deterministic mode, the same plan (and reading)
-                # comes back when that figure is asked for.
-                chosen = dataclasses.replace(options or SolverOptions(), deterministic=True)
-            return plan_prepared(model, prepared, budget=whole, activation_budget=activations,
-                                 target=target, solver=solver, solver_options=chosen,
-                                 allowance_cut=allowance_cut)
+            def made(chosen):
+                return plan_prepared(model, prepared, budget=whole,
+                                     activation_budget=activations, target=target,
+                                     solver=solver, solver_options=chosen,
+                                     allowance_cut=allowance_cut)
+
+            if not least or (options is not None and options.deterministic is not None):
+                return made(options)
+            # The plan of the least simulated peak, read under Inductor, is the least a
+            # BudgetError names: made in deterministic mode, the same plan (and reading) comes
+            # back when that figure is asked for. Deterministic mode searches less (one
+            # worker): where it finds no plan at that peak, the wall-clock search's stands.
+            try:
+                return made(dataclasses.replace(options or SolverOptions(), deterministic=True))
+            except BudgetError:
+                return made(options)
 
         if not compile:
             return solved()

@@ -187,6 +187,33 @@ def test_the_least_a_budget_error_names_is_met_when_asked_for(monkeypatch):
     assert first[1:] == (plan.schedule.saved, plan.schedule.recomputed)
 
 
+def test_the_least_plan_falls_back_to_the_wall_clock_search(monkeypatch):
+    """Where deterministic mode finds no plan at the least simulated peak (one worker: a ViT
+    beside busy processes), the wall-clock search's plan is the one read."""
+    import remat.planner.optimize as optimize_module
+
+    model, inputs = models.mlp(batch=32, width=64, depth=6)
+    plan_prepared = optimize_module.plan_prepared
+    modes = []
+
+    def weaker(*args, **kwargs):
+        modes.append(kwargs["solver_options"].deterministic)
+        if kwargs["solver_options"].deterministic:
+            raise BudgetError("deterministic mode found nothing here", budget=1, smallest=None)
+        return plan_prepared(*args, **kwargs)
+
+    with pytest.raises(BudgetError) as least:
+        remat.optimize(model, activation_budget=1, example_inputs=inputs,
+                       solver_options=SolverOptions(time_limit=10))
+    reading = least.value.smallest - 100
+    monkeypatch.setattr(optimize_module, "plan_prepared", weaker)
+    injected(monkeypatch, [reading])
+    plan = remat.optimize(model, activation_budget=reading, example_inputs=inputs,
+                          compile=True, solver_options=SolverOptions(time_limit=10))
+    assert plan.activation_peak == reading
+    assert modes[-2:] == [True, None]
+
+
 def test_readings_that_never_fit_are_a_budget_error_naming_them(monkeypatch):
     model, inputs = models.mlp(batch=32, width=64, depth=4)
     budget = save_all_peak(model, inputs) * 3 // 4
