@@ -2,7 +2,7 @@
 must not route again), and eager PyTorch frees it as it frees any cached value, when the
 recomputation's variables and the autograd nodes that read it let go, not when the block's
 backward ends. With nothing else cached (per-block checkpointing), the eager prediction is
-the allocator's peak to the byte (Qwen3-MoE's router: one [13, 2, 7] float32 tensor, 728
+the allocator's peak to the byte (Qwen3-MoE's router: its [91, 2] float32 top-k weights, 728
 bytes, above it before)."""
 from __future__ import annotations
 
