@@ -17,7 +17,11 @@ from tests.synthetic.problems import random_problem
 
 
 def random_eager(seed: int, *, max_forward: int = 9, max_backward: int = 7,
-                 max_cacheable: int = 10) -> tuple[Problem, EagerBlocks]:
+                 max_cacheable: int = 10, decisions: bool = False
+                 ) -> tuple[Problem, EagerBlocks]:
+    """`decisions`: the blocks' tensors that may not be recomputed are cacheable too, as the
+    torch side makes routing decisions (top-k), which every policy caches (`always_cached`);
+    drawing nothing more, the structure is otherwise the same as without."""
     rng = random.Random(seed)
     problem = random_problem(rng, max_forward=max_forward, max_backward=max_backward)
     while problem.num_forward < max_forward // 2 or len(problem.backward) < max_backward // 2:
@@ -65,6 +69,9 @@ def random_eager(seed: int, *, max_forward: int = 9, max_backward: int = 7,
                  and recompute_blocker(problem, v) is None and rng.random() < 0.7]
     rng.shuffle(cacheable)
     cacheable = frozenset(cacheable[:max_cacheable])
+    if decisions:
+        cacheable |= {v for v in block_of if ops[v].kind is Kind.TENSOR
+                      and recompute_blocker(problem, v) is not None}
     groups = []
     for t in block_of:
         getitems = [g for g in problem.users[t] if tuple_of(problem, g) == t]

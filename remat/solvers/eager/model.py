@@ -40,14 +40,16 @@ class EagerModel(StorageHolds, EagerDecisions):
     peak of a decision from the model's own holds (tests check it against `eager_schedule`).
 
     It follows every rule of `eager_timeline`: checkpoint's frame (a block's inputs, its ops
-    that cannot be recomputed, cached values the recomputation stops before, the generator's
-    snapshot) holds to the end of the autograd node of the block's last read; a cached value
-    the recomputation takes out is held by the block's Python variables to the last running
-    recomputation up to its `forward_life`; a backward value to the end of its readers' nodes
-    (within a node written in Python, `python_backward`, to the reader itself); fork_rng's copy
-    of the generator's state at each running recomputation step; an unread input from its
-    first caller's forward to its last caller's end; a kept number and an unused tensor at
-    their fixed forward slots and at their block's running recomputation steps after them."""
+    that cannot be recomputed and are not cached, cached values the recomputation stops
+    before, the generator's snapshot) holds to the end of the autograd node of the block's
+    last read; a cached value the recomputation takes out is held by the block's Python
+    variables to the last running recomputation up to its `forward_life` (the routing
+    decisions every policy caches, `always_cached`, as cached under every decision); a
+    backward value to the end of its readers' nodes (within a node written in Python,
+    `python_backward`, to the reader itself); fork_rng's copy of the generator's state at
+    each running recomputation step; an unread input from its first caller's forward to its
+    last caller's end; a kept number and an unused tensor at their fixed forward slots and at
+    their block's running recomputation steps after them."""
 
     def __init__(self, problem: Problem, blocks: EagerBlocks, units: Units,
                  deadline: Deadline | None = None, *, complete: bool = True):

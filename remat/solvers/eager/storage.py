@@ -46,24 +46,29 @@ class StorageHolds:
             if run.end is None:
                 continue
             kept = list(run.inputs) + [v for v in blocks.ops[run.name] if ops[v].kind is not
-                                       Kind.VIEW and recompute_blocker(problem, v) is not None]
+                                       Kind.VIEW and recompute_blocker(problem, v) is not None
+                                       and v not in run.cached]
             for s in kept:
                 held.setdefault(s, []).append((finished[run.name], []))
-        for unit, x in self.cache.items():
+        # The routing decisions every policy caches (`always_cached`: the runs' cache with
+        # nothing cached) are held as a cached unit whose literal always holds.
+        units = [*self.cache.items(), *(((v,), TRUE) for run in self.runs for v in run.cached)]
+        for unit, x in units:
+            lit = [x] if x is not TRUE else []
             for v in unit:
                 run = self._run_of.get(v)
                 if run is None or run.end is None:
                     continue
                 if v > run.stop:  # the recomputation stops before it: held to the block's end
-                    held.setdefault(v, []).append((finished[run.name], [x]))
+                    held.setdefault(v, []).append((finished[run.name], lit))
                     continue
                 # The cache gives it to the recomputation, at its first step; then the block's
                 # Python variables hold it as in the forward (`forward_life`), to the last
                 # recomputation that runs before the op they held it to.
                 first = self.again[min(run.recomputed)] if run.recomputed else slot[run.trigger]
                 lives_to = blocks.forward_life.get(v, -1)
-                held.setdefault(v, []).extend(self._to_first_running(first, [x]) + [
-                    (self.again[u], [x, self.runs_lit[u]]) for u in run.recomputed
+                held.setdefault(v, []).extend(self._to_first_running(first, lit) + [
+                    (self.again[u], [*lit, self.runs_lit[u]]) for u in run.recomputed
                     if u <= lives_to and u not in unit])
         return held, finished
 

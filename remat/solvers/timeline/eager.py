@@ -18,7 +18,9 @@ storage live from its step to its last reader's, temp during its step, a tensor 
 tuple op live from the step after it). Which copy a backward op reads: the recomputed one when
 the op belongs to the value's own block (its autograd node was packed inside the checkpoint),
 the original otherwise. What lives longer than its readers: a block's inputs, which checkpoint
-holds until the block's backward ends; cached values that the recomputation stops before
+holds until the block's backward ends, and so its ops that may not be recomputed, but for the
+routing decisions (top-k) that every policy caches (`eager_blocks.always_cached`), held as any
+cached value; cached values that the recomputation stops before
 (held by the checkpoint's frame until then too); cached values the recomputation takes out,
 held by the block's Python variables as long as in the forward (`forward_life`); a backward
 value, until the autograd node that reads it last has finished (`node_end`); generator
@@ -145,8 +147,8 @@ def eager_holds(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun], *,
     # How long checkpoint itself holds a storage: a block's inputs until the autograd node of
     # its last backward op finishes (the node's saved tensors hold checkpoint's frame: an
     # addmm's bias gradient runs after its last read), cached values the recomputation never
-    # reaches and snapshots to the same; the cache holds the values it reaches until the
-    # recomputation takes them out.
+    # reaches, ops that may not be recomputed and are not cached, and snapshots to the same;
+    # the cache holds the values it reaches until the recomputation takes them out.
     node_end = blocks.node_end
     finished = {run.name: step_of[node_end.get(run.end, run.end)] for run in runs
                 if run.end is not None}
@@ -155,8 +157,9 @@ def eager_holds(problem: Problem, blocks: EagerBlocks, runs: list[BlockRun], *,
         if run.end is None:
             continue
         kept = list(run.inputs) + [v for v in run.cached if run.stop is None or v > run.stop]
+        cached = set(run.cached)  # the routing decisions every policy caches among them
         kept += [v for v in blocks.ops[run.name] if recompute_blocker(problem, v) is not None
-                 and ops[v].kind is not Kind.VIEW]
+                 and ops[v].kind is not Kind.VIEW and v not in cached]
         for s in kept:
             held_to[s] = max(held_to.get(s, 0), finished[run.name])
         if run.trigger is not None:

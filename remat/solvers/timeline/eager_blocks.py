@@ -12,7 +12,7 @@ from typing import Iterable, Mapping
 
 from remat.solvers.core.problem import Kind, Problem, recompute_blocker, tuple_of
 
-__all__ = ["BlockRun", "EagerBlocks", "block_runs"]
+__all__ = ["BlockRun", "EagerBlocks", "always_cached", "block_runs"]
 
 
 @dataclass(frozen=True)
@@ -121,8 +121,9 @@ class BlockRun:
 
 def block_runs(problem: Problem, blocks: EagerBlocks, cached: Iterable[int]) -> list[BlockRun]:
     """Per block, the trigger, the early stop and what the recomputation runs, for the
-    policy that caches exactly `cached` (forward ops, restricted to the cacheable ones)."""
-    cached = frozenset(cached) & blocks.cacheable
+    policy that caches exactly `cached` (forward ops, restricted to the cacheable ones) and
+    the routing decisions every policy caches (`always_cached`)."""
+    cached = (frozenset(cached) & blocks.cacheable) | always_cached(problem, blocks)
     cached |= {v for group in blocks.groups if cached.intersection(group) for v in group}
     nf = problem.num_forward
     root, storage_inputs = problem.root, problem.storage_inputs
@@ -163,6 +164,15 @@ def block_runs(problem: Problem, blocks: EagerBlocks, cached: Iterable[int]) -> 
         runs.append(BlockRun(name, reading[0], stop, tuple(recomputed),
                              tuple(sorted(cached & members)), tuple(inputs), reading[-1]))
     return runs
+
+
+def always_cached(problem: Problem, blocks: EagerBlocks) -> frozenset[int]:
+    """The cacheable ops that may not be recomputed: routing decisions read from data (top-k's
+    values and indices, `Reason.DATA`), which every policy caches whatever the plan
+    (`remat.fx_passes.eager.block_policy.BlockPolicy.keep`). Checkpoint hands them to the
+    recomputation as any cached value, and eager PyTorch frees them as it frees such a value,
+    not when the block's backward ends."""
+    return frozenset(v for v in blocks.cacheable if recompute_blocker(problem, v) is not None)
 
 
 def _pack_position(problem: Problem, blocks: EagerBlocks, b: int, members: set[int],
