@@ -17,11 +17,17 @@ of the same weights and batch:
 or per-block lower than it on both memory and recompute FLOPs (a peer that dominates).
 
     python benchmarks/inductor.py [--models vit unet qwen2 llama] [--budgets 0.2 0.4 0.6 0.8 1.0]
+        [--only least] [-v]
+
+`--only least` runs eager and remat's least alone (every other row is a compile or more; a
+least row is compared with the others of an earlier run by hand); `-v` logs remat's solves
+and Inductor readings as they come.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -151,6 +157,7 @@ def remat_least(case: Case, eager_time: float) -> Row:
         try:
             return remat_row(case, "remat least", eager_time, activation_budget=budget)
         except remat.BudgetError as e:
+            print(f"remat least: refused at {budget / MIB:.2f} MiB: {e}", flush=True)
             if e.smallest is None or e.smallest <= budget:
                 break
             budget = e.smallest
@@ -158,10 +165,13 @@ def remat_least(case: Case, eager_time: float) -> Row:
                verdict=f"refused at {budget / MIB:.2f} MiB: the least plan read above it")
 
 
-def rows_of(case: Case, fractions: list[float]) -> list[Row]:
+def rows_of(case: Case, fractions: list[float], only_least: bool = False) -> list[Row]:
     eager = copy.deepcopy(case.model)
     eager_peak, eager_time = measure(Case(case.name, eager, case.args, case.kwargs), eager)
     rows = [Row(case.name, "eager", eager_peak, 0, 1.0)]
+    if only_least:
+        rows.append(remat_least(case, eager_time))
+        return rows
     for fraction in fractions:
         rows.append(torch_compile_row(case, fraction, eager_time))
         print(rows[-1], flush=True)
@@ -257,9 +267,14 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--budgets", nargs="+", type=float, default=[0.2, 0.4, 0.6, 0.8, 1.0])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--only", choices=["least"], help="eager and this row alone")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log remat's progress")
     args = parser.parse_args()
+    if args.verbose:
+        logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+        logging.getLogger("remat").setLevel(logging.INFO)
     for name in args.models:
-        rows = rows_of(on(MODELS[name](), args.device), args.budgets)
+        rows = rows_of(on(MODELS[name](), args.device), args.budgets, args.only == "least")
         verdicts(rows)
         print(table(rows), flush=True)
 
