@@ -214,6 +214,41 @@ def test_the_least_plan_falls_back_to_the_wall_clock_search(monkeypatch):
     assert modes[-2:] == [True, None]
 
 
+@pytest.mark.parametrize("second_fits", [True, False])
+def test_room_a_reading_leaves_is_given_back_once(monkeypatch, second_fits):
+    """A plan that reads far below its budget under Inductor is made again with that room:
+    taken where it fits (fewer FLOPs), else the first stands with its own reading."""
+    import remat.planner.optimize as optimize_module
+
+    model, inputs = models.mlp(batch=32, width=64, depth=4)
+    budget = save_all_peak(model, inputs) * 3 // 4
+    plan_prepared = optimize_module.plan_prepared
+    made = []
+
+    def recording(*args, **kwargs):
+        made.append(plan_prepared(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(optimize_module, "plan_prepared", recording)
+    first_reading = budget // 2
+    second_reading = budget - 1 if second_fits else budget + 1
+    injected(monkeypatch, [first_reading, second_reading])
+    plan = remat.optimize(model, activation_budget=budget, example_inputs=inputs, compile=True,
+                          solver_options=SolverOptions(time_limit=10))
+    first, second = made
+    assert first.recompute_flops > 0 and second.recompute_flops < first.recompute_flops
+    (kept,), (spent,) = ([r for r in plan.inductor.readings if r.spent is flag]
+                         for flag in (False, True))
+    assert kept.measured == first_reading and spent.measured == second_reading
+    assert spent.allowance_cut == first_reading - kept.predicted < 0  # the room, given back
+    if second_fits:
+        assert plan.schedule is second.schedule and plan.activation_peak == budget - 1
+        assert plan.inductor.readings[-1].spent and "to recompute less" in plan.report().render()
+    else:
+        assert plan.schedule is first.schedule and plan.activation_peak == first_reading
+        assert not plan.inductor.readings[-1].spent
+
+
 def test_readings_that_never_fit_are_a_budget_error_naming_them(monkeypatch):
     model, inputs = models.mlp(batch=32, width=64, depth=4)
     budget = save_all_peak(model, inputs) * 3 // 4
