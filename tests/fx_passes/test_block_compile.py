@@ -172,3 +172,46 @@ def test_a_block_that_builds_its_own_mask_follows_the_plan(caplog):
     eager(x).backward()
     for (name, a), b in zip(eager.named_parameters(), model.parameters()):
         assert torch.equal(a.grad, b.grad), name
+
+
+class _NormBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.norm = torch.nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return torch.relu(self.norm(self.conv(x))) + x
+
+
+class _NormNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(_NormBlock(), _NormBlock())
+
+    def forward(self, x):
+        return self.blocks(x).pow(2).sum()
+
+
+def test_a_block_with_batchnorm_keeps_what_reads_its_running_statistics():
+    """A compiled block copies BatchNorm's new running statistics into the buffers as its
+    forward returns: recomputing the norm in the backward would read the new ones (autograd's
+    version check fails). Asked to keep only the convolution and the ReLU, the block keeps
+    the norm too. Gradients and running statistics equal eager PyTorch's."""
+    torch.manual_seed(0)
+    model, x = _NormNet(), torch.randn(2, 4, 6, 6)
+    plan = remat.optimize(copy.deepcopy(model), activation_budget=10**9, example_inputs=(x,),
+                          execution="eager")
+    plans = {}
+    for path, block in block_plans(plan).items():
+        keep = frozenset(k for k, t in enumerate(block.targets)
+                         if t in ("aten.convolution.default", "aten.relu.default"))
+        plans[path] = type(block)(path, block.targets, keep)
+    eager = copy.deepcopy(model)
+    compiled = compile_model_blocks(model, plans)
+    compiled(x).backward()
+    eager(x).backward()
+    for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6), name
+    for (name, a), b in zip(eager.named_buffers(), model.buffers()):
+        assert torch.equal(a, b), name

@@ -25,6 +25,7 @@ from torch import fx
 from remat.errors import RematError
 from remat.fx_passes.tracing.capture import Captured, prepare_joint
 from remat.fx_passes.lowering.lower import lower
+from remat.fx_passes.compiled.joint_graph import mutated_inputs
 from remat.fx_passes.compiled.planned import _Hooks, _instrumented
 from remat.fx_passes.compiled.rewrite import Partition, partition
 from remat.fx_passes.tracing.step_io import remat_error
@@ -54,7 +55,11 @@ def block_partition_fn(plan: BlockPlan, on_partition: Callable[[Partition], None
 
     def apply(joint: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_unused: Any):
         prepare_joint(joint)  # generator snapshots, as the plan's capture made them
+        # The inputs the block overwrites (BatchNorm's running statistics, copied into the
+        # buffers as the forward returns): what reads them must be kept, not recomputed.
+        mutated = mutated_inputs(joint)
         captured = Captured(graph_module=joint, num_fwd_outputs=num_fwd_outputs,
+                            num_mutation_outputs=len(mutated), mutated_inputs=mutated,
                             model_name=plan.path, device="meta")  # meta: no scratch runs
         problem = lower(captured)
         forward = [v for v, op in enumerate(problem.ops) if op.phase is Phase.FORWARD]
@@ -69,7 +74,8 @@ def block_partition_fn(plan: BlockPlan, on_partition: Callable[[Partition], None
         except ValueError as e:
             raise RematError(f"compile_blocks: block {plan.path!r}: the plan cannot run on the "
                              f"block's compiled graph: {e}") from None
-        result = partition(joint, problem, schedule, num_fwd_outputs=num_fwd_outputs)
+        result = partition(joint, problem, schedule, num_fwd_outputs=num_fwd_outputs,
+                           mutated_inputs=mutated)
         log.info("compiled block %s: %d saved, %d recomputed", plan.path, len(result.saved),
                  len(result.recomputed))
         on_partition(result)
