@@ -117,3 +117,101 @@ def test_hf_blocks_compiled_alone_follow_the_plan_where_their_ops_differ(caplog)
     for (name, a), b in zip(eager.named_parameters(), model.parameters()):
         scale = max(a.grad.abs().max().item(), 1e-30)
         assert (a.grad - b.grad).abs().max().item() <= REORDERED_SUMS * scale, name
+
+
+_S, _D = 8, 16
+
+
+class _MaskedBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(_D, _D)
+
+    def forward(self, x, mask=None):
+        h = self.lin(x)
+        scores = h @ h.transpose(-1, -2)
+        if mask is None:  # as SDPA's is_causal: the block makes its causal mask itself
+            mask = torch.ones(_S, _S, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.tanh(torch.softmax(scores, -1) @ h) + x
+
+
+class _MaskOutside(torch.nn.Module):
+    """As transformers' masking utilities: the mask is built outside the blocks when traced,
+    and None when run eagerly (an all-ones padding mask), as around blocks compiled alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_MaskedBlock() for _ in range(2))
+
+    def forward(self, x):
+        mask = (torch.ones(_S, _S, dtype=torch.bool).tril() if torch.compiler.is_compiling()
+                else None)
+        for block in self.blocks:
+            x = block(x, mask)
+        return x.pow(2).sum()
+
+
+def test_a_block_that_builds_its_own_mask_follows_the_plan(caplog):
+    """The compiled block makes a causal mask (ones, tril) that the plan's capture made
+    outside it: those ops, computed from no input of the block, are not kept, and every other
+    op follows the plan. The gradients equal eager PyTorch's."""
+    torch.manual_seed(0)
+    model, x = _MaskOutside(), torch.randn(4, _S, _D)
+    options = SolverOptions(time_limit=5)
+    whole = remat.optimize(model, activation_budget=10**9, example_inputs=(x,),
+                           execution="eager", solver_options=options).activation_peak
+    plan = remat.optimize(model, activation_budget=int(0.7 * whole), example_inputs=(x,),
+                          execution="eager", solver_options=options)
+    eager = copy.deepcopy(model)
+    with caplog.at_level("WARNING", logger="remat.fx_passes.compiled.block_compile"):
+        compiled = plan.compile_blocks(model)
+        compiled(x).backward()
+    assert "3 computed from no input of the block (from op 11, aten.ones.default)" in caplog.text
+    assert any(len(p.recomputed) for made in compiled.remat_partitions.values() for p in made)
+    eager(x).backward()
+    for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
+class _NormBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.norm = torch.nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return torch.relu(self.norm(self.conv(x))) + x
+
+
+class _NormNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(_NormBlock(), _NormBlock())
+
+    def forward(self, x):
+        return self.blocks(x).pow(2).sum()
+
+
+def test_a_block_with_batchnorm_keeps_what_reads_its_running_statistics():
+    """A compiled block copies BatchNorm's new running statistics into the buffers as its
+    forward returns: recomputing the norm in the backward would read the new ones (autograd's
+    version check fails). Asked to keep only the convolution and the ReLU, the block keeps
+    the norm too. Gradients and running statistics equal eager PyTorch's."""
+    torch.manual_seed(0)
+    model, x = _NormNet(), torch.randn(2, 4, 6, 6)
+    plan = remat.optimize(copy.deepcopy(model), activation_budget=10**9, example_inputs=(x,),
+                          execution="eager")
+    plans = {}
+    for path, block in block_plans(plan).items():
+        keep = frozenset(k for k, t in enumerate(block.targets)
+                         if t in ("aten.convolution.default", "aten.relu.default"))
+        plans[path] = type(block)(path, block.targets, keep)
+    eager = copy.deepcopy(model)
+    compiled = compile_model_blocks(model, plans)
+    compiled(x).backward()
+    eager(x).backward()
+    for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6), name
+    for (name, a), b in zip(eager.named_buffers(), model.buffers()):
+        assert torch.equal(a, b), name

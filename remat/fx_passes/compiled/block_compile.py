@@ -25,6 +25,7 @@ from torch import fx
 from remat.errors import RematError
 from remat.fx_passes.tracing.capture import Captured, prepare_joint
 from remat.fx_passes.lowering.lower import lower
+from remat.fx_passes.compiled.joint_graph import mutated_inputs
 from remat.fx_passes.compiled.planned import _Hooks, _instrumented
 from remat.fx_passes.compiled.rewrite import Partition, partition
 from remat.fx_passes.tracing.step_io import remat_error
@@ -54,12 +55,17 @@ def block_partition_fn(plan: BlockPlan, on_partition: Callable[[Partition], None
 
     def apply(joint: fx.GraphModule, _inputs: Any, *, num_fwd_outputs: int, **_unused: Any):
         prepare_joint(joint)  # generator snapshots, as the plan's capture made them
+        # The inputs the block overwrites (BatchNorm's running statistics, copied into the
+        # buffers as the forward returns): what reads them must be kept, not recomputed.
+        mutated = mutated_inputs(joint)
         captured = Captured(graph_module=joint, num_fwd_outputs=num_fwd_outputs,
+                            num_mutation_outputs=len(mutated), mutated_inputs=mutated,
                             model_name=plan.path, device="meta")  # meta: no scratch runs
         problem = lower(captured)
         forward = [v for v, op in enumerate(problem.ops) if op.phase is Phase.FORWARD]
         targets = tuple(problem.ops[v].target for v in forward)
-        kept = plan.kept if targets == plan.targets else aligned_kept(plan, targets)
+        kept = plan.kept if targets == plan.targets else aligned_kept(
+            plan, targets, _from_nothing(joint, problem, forward))
         candidates = set(recomputable(problem))
         recomputed = drop_unneeded(problem, {v for k, v in enumerate(forward)
                                              if k not in kept and v in candidates})
@@ -68,7 +74,8 @@ def block_partition_fn(plan: BlockPlan, on_partition: Callable[[Partition], None
         except ValueError as e:
             raise RematError(f"compile_blocks: block {plan.path!r}: the plan cannot run on the "
                              f"block's compiled graph: {e}") from None
-        result = partition(joint, problem, schedule, num_fwd_outputs=num_fwd_outputs)
+        result = partition(joint, problem, schedule, num_fwd_outputs=num_fwd_outputs,
+                           mutated_inputs=mutated)
         log.info("compiled block %s: %d saved, %d recomputed", plan.path, len(result.saved),
                  len(result.recomputed))
         on_partition(result)
@@ -77,34 +84,62 @@ def block_partition_fn(plan: BlockPlan, on_partition: Callable[[Partition], None
     return apply
 
 
-def aligned_kept(plan: BlockPlan, targets: tuple[str, ...]) -> frozenset[int]:
+def aligned_kept(plan: BlockPlan, targets: tuple[str, ...],
+                 from_nothing: frozenset[int] = frozenset()) -> frozenset[int]:
     """The positions of the block's compiled forward ops (`targets`) that keep their values,
-    where the compiled block runs fewer ops than the plan's capture traced: Hugging Face
+    where the compiled block runs other ops than the plan's capture traced. Hugging Face
     models build the attention mask outside the blocks, materialized when the whole model is
-    traced and None when a block is compiled alone, so the block runs its attention without
-    the mask's ops. Where every compiled op is one of the plan's, in order, each follows the
-    plan's decision, with a warning naming the first op dropped; a compiled op the plan never
-    saw is refused (its decision would be a guess)."""
+    traced and None when a block is compiled alone (an all-ones padding mask), so the block
+    runs its attention without the mask's ops, or builds a causal mask of its own (SDPA's
+    ``is_causal`` decomposed: ``ones``, ``tril``, ``where``). The ops in `from_nothing`
+    (positions computed from no input of the block: such a mask) are not the plan's and not
+    kept, recomputed where the backward needs them, at no cost in kept memory; where every
+    other compiled op is one of the plan's, in order, each follows the plan's decision, with a
+    warning naming the first difference. Any other compiled op the plan never saw is refused
+    (its decision would be a guess)."""
     import difflib
 
-    matcher = difflib.SequenceMatcher(a=plan.targets, b=targets, autojunk=False)
+    rest = [k for k in range(len(targets)) if k not in from_nothing]
+    matcher = difflib.SequenceMatcher(a=plan.targets, b=tuple(targets[k] for k in rest),
+                                      autojunk=False)
     opcodes = matcher.get_opcodes()
     unplanned = next((op for op in opcodes if op[0] in ("insert", "replace")), None)
     if unplanned is not None:
         _, a0, _, b0, _ = unplanned
         raise RematError(
             f"compile_blocks: block {plan.path!r} compiled to {len(targets)} forward ops "
-            f"where the plan has {len(plan.targets)}; op {b0} is {targets[b0]} where the plan "
-            f"has {plan.targets[a0] if a0 < len(plan.targets) else 'nothing more'}: plan with "
+            f"where the plan has {len(plan.targets)}; op {rest[b0]} is {targets[rest[b0]]} "
+            f"where the plan has "
+            f"{plan.targets[a0] if a0 < len(plan.targets) else 'nothing more'}: plan with "
             "the inputs and settings you train with")
-    kept = frozenset(b0 + k for tag, a0, _, b0, b1 in opcodes if tag == "equal"
+    kept = frozenset(rest[b0 + k] for tag, a0, _, b0, b1 in opcodes if tag == "equal"
                      for k in range(b1 - b0) if a0 + k in plan.kept)
-    dropped = next(op for op in opcodes if op[0] == "delete")
-    log.warning("compile_blocks: block %r compiled to %d forward ops where the plan has %d: "
-                "from op %d (%s) the plan's capture traced ops this block does not run; the "
-                "others follow the plan", plan.path, len(targets), len(plan.targets),
-                dropped[1], plan.targets[dropped[1]])
+    dropped = next((op for op in opcodes if op[0] == "delete"), None)
+    if dropped is not None:
+        log.warning("compile_blocks: block %r compiled to %d forward ops where the plan has "
+                    "%d: from op %d (%s) the plan's capture traced ops this block does not "
+                    "run; the others follow the plan", plan.path, len(targets),
+                    len(plan.targets), dropped[1], plan.targets[dropped[1]])
+    if from_nothing:
+        first = min(from_nothing)
+        log.warning("compile_blocks: block %r compiled to %d forward ops where the plan has "
+                    "%d: %d computed from no input of the block (from op %d, %s), not kept; "
+                    "the others follow the plan", plan.path, len(targets), len(plan.targets),
+                    len(from_nothing), first, targets[first])
     return kept
+
+
+def _from_nothing(joint: fx.GraphModule, problem, forward: list[int]) -> frozenset[int]:
+    """The positions in `forward` (the problem's forward ops) of the ops whose values depend on
+    no placeholder of `joint` and that may be recomputed: constants the block makes (a causal
+    mask), whatever its inputs. A generator snapshot and what draws from it are not."""
+    fixed = {op.name for op in problem.ops if op.not_recomputable is not None}
+    free: dict[fx.Node, bool] = {}
+    for node in joint.graph.nodes:
+        free[node] = (node.op != "placeholder" and node.name not in fixed
+                      and all(free[a] for a in node.all_input_nodes))
+    by_name = {n.name: n for n in joint.graph.nodes}
+    return frozenset(k for k, v in enumerate(forward) if free[by_name[problem.ops[v].name]])
 
 
 def compile_block(module: torch.nn.Module, plan: BlockPlan,
