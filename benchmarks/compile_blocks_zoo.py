@@ -33,7 +33,7 @@ from tabulate import tabulate
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from examples.hf_zoo import (_first_line, activation_peak, budget_range, grad_diff,  # noqa: E402
-                             gradients, training_step)
+                             gradient_cell, gradients, percent_over, training_step)
 from examples.zoo_models import ARCHS, build  # noqa: E402
 from remat.planner.plans.eager_plan import eager_structure, plan_eager_mode  # noqa: E402
 from remat.planner.plans.prepare import prepare  # noqa: E402
@@ -60,13 +60,10 @@ class Row:
 
     @property
     def over(self) -> float | None:
-        if self.allocator is None or not self.predicted:
-            return None
-        return 100 * (self.allocator - self.predicted) / self.predicted
+        return percent_over(self.allocator, self.predicted)
 
     def cells(self) -> list:
-        grads = "" if self.grad_diff is None else (
-            "equal" if self.grad_diff == 0 else f"{self.grad_diff:.0e}")
+        grads = gradient_cell(self.grad_diff)
         return [self.arch, "ok" if not self.error else f"{self.stage}: {self.error}"[:110],
                 "" if self.blocks is None else self.blocks,
                 "" if self.recomputed is None else self.recomputed, grads,

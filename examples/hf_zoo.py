@@ -123,6 +123,18 @@ def zero(model: torch.nn.Module) -> None:
 # ----------------------------------------------------------------------------- the table
 
 
+def percent_over(allocator: int | None, predicted: int | None) -> float | None:
+    """How far the allocator is above the prediction, in % of it (negative: below)."""
+    if allocator is None or not predicted:
+        return None
+    return 100 * (allocator - predicted) / predicted
+
+
+def gradient_cell(diff: float | None) -> str:
+    """A row's gradients: "equal" to eager's, or the largest relative difference."""
+    return "" if diff is None else ("equal" if diff == 0 else f"{diff:.0e}")
+
+
 @dataclass
 class Row:
     arch: str
@@ -149,14 +161,10 @@ class Row:
 
     @property
     def over(self) -> float | None:
-        """How far the allocator is above the prediction, in % of it (negative: below)."""
-        if self.allocator is None or not self.predicted:
-            return None
-        return 100 * (self.allocator - self.predicted) / self.predicted
+        return percent_over(self.allocator, self.predicted)
 
     def cells(self) -> list:
-        grads = "" if self.grad_diff is None else (
-            "equal" if self.grad_diff == 0 else f"{self.grad_diff:.0e}")
+        grads = gradient_cell(self.grad_diff)
         between = ("" if self.blocks_peak is None else
                    f"{format_size(self.blocks_peak)} .. {format_size(self.save_all_peak)}")
         return [self.arch, self.family, self.mode, format_size(self.budget) if self.budget
