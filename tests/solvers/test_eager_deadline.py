@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+import remat.solvers.eager.least as eager_least
 import remat.solvers.eager.search as eager_search
 import remat.solvers.core.deadline as deadline_module
 from remat.solvers.eager.search import (SOLVE_SETUP_SHARE, least_eager_peak,
@@ -41,6 +42,7 @@ def slow_build(monkeypatch, clock: FakeClock, *, before: float = 0.0, after: flo
         return model
 
     monkeypatch.setattr(eager_search, "EagerModel", building)
+    monkeypatch.setattr(eager_least, "EagerModel", building)  # the least-peak search's
 
 
 def a_problem_with_a_hint():

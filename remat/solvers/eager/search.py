@@ -25,10 +25,10 @@ from typing import Iterable
 from ortools.sat.python import cp_model
 
 from remat.errors import BudgetError, SolverError
+from remat.solvers.eager.cp_run import eager_units, lp_first, run_model, solve_model
+from remat.solvers.eager.least import least_eager_peak, too_small
 from remat.solvers.eager.model import EagerModel
 from remat.solvers.eager.slots import SlotBound, slot_bound
-from remat.solvers.cpsat.search import cp_solver
-from remat.solvers.cpsat.units import MAX_UNITS, Units
 from remat.solvers.core.deadline import Deadline, OutOfTime
 from remat.solvers.timeline.eager import eager_schedule
 from remat.solvers.timeline.eager_blocks import EagerBlocks
@@ -62,29 +62,6 @@ WHOLE_BUILD_FACTOR = 2.0
 # policy (Gemma-2-9B's 14,276 ops under a load of 4: 9.7 s for a 6 s share, UNKNOWN; Phi-3-mini
 # and Llama-3.2-1B on a quiet core, UNKNOWN in 2.4 s and 1.1 s).
 PEAK_STAGE_BUILDS = 2.0
-# CP-SAT's full-problem workers, first first (the portfolio keeps as many as there are workers).
-SUBSOLVERS = ("max_lp", "default_lp", "quick_restart", "core")
-
-
-def eager_units(problem: Problem, blocks: EagerBlocks, options: SolverOptions) -> Units:
-    """The compiled models' units, with checkpoint's generator state (5,056 bytes on a CPU), the
-    unread inputs it holds, the Python numbers autograd keeps and the unused tensors eager
-    PyTorch makes among the sizes that the byte unit divides, so that the model's bytes stay
-    exact."""
-    units = Units.of(problem, options)
-    extra = [a for a in (blocks.state_bytes, *(n for n, _ in blocks.unread_inputs),
-                         *(n for n, _, _ in blocks.kept_numbers),
-                         *(n for n, _, _, _ in blocks.unused_tensors)) if a]
-    if not units.exact_bytes or all(a % units.byte == 0 for a in extra):
-        return units
-    unit = math.gcd(units.byte, *extra)
-    total = (sum(op.size + op.temp for op in problem.ops)
-             + sum(extra) + 2 * blocks.state_bytes * len(blocks.ops))
-    if total // unit > MAX_UNITS:
-        return units  # sizes round up: conservative, and info["exact"] says so
-    return replace(units, byte=unit)
-
-
 class _Disagreement(Exception):
     """The model's policy peaks above the budget on the eager timeline itself: the model and
     `eager_timeline` disagree on this problem (a bug of the model, never of the input)."""
@@ -235,7 +212,7 @@ class _EagerCall:
         deadline.enter("eager: slot bound")
         relaxed = slot_bound(self.model, capacity, self.options, part,
                              starts=() if self.start is None else [self.start.info["cached"]],
-                             solve=lambda solver, cp, stage: _run(_lp_first(solver), cp, part,
+                             solve=lambda solver, cp, stage: run_model(lp_first(solver), cp, part,
                                                                   stage),
                              repair=lambda cached: self.repair(cached, part))
         self.info.update(slot_bound=relaxed.bound * units.cost + self.model.fixed_cost,
@@ -274,7 +251,7 @@ class _EagerCall:
             model.model.Add(model.cost >= math.ceil(floor - 1e-6))
         if self.start is not None:
             model.hint(self.start.info["cached"])
-        status, solver = _solve(model, self.options, deadline, deadline.left() - self.reserve,
+        status, solver = solve_model(model, self.options, deadline, deadline.left() - self.reserve,
                                 "least cost")
         self.info["stage1_time"] = solver.WallTime()
         bound = solver.BestObjectiveBound() if units.exact_bytes else 0.0
@@ -309,7 +286,7 @@ class _EagerCall:
         model.model.Add(model.cost <= self.best)
         model.model.Minimize(model.peak)
         model.hint(self.cached)
-        status2, solver = _solve(model, self.options, deadline, seconds, "least peak")
+        status2, solver = solve_model(model, self.options, deadline, seconds, "least peak")
         if status2 in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             self.cached = model.decision(solver.Value)
             self.info["peak_stage"] = "proven" if status2 == cp_model.OPTIMAL else "stopped"
@@ -321,7 +298,7 @@ class _EagerCall:
         info["last_resort"], unless proven; no policy (none fits, nothing proven): BudgetError
         naming per-block checkpointing's peak as found."""
         if schedule is None:
-            raise _too_small(self.budget, eager_schedule(self.problem, self.blocks, ()), 0,
+            raise too_small(self.budget, eager_schedule(self.problem, self.blocks, ()), 0,
                              "checkpointing every block")
         found = _result(self.problem, self.blocks, schedule, bound, self.budget, self.deadline,
                         self.info, how)
@@ -336,61 +313,6 @@ class _EagerCall:
         """`_least` for this call: where the model finds that nothing fits."""
         return _least(self.problem, self.blocks, self.budget, self.options, self.deadline,
                       self.info)
-
-
-def least_eager_peak(problem: Problem, blocks: EagerBlocks, options: SolverOptions, *,
-                     deadline: Deadline | None = None, start: Iterable[int] = ()
-                     ) -> tuple[Schedule, int]:
-    """The policy of least eager peak found in the time (whatever its cost), and the peak
-    proven to be the least (bytes; equal to the policy's when proven). `start`: a policy to
-    start from (by default, caching nothing)."""
-    options = options.by_size(len(problem))
-    deadline = deadline or Deadline(options.time_limit)
-    deadline.enter("eager: least peak")
-    units = eager_units(problem, blocks, options)
-    first = eager_schedule(problem, blocks, start)
-    if not deadline.check("eager: least peak"):
-        return first, 0
-    try:
-        model = EagerModel(problem, blocks, units, deadline)
-    except OutOfTime:
-        return first, 0
-    model.model.Minimize(model.peak)
-    model.hint(first.info["cached"])
-    status, solver = _solve(model, options, deadline, deadline.left(), "least peak")
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return first, model.fixed_peak * units.byte if units.exact_bytes else 0
-    found = eager_schedule(problem, blocks, model.decision(solver.Value))
-    floor = math.ceil(solver.BestObjectiveBound()) * units.byte if units.exact_bytes else 0
-    best = min((first, found), key=lambda s: s.peak)
-    return best, min(floor, best.peak)
-
-
-def _solve(model: EagerModel, options: SolverOptions, deadline: Deadline, seconds: float,
-           stage: str):
-    solver = _lp_first(cp_solver(options, deadline, seconds))
-    deadline.limit_solver(solver.parameters, max(seconds, 0.0))
-    return _run(solver, model.model, deadline, stage), solver
-
-
-def _lp_first(solver):
-    """The model is 0-1 and linear, and its bound comes from the LP, which needs the links
-    "held if cached" that presolve turns into clauses: only linearization level 2 keeps
-    them. With 2 to 4 workers the default portfolio runs no such worker (tiny Llama: no
-    bound past 41 % of the cost in 10 s; with max_lp first, proven in 0.8 s). So does the
-    slot relaxation (Bamba's seventh slot: 19 s to prove without, 1.8 s with)."""
-    solver.parameters.linearization_level = 2
-    solver.parameters.subsolvers.extend(SUBSOLVERS)
-    return solver
-
-
-def _run(solver, model: cp_model.CpModel, deadline: Deadline, stage: str):
-    with deadline.guard(solver, stage):
-        status = solver.Solve(model)
-    if status == cp_model.MODEL_INVALID:  # a bug of the model or its hint, never the input's
-        raise SolverError(f"eager: CP-SAT refused the model ({model.Validate()}); "
-                          "this is a bug: please report it")
-    return status
 
 
 def _result(problem: Problem, blocks: EagerBlocks, schedule: Schedule, bound: float,
@@ -420,23 +342,5 @@ def _least(problem: Problem, blocks: EagerBlocks, budget: int, options: SolverOp
     least, floor = least_eager_peak(problem, blocks, options, deadline=deadline)
     if least.peak <= budget:
         return _result(problem, blocks, least, 0.0, budget, deadline, info, "least peak")
-    raise _too_small(budget, least, floor, "the least-peak search")
+    raise too_small(budget, least, floor, "the least-peak search")
 
-
-def _too_small(budget: int, least: Schedule, floor: int, how: str) -> BudgetError:
-    """BudgetError for `budget`, naming `least.peak` as the smallest budget: proven where
-    `floor` (the peak proven least) reaches it, else found (by `how`), the floor named where
-    one was proven."""
-    proven = floor >= least.peak
-    if proven:
-        words = f"the least eager peak of any per-block policy is {least.peak:,} bytes (proven)"
-    else:
-        words = (f"the least eager peak found is {least.peak:,} bytes, a budget that fits "
-                 f"(found by {how} within the time limit, not proven the least: a longer "
-                 "time_limit may find a smaller one)"
-                 + (f"; no policy peaks below {floor:,} bytes (proven)" if floor > 0 else ""))
-    lead = ("every policy holds some activations" if budget <= 0 else
-            f"no checkpoint policy fits a budget of {budget:,} bytes of activations")
-    return BudgetError(
-        f"eager: {lead}; {words}; checkpoint more modules (blocks=) or raise the budget",
-        budget=budget, smallest=least.peak, schedule=least, proven=proven)

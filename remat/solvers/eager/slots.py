@@ -25,7 +25,7 @@ cheaper than the best policy known is not tried again. A start that fits (the he
 the best policy known from the outset, and its tightest slots (`tightest`) start the relaxation: the
 cheapest policy tends to be tight there too (DBRX: its relaxed policy then fits in the first round,
 the optimum, with no repair). The rounds are solved LP-first, as the whole model is
-(`search._lp_first`: Bamba's seventh slot took 19 s to prove without, 1.8 s with).
+(`cp_run.lp_first`: Bamba's seventh slot took 19 s to prove without, 1.8 s with).
 
 A storage that a recomputation reads is held until then by its original or by its copy: each
 alone is a conjunction in the model's literals, which a fractional policy escapes in the
