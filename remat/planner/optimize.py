@@ -141,8 +141,9 @@ def optimize(model: Any, budget: int | str | None = None, *,
                 return made(options)
             # The plan of the least simulated peak, read under Inductor, is the least a
             # BudgetError names: made in deterministic mode, the same plan (and reading) comes
-            # back when that figure is asked for. Deterministic mode searches less (one
-            # worker): where it finds no plan at that peak, the wall-clock search's stands.
+            # back when that figure is asked for, where the same least peak is found again.
+            # Deterministic mode searches less (one worker): where it finds no plan at that
+            # peak, the wall-clock search's stands.
             try:
                 return made(dataclasses.replace(options or SolverOptions(), deterministic=True))
             except BudgetError:

@@ -21,9 +21,11 @@ allocator saw.
 - A budget below the least simulated peak: the least plan is compiled and read, and stands
   if Inductor's step fits (fusion keeps pointwise intermediates out of memory).
 - The plan at the least simulated peak is made in deterministic mode (unless the options say
-  otherwise): plans of equal simulated peak and cost read differently under Inductor (a ViT:
-  18.57 and 19.79 MiB from two solves at one budget), so the least a BudgetError names would
-  otherwise be refused when fed back.
+  otherwise; the wall-clock search's where it finds none): plans of equal simulated peak and
+  cost read differently under Inductor (a ViT: 18.57 and 19.79 MiB from two solves at one
+  budget). That makes the least a BudgetError names come back when fed back only where the
+  least simulated peak is found again, which the least-peak search does not promise within
+  its time (the same ViT: 18.16 MB in one call, 20.01 MB in the next).
 
 Recomputations are planned just in time (`SolverOptions(free_positions=False)`): on a ViT
 (2 layers, hidden 192, 224 px, batch 4) three least-peak plans with recomputations at free
@@ -148,15 +150,15 @@ def check_compile_setup(*, execution: str, dynamic: Any, offload: bool, training
                          "initialize the weights, or plan with compile=False")
 
 
-def compiled_plan(model: Any, replan: Callable[[int], Any], cut_to: Callable[[int], int],
+def compiled_plan(model: Any, replan: Callable[..., Any], cut_to: Callable[[int], int],
                   example_inputs: Sequence[Any], example_kwargs: dict) -> Any:
     """The compiled-mode plan of `model` made by ``replan(allowance_cut)``, compiled by
     Inductor and accepted on the allocator's reading of one step, made again while the
     reading is over the budget (module doc). ``cut_to(smallest)`` is the cut that leaves the
     solver what a budget of `smallest` would; ``replan(cut, least=True)`` makes the plan at
-    the least simulated peak the same way in every call (deterministic mode), so that the
-    least a BudgetError names is read again when asked for. The returned plan's `module` is the compiled
-    step that was measured, its activation peak the reading."""
+    the least simulated peak in deterministic mode where it can (module doc). The returned
+    plan's `module` is the compiled step that was measured, its activation peak the
+    reading."""
     refused = None
     try:
         plan, cut = replan(0), 0
@@ -246,7 +248,7 @@ def _within(plan: Any, memory: Any) -> bool:
     return memory.activation_peak <= plan.activation_budget
 
 
-def _replanned(plan: Any, replan: Callable[[int], Any], cut_to: Callable[[int], int],
+def _replanned(plan: Any, replan: Callable[..., Any], cut_to: Callable[[int], int],
                readings: list[InductorReading], cut: int) -> tuple[Any, int]:
     """The plan made again with `cut` bytes kept free for Inductor's excess, or, where none
     keeps that much, the plan of the least simulated peak (Inductor's excess differs from
