@@ -10,6 +10,7 @@ from ortools.sat.python import cp_model
 
 from remat.errors import BudgetError
 from remat.solvers.relaxation.bound import peak_bound
+from remat.solvers.relaxation.descent import descend
 from remat.solvers.cpsat.hints import Pool
 from remat.solvers.cpsat.search import cp_solver, run_solver
 from remat.solvers.core.deadline import Deadline
@@ -22,6 +23,9 @@ from remat.solvers.timeline.evaluate import evaluate, make_schedule
 
 # The share of the time limit the floor's proof (bound.peak_bound) may take for the message.
 FLOOR_SHARE = 0.1
+# The share of the search's time the descent (`remat.solvers.relaxation.descent`) may take
+# before CP-SAT, hinted with its plan, searches on.
+DESCENT_SHARE = 0.7
 
 
 class _Enough(cp_model.CpSolverSolutionCallback):
@@ -46,7 +50,14 @@ def least_peak(problem: Problem, units: Units, options: SolverOptions, pool: Poo
     None when the time allowed nothing at all. `start` (a plan of low peak from elsewhere)
     competes with the pool's to start it. It stops early at a peak of `target` units (a
     capacity): then the peak is not the least, but the budget is met."""
-    baseline = min((s for s in (pool.least_peak(deadline), start) if s is not None),
+    baseline = pool.least_peak(deadline)
+    if baseline is not None:
+        # CP-SAT alone rarely lowers a max over every step: descend first, always from the
+        # pool's plan (whatever the budget asked, the same plans in the same order, so a budget
+        # named by one call is met by the next where the time allows as much).
+        baseline = descend(problem, baseline, deadline.within(DESCENT_SHARE * deadline.left()),
+                           target=target * units.byte if target >= 0 else -1)
+    baseline = min((s for s in (baseline, start) if s is not None),
                    key=lambda s: (s.peak, s.cost), default=None)
     if not deadline.check("searching for the least peak"):
         return baseline, False

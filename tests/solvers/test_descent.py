@@ -1,0 +1,50 @@
+"""The least-peak descent: every plan it returns is what the simulator says, never below the
+least peak that brute force proves, never above its start; on a stack of blocks it goes below
+per-block checkpointing; a target stops it no lower than it would go."""
+import math
+
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
+
+from remat.errors import BudgetError
+from remat.solvers import SolverOptions, Strategy, make_schedule, simulate, solve
+from remat.solvers.baselines.standard import checkpoint_blocks
+from remat.solvers.core.deadline import Deadline
+from remat.solvers.relaxation.descent import descend
+from tests.synthetic.problems import random_problem, transformer
+
+ORACLE = SolverOptions(cost_resolution=1e-9, workers=2, time_limit=30)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2 ** 32 - 1))
+def test_descent_stays_between_the_brute_force_least_and_its_start(seed):
+    problem = random_problem(seed, max_forward=9, max_backward=5)
+    try:
+        least = solve(problem, 0, Strategy.BRUTE_FORCE, ORACLE)
+    except ValueError:
+        assume(False)
+    except BudgetError as error:
+        least = error
+    floor = least.smallest if isinstance(least, BudgetError) else least.peak
+    start = make_schedule(problem, [])
+    found = descend(problem, start, Deadline(30))
+    assert found.peak == simulate(problem, found).peak
+    assert floor <= found.peak <= start.peak
+
+
+def test_descent_goes_below_per_block_on_a_stack():
+    problem = transformer(layers=6, batch=2, seq=256, d_model=256, heads=4)
+    blocks = checkpoint_blocks(problem, math.inf, SolverOptions())
+    found = descend(problem, blocks, Deadline(60))
+    assert found.peak == simulate(problem, found).peak
+    assert found.peak < 0.97 * blocks.peak, (found.peak, blocks.peak)
+
+
+def test_descent_stops_at_the_target():
+    problem = transformer(layers=6, batch=2, seq=256, d_model=256, heads=4)
+    blocks = checkpoint_blocks(problem, math.inf, SolverOptions())
+    target = blocks.peak - 1
+    found = descend(problem, blocks, Deadline(60), target=target)
+    deepest = descend(problem, blocks, Deadline(60))
+    assert found.peak <= target
+    assert deepest.peak <= found.peak
