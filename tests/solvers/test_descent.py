@@ -5,27 +5,20 @@ import math
 
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
-from remat.errors import BudgetError
-from remat.solvers import SolverOptions, Strategy, make_schedule, simulate, solve
+from remat.solvers import SolverOptions, make_schedule, simulate
 from remat.solvers.baselines.standard import checkpoint_blocks
 from remat.solvers.core.deadline import Deadline
 from remat.solvers.relaxation.descent import descend
+from tests.oracles.brute_least import brute_least_peak
 from tests.synthetic.problems import random_problem, transformer
-
-ORACLE = SolverOptions(cost_resolution=1e-9, workers=2, time_limit=30)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2 ** 32 - 1))
 def test_descent_stays_between_the_brute_force_least_and_its_start(seed):
     problem = random_problem(seed, max_forward=9, max_backward=5)
-    try:
-        least = solve(problem, 0, Strategy.BRUTE_FORCE, ORACLE)
-    except ValueError:
-        assume(False)
-    except BudgetError as error:
-        least = error
-    floor = least.smallest if isinstance(least, BudgetError) else least.peak
+    floor = brute_least_peak(problem)
+    assume(floor is not None)
     start = make_schedule(problem, [])
     found = descend(problem, start, Deadline(30))
     assert found.peak == simulate(problem, found).peak

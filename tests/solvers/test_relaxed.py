@@ -15,6 +15,7 @@ from remat.solvers.relaxation.relaxed import joint_bound, relaxed_schedule
 from remat.solvers.relaxation.repair import repair
 from tests.oracles.rich_brute import rich_brute_force, rich_smallest_peak
 from remat.solvers.core.schedule import drop_unneeded, recomputable
+from tests.oracles.brute_least import brute_least_peak
 from tests.synthetic.problems import random_problem, transformer
 
 ORACLE = SolverOptions(cost_resolution=1e-9, workers=2, time_limit=30)
@@ -24,13 +25,8 @@ ORACLE = SolverOptions(cost_resolution=1e-9, workers=2, time_limit=30)
 @given(seed=st.integers(0, 2 ** 32 - 1), where=st.floats(0.0, 1.0))
 def test_relaxed_plan_fits_and_its_bound_holds(seed, where):
     problem = random_problem(seed, max_forward=10, max_backward=6)
-    try:
-        least = solve(problem, 0, Strategy.BRUTE_FORCE, ORACLE)
-    except ValueError:
-        assume(False)
-    except BudgetError as error:
-        least = error
-    low = least.smallest if isinstance(least, BudgetError) else least.peak
+    low = brute_least_peak(problem)
+    assume(low is not None)
     high = simulate(problem, make_schedule(problem, [])).peak
     budget = low + int(where * (high - low))
     best = solve(problem, budget, Strategy.BRUTE_FORCE, ORACLE)
