@@ -48,8 +48,9 @@ def least_peak(problem: Problem, units: Units, options: SolverOptions, pool: Poo
     whether that peak is proven the least, by `model` (a FreeModel or JitModel with no capacity
     yet). Started from the pool's schedule of least peak, the search can only improve on it;
     None when the time allowed nothing at all. `start` (a plan of low peak from elsewhere)
-    competes with the pool's to start it. It stops early at a peak of `target` units (a
-    capacity): then the peak is not the least, but the budget is met."""
+    competes with the plan the descent reached from the pool's
+    (`remat.solvers.relaxation.descent`) to start CP-SAT. It stops early at a peak of `target`
+    units (a capacity): then the peak is not the least, but the budget is met."""
     baseline = pool.least_peak(deadline)
     if baseline is not None:
         # CP-SAT alone rarely lowers a max over every step: descend first, always from the

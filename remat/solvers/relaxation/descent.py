@@ -4,12 +4,12 @@ none, read off the relaxation at that budget. The step halves when neither finds
 the best, down to LAST_STEP.
 
 Why: CP-SAT minimizing the peak is a max over every step, a flat objective its neighbourhood
-search improves on rarely. Measured on a transformers Qwen2 (4 layers, hidden 256, seq 256,
-batch 4; just-in-time positions, 60 s, two cores): the CP-SAT least-peak search returned
-per-block checkpointing's 49.41 MiB unimproved, where the relaxation read at a 46 MiB budget
-gives a 45.91 MiB plan in 2 s; this descent reaches 41.65 MiB in 28 s. On a ViT (6 layers,
-hidden 192, batch 8): CP-SAT 29.99 MiB in 60 s, the descent 28.83 MiB in 9 s. These plans, not
-the model, carry the least peak the search starts from.
+search improves on rarely. On a transformers Qwen2 (4 layers, hidden 256, seq 256, batch 4;
+just-in-time positions, `time_limit=60`, deterministic mode) the least-peak search named
+per-block checkpointing's 49.41 MiB before the descent and 41.66 MiB with it; on a ViT (6
+layers, hidden 192, batch 8) 32.98 and 31.23 MiB (`benchmarks/least_peak.py --deterministic`,
+the figures before from the same problems solved without the descent). The descent's plans,
+not the model's search, carry the least peak CP-SAT then starts from.
 """
 from __future__ import annotations
 
@@ -31,11 +31,11 @@ logger = logging.getLogger(__name__)
 FIRST_STEP = 0.02
 LAST_STEP = 5e-4
 # A move (a repair, a relaxation's read) at one budget gets this share of the whole call's time
-# limit (each read took 0.5 to 2 s on the Qwen2 and the ViT above). A share of the call's
+# limit (a relaxation's read took 0.5 to 2 s on the Qwen2 and the ViT above). A share of the call's
 # limit, not of the time left: the repair's trim and the relaxation's joined steps depend on
 # their time, and a call asked for a budget that an earlier one named then makes the same
 # plans.
-READ_SHARE = 0.05
+MOVE_SHARE = 0.05
 
 
 def descend(problem: Problem, start: Schedule, deadline: Deadline,
@@ -64,7 +64,7 @@ def _below(problem: Problem, best: Schedule, budget: int,
            deadline: Deadline) -> Schedule | None:
     """A plan within `budget` (below `best`'s peak): `best` repaired, else the relaxation's at
     that budget (None: neither found one)."""
-    move = READ_SHARE * deadline.root.limit
+    move = MOVE_SHARE * deadline.root.limit
     repaired = repair(problem, best, budget, deadline.within(move))
     if repaired is not None and repaired.peak <= budget:
         return repaired
