@@ -18,10 +18,12 @@ from remat.planner.plans.prepare import prepare, warn_eval_mode
 from remat.planner.plans.shapes import plan_range
 from remat.planner.job.training import Training
 from remat.solvers import SolverOptions, Strategy
+from remat.solvers.core.collector import frozen_heap
 
 __all__ = ["optimize"]
 
 
+@frozen_heap()  # what exists before planning stays out of the collector's scans
 def optimize(model: Any, budget: int | str | None = None, *,
              activation_budget: int | str | None = None, example_inputs: Sequence[Any] = (),
              example_kwargs: dict[str, Any] | None = None,

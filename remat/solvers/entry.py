@@ -12,6 +12,7 @@ from types import MappingProxyType
 from remat.errors import BudgetError, SolverError
 from remat.solvers.baselines.brute_force import brute_force
 from remat.solvers.baselines.standard import BY_STRATEGY
+from remat.solvers.core.collector import frozen_heap
 from remat.solvers.core.deadline import Deadline
 from remat.solvers.core.objective import Objective, with_objective
 from remat.solvers.core.options import SolverOptions, sized_and_stated
@@ -54,6 +55,7 @@ OFFLOAD_SHARE = 0.15
 __all__ = ["STRATEGIES", "Strategy", "StrategyFn", "solve", "solve_eager"]
 
 
+@frozen_heap()
 def solve(problem: Problem, budget: int, strategy: Strategy | str = Strategy.OPTIMAL,
           options: SolverOptions | None = None) -> Schedule:
     """The schedule that `strategy` picks for `problem` whose simulated activation peak is at
@@ -109,6 +111,7 @@ def _in_problem_units(problem: Problem, schedule: Schedule, objective: str) -> S
     return evaluated
 
 
+@frozen_heap()
 def solve_eager(problem: Problem, blocks: EagerBlocks, budget: int,
                 strategy: Strategy | str = Strategy.OPTIMAL,
                 options: SolverOptions | None = None) -> Schedule:

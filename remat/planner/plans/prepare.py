@@ -21,6 +21,7 @@ from remat.planner.job import accounting
 from remat.planner.job.accounting import StepMemory
 from remat.planner.job.training import StateMemory, Training, state_memory
 from remat.solvers import Problem, Schedule, Strategy, solve
+from remat.solvers.core.collector import frozen_heap
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ class Prepared:
                                           self.training)
 
 
+@frozen_heap()  # the user's heap and the capture's graphs stay out of the collector's scans
 def prepare(model: Any, example_inputs: Sequence[Any] = (), *,
             example_kwargs: dict[str, Any] | None = None, training: Training = Training(),
             target: str = "h100", loss_fn: Callable | None = None,
