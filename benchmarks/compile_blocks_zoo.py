@@ -81,24 +81,29 @@ HEADERS = ["architecture", "result", "blocks", "recomputed", "gradients", "predi
 
 class _Differences(logging.Handler):
     """compile_blocks' warnings where a block compiled to other ops than the plan's, for the
-    row's note: how many blocks dropped ops of the plan, and made ops from no input."""
+    row's note: how many blocks dropped ops of the plan, made ops from no input, and made ops
+    the plan never saw that no backward op needs."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
         self.dropped: set[str] = set()
         self.made: set[str] = set()
+        self.unread: set[str] = set()
 
     def emit(self, record):
         block = str(record.args[0])
         if "computed from no input" in record.msg:
             self.made.add(block)
+        elif "no backward op needs" in record.msg:
+            self.unread.add(block)
         elif "does not run" in record.msg:
             self.dropped.add(block)
 
     def note(self) -> str:
         return ", ".join(part for part in (
             f"{len(self.dropped)} blocks without ops of the plan" if self.dropped else "",
-            f"{len(self.made)} with ops from no input" if self.made else "") if part)
+            f"{len(self.made)} with ops from no input" if self.made else "",
+            f"{len(self.unread)} with ops no backward needs" if self.unread else "") if part)
 
 
 def run_arch(name: str, options: SolverOptions, fraction: float = 0.5) -> Row:

@@ -65,12 +65,16 @@ def test_compiled_blocks_train_like_plain_pytorch_under_fsdp2(plan):
 
 
 def test_a_block_whose_ops_differ_from_the_plan_is_refused(plan):
+    """The plan lacks the block's first op, whose value the backward needs: its decision
+    would be a guess."""
     model, inputs = tiny_llama(CONFIG)
     plans = block_plans(plan)
     first = plans["layers.0"]
-    plans["layers.0"] = type(first)(first.path, first.targets[:-1], first.kept)
+    plans["layers.0"] = type(first)(first.path, first.targets[1:],
+                                    frozenset(k - 1 for k in first.kept if k))
     compile_model_blocks(model, plans)
-    with pytest.raises(remat.RematError, match="block 'layers.0' compiled to .* forward ops"):
+    with pytest.raises(remat.RematError,
+                       match=r"block 'layers.0' compiled to \d+ forward ops .*; op 0 is "):
         model(*inputs).backward()
 
 
@@ -215,3 +219,50 @@ def test_a_block_with_batchnorm_keeps_what_reads_its_running_statistics():
         assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-6), name
     for (name, a), b in zip(eager.named_buffers(), model.buffers()):
         assert torch.equal(a, b), name
+
+
+class _TwoOutputs(torch.nn.Module):
+    """As Swin's stages: the block returns its output and the output reshaped, which the
+    model never reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(_D, _D)
+
+    def forward(self, x):
+        out = torch.tanh(self.lin(x)) * x + x
+        return out, out.view(-1, _S // 2, 2 * _D).permute(0, 2, 1).contiguous() * 2
+
+
+class _FirstOutputOnly(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_TwoOutputs() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)[0]
+        return x.pow(2).sum()
+
+
+def test_a_block_output_the_loss_never_reads_needs_no_decision(caplog):
+    """The whole step's capture drops the second output's ops (dead code); the block compiled
+    alone computes them. No backward op needs them: they are not kept, every other op follows
+    the plan, and the gradients equal eager PyTorch's."""
+    torch.manual_seed(0)
+    model, x = _FirstOutputOnly(), torch.randn(4, _S, _D)
+    options = SolverOptions(time_limit=5)
+    whole = remat.optimize(model, activation_budget=10**9, example_inputs=(x,),
+                           execution="eager", solver_options=options).activation_peak
+    plan = remat.optimize(model, activation_budget=int(0.9 * whole), example_inputs=(x,),
+                          execution="eager", solver_options=options)
+    eager = copy.deepcopy(model)
+    with caplog.at_level("WARNING", logger="remat.fx_passes.compiled.block_compile"):
+        compiled = plan.compile_blocks(model)
+        compiled(x).backward()
+    assert "the plan never saw and no backward op needs" in caplog.text
+    assert any(len(p.recomputed) for made in compiled.remat_partitions.values() for p in made)
+    eager(x).backward()
+    for (name, a), b in zip(eager.named_parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+

@@ -65,7 +65,7 @@ def block_partition_fn(plan: BlockPlan, on_partition: Callable[[Partition], None
         forward = [v for v, op in enumerate(problem.ops) if op.phase is Phase.FORWARD]
         targets = tuple(problem.ops[v].target for v in forward)
         kept = plan.kept if targets == plan.targets else aligned_kept(
-            plan, targets, _from_nothing(joint, problem, forward))
+            plan, targets, _from_nothing(joint, problem, forward), _unread(problem, forward))
         candidates = set(recomputable(problem))
         recomputed = drop_unneeded(problem, {v for k, v in enumerate(forward)
                                              if k not in kept and v in candidates})
@@ -85,7 +85,8 @@ def block_partition_fn(plan: BlockPlan, on_partition: Callable[[Partition], None
 
 
 def aligned_kept(plan: BlockPlan, targets: tuple[str, ...],
-                 from_nothing: frozenset[int] = frozenset()) -> frozenset[int]:
+                 from_nothing: frozenset[int] = frozenset(),
+                 unread: frozenset[int] = frozenset()) -> frozenset[int]:
     """The positions of the block's compiled forward ops (`targets`) that keep their values,
     where the compiled block runs other ops than the plan's capture traced. Hugging Face
     models build the attention mask outside the blocks, materialized when the whole model is
@@ -95,26 +96,33 @@ def aligned_kept(plan: BlockPlan, targets: tuple[str, ...],
     (positions computed from no input of the block: such a mask) are not the plan's and not
     kept, recomputed where the backward needs them, at no cost in kept memory; where every
     other compiled op is one of the plan's, in order, each follows the plan's decision, with a
-    warning naming the first difference. Any other compiled op the plan never saw is refused
-    (its decision would be a guess)."""
+    warning naming the first difference. A compiled op the plan never saw is also accepted,
+    not kept, where it is in `unread` (positions whose values no backward op needs, directly
+    or through another forward op): an output of the block that the model's loss never reads
+    (Swin's stages return their output reshaped as well, which the plan's capture of the whole
+    step drops as dead code), whose value needs no decision. Any other compiled op the plan
+    never saw is refused (its decision would be a guess)."""
     import difflib
 
     rest = [k for k in range(len(targets)) if k not in from_nothing]
     matcher = difflib.SequenceMatcher(a=plan.targets, b=tuple(targets[k] for k in rest),
                                       autojunk=False)
     opcodes = matcher.get_opcodes()
-    unplanned = next((op for op in opcodes if op[0] in ("insert", "replace")), None)
-    if unplanned is not None:
-        _, a0, _, b0, _ = unplanned
+    # (compiled position, the plan's position there) of each compiled op the plan never saw
+    unplanned = [(rest[b0 + k], a0 + k if tag == "replace" and a0 + k < a1 else a0)
+                 for tag, a0, a1, b0, b1 in opcodes if tag in ("insert", "replace")
+                 for k in range(b1 - b0)]
+    guessed = next(((k, a) for k, a in unplanned if k not in unread), None)
+    if guessed is not None:
+        k, a = guessed
         raise RematError(
             f"compile_blocks: block {plan.path!r} compiled to {len(targets)} forward ops "
-            f"where the plan has {len(plan.targets)}; op {rest[b0]} is {targets[rest[b0]]} "
-            f"where the plan has "
-            f"{plan.targets[a0] if a0 < len(plan.targets) else 'nothing more'}: plan with "
+            f"where the plan has {len(plan.targets)}; op {k} is {targets[k]} where the plan "
+            f"has {plan.targets[a] if a < len(plan.targets) else 'nothing more'}: plan with "
             "the inputs and settings you train with")
     kept = frozenset(rest[b0 + k] for tag, a0, _, b0, b1 in opcodes if tag == "equal"
                      for k in range(b1 - b0) if a0 + k in plan.kept)
-    dropped = next((op for op in opcodes if op[0] == "delete"), None)
+    dropped = next((op for op in opcodes if op[0] in ("delete", "replace")), None)
     if dropped is not None:
         log.warning("compile_blocks: block %r compiled to %d forward ops where the plan has "
                     "%d: from op %d (%s) the plan's capture traced ops this block does not "
@@ -126,7 +134,28 @@ def aligned_kept(plan: BlockPlan, targets: tuple[str, ...],
                     "%d: %d computed from no input of the block (from op %d, %s), not kept; "
                     "the others follow the plan", plan.path, len(targets), len(plan.targets),
                     len(from_nothing), first, targets[first])
+    if unplanned:
+        log.warning("compile_blocks: block %r compiled to %d forward ops where the plan has "
+                    "%d: %d the plan never saw and no backward op needs (from op %d, %s), "
+                    "not kept; the others follow the plan", plan.path, len(targets),
+                    len(plan.targets), len(unplanned), unplanned[0][0],
+                    targets[unplanned[0][0]])
     return kept
+
+
+def _unread(problem, forward: list[int]) -> frozenset[int]:
+    """The positions in `forward` (the problem's forward ops, in order) of the ops whose values
+    no backward op needs: none reads them, nor any forward op whose value the backward needs."""
+    readers: dict[int, list[int]] = {}
+    for u, op in enumerate(problem.ops):
+        for i in op.inputs:
+            readers.setdefault(i, []).append(u)
+    needed: set[int] = set()
+    for v in reversed(range(len(problem.ops))):  # every reader comes after what it reads
+        if any(problem.ops[u].phase is not Phase.FORWARD or u in needed
+               for u in readers.get(v, ())):
+            needed.add(v)
+    return frozenset(k for k, v in enumerate(forward) if v not in needed)
 
 
 def _from_nothing(joint: fx.GraphModule, problem, forward: list[int]) -> frozenset[int]:
