@@ -35,13 +35,6 @@ def uneven_costs(problem: Problem, seed: int) -> Problem:
     return Problem(ops, name=problem.name)
 
 
-def outcome(problem, budget, strategy, options=DEFAULT):
-    try:
-        return solve(problem, budget, strategy, options)
-    except BudgetError as error:
-        return error
-
-
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2 ** 32 - 1), where=st.floats(0.0, 1.0))
 def test_bound_status_and_gap_are_true_against_brute_force(seed, where):
