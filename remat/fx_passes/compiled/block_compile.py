@@ -146,14 +146,10 @@ def aligned_kept(plan: BlockPlan, targets: tuple[str, ...],
 def _unread(problem, forward: list[int]) -> frozenset[int]:
     """The positions in `forward` (the problem's forward ops, in order) of the ops whose values
     no backward op needs: none reads them, nor any forward op whose value the backward needs."""
-    readers: dict[int, list[int]] = {}
-    for u, op in enumerate(problem.ops):
-        for i in op.inputs:
-            readers.setdefault(i, []).append(u)
     needed: set[int] = set()
+    users = problem.users
     for v in reversed(range(len(problem.ops))):  # every reader comes after what it reads
-        if any(problem.ops[u].phase is not Phase.FORWARD or u in needed
-               for u in readers.get(v, ())):
+        if any(problem.ops[u].phase is not Phase.FORWARD or u in needed for u in users[v]):
             needed.add(v)
     return frozenset(k for k, v in enumerate(forward) if v not in needed)
 
