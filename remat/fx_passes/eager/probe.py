@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 from remat.fx_passes.eager.block_policy import BlockPolicy, canonical, counterpart
 from remat.fx_passes.eager.recompute_state import written_positions
 from remat.fx_passes.eager.unused import Unused, UnusedTracker, plain_storage
+from remat.fx_passes.measuring.storage import held_bytes
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
                 # tensor's bytes the graph counts: the graph's bytes stand for it.
                 own = [plain_storage(t) for t in tensors]
                 if len(own) == 1 and own[0] is not None and all(own[0] is not g for g in given):
-                    nbytes[path][k] = own[0].nbytes()
+                    nbytes[path][k] = held_bytes(own[0])
 
             caching, recompute = create_selective_checkpoint_contexts(record)
 
@@ -156,7 +157,7 @@ def probe(model: torch.nn.Module, inputs: Sequence[Any], paths: Sequence[str],
                               for f, n in zip(freed[path], alive[path])]
             for storage in given - set(read):
                 number = numbers.setdefault(storage, len(numbers))
-                unread[path].append((number, storage.nbytes(), len(calls[path]) - 1))
+                unread[path].append((number, held_bytes(storage), len(calls[path]) - 1))
             return out
 
         return run

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from remat.fx_passes.eager.block_policy import BlockPolicy, canonical, counterpart
+from remat.fx_passes.measuring.storage import held_bytes
 
 __all__ = ["Unused", "UnusedTracker", "unused_tensors"]
 
@@ -109,7 +110,7 @@ class UnusedTracker(TorchDispatchMode):
         if new:  # (the blocks' modes detach what they cache: no new storage)
             self.fresh = []
         for s in new:
-            record = [s.nbytes(), self.place(ahead=1), False]
+            record = [held_bytes(s), self.place(ahead=1), False]
             self.records[s] = record
             self.fresh.append(record)
             self.watches.append(weakref.finalize(s, self._freed, record))

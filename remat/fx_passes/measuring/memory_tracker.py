@@ -22,6 +22,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from remat.fx_passes.measuring.storage import held_bytes
+
 __all__ = ["MemoryTracker", "measure_eager", "tracking_compiler", "tracking_compilers"]
 
 
@@ -70,7 +72,7 @@ class MemoryTracker(TorchDispatchMode):
         key, storage = self._key(t)
         if key is None or key in self._owned or key in self._external:
             return
-        size = storage.nbytes()
+        size = held_bytes(storage)
         self._owned[key] = size
         self.live += size
         weakref.finalize(storage, self._release, key)

@@ -27,8 +27,8 @@ from torch import fx
 
 from remat.fx_passes.tracing.dynamic import in_names
 
-__all__ = ["aliased_input", "distinct_storage_bytes", "remat_meta", "storage_bytes", "storage_pass",
-           "storage_root"]
+__all__ = ["aliased_input", "allocated_bytes", "distinct_storage_bytes", "held_bytes", "remat_meta",
+           "storage_bytes", "storage_pass", "storage_root"]
 
 # Ops whose schema promises a fresh tensor but whose kernels return a view of their input.
 _ALIASING_WITHOUT_SCHEMA = {"_unsafe_view", "_reshape_alias", "lift_fresh"}
@@ -55,15 +55,33 @@ def remat_meta(node: fx.Node) -> dict:
     return node.meta.setdefault("remat", {})
 
 
+# PyTorch's CUDA caching allocator hands out blocks in multiples of 512 bytes (a 2-byte loss
+# takes 512), and max_memory_allocated counts the blocks: a CUDA storage is counted so.
+CUDA_BLOCK = 512
+
+
+def allocated_bytes(nbytes: Any, device: torch.device | None) -> Any:
+    """What the allocator of `device` holds for a storage of `nbytes` bytes."""
+    if device is None or device.type != "cuda" or isinstance(nbytes, torch.SymInt) or not nbytes:
+        return nbytes
+    return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
+
+
+def held_bytes(storage: torch.UntypedStorage) -> int:
+    """What the allocator holds for a real `storage`."""
+    return allocated_bytes(storage.nbytes(), storage.device)
+
+
 def storage_bytes(value: Any) -> Any:
-    """The bytes of `value`'s storage: an int, or a SymInt for symbolic sizes (never forced to
-    an int, which would specialize the graph being compiled)."""
+    """The bytes the allocator holds for `value`'s storage: an int, or a SymInt for symbolic
+    sizes (never forced to an int, which would specialize the graph being compiled)."""
     if isinstance(value, torch.Tensor):
         try:
             nbytes = value.untyped_storage().nbytes()
         except (NotImplementedError, RuntimeError):  # sparse or other storage-less tensors
             nbytes = value.numel() * value.element_size()
-        return nbytes if isinstance(nbytes, torch.SymInt) else int(nbytes)
+        nbytes = nbytes if isinstance(nbytes, torch.SymInt) else int(nbytes)
+        return allocated_bytes(nbytes, value.device)
     return 0
 
 
@@ -74,7 +92,7 @@ def distinct_storage_bytes(tensors) -> int:
     for t in tensors:
         if t is not None:
             s = t.untyped_storage()
-            seen[s.data_ptr()] = s.nbytes()
+            seen[s.data_ptr()] = held_bytes(s)
     return sum(seen.values())
 
 

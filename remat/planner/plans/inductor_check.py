@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from remat.errors import BudgetError, RematError
+from remat.fx_passes.measuring.storage import held_bytes
 from remat.planner.job.budget import format_size
 
 log = logging.getLogger(__name__)
@@ -310,7 +311,7 @@ def measure_activations(module: Any, model: Any, example_inputs: Sequence[Any],
         peak, held = step_peak(lambda: _Held(module(*example_inputs, **example_kwargs)),
                                lambda h, seed: h.loss.backward(seed), device)
         del held
-        left = sum(p.grad.untyped_storage().nbytes() for p in params if p.grad is not None)
+        left = sum(held_bytes(p.grad.untyped_storage()) for p in params if p.grad is not None)
     finally:
         with torch.no_grad():
             for p, g in zip(params, grads):
