@@ -4,7 +4,12 @@ within 2 % of it (remat's accuracy promise, docs/memory-and-accuracy.md), on the
 cuDNN and cuBLAS choose their workspaces.
 
     python benchmarks/gpu_check.py [--model gpt2-medium|unet] [--batch 16] [--seq 1024]
-                                   [--steps 3] [--time-limit 60]
+        [--steps 3] [--time-limit 60] [--checks plans eager ops offload inductor]
+        [--inductor-budgets 0.4 0.8] [--dry-run]
+
+Each part runs on its own: one that raises prints its traceback, counts as missed, and the
+next part runs. `--dry-run` runs every part on the CPU at tiny sizes, to exercise the code
+paths before device time is spent (its timings and roofline ratios mean nothing).
 
 The model is captured with its weights on the GPU, so every op's kernel scratch is measured
 there (max_memory_allocated around the op, `remat.fx_passes.measuring.scratch`). GPT-2 medium (bf16)
@@ -14,7 +19,7 @@ the simulated activation peak, the allocator's peak of a step above its baseline
 optimizer state, batch; the backward's seed left out, `remat.fx_passes.measuring.allocator.step_peak`),
 the check, max_memory_reserved above its baseline, the step time (CUDA events), and MFU / HFU
 against the card's dense bf16 peak. Exits 0 with a message where there is no CUDA, 1 when a
-check is missed. Meant to finish within five minutes on an H100/H200.
+check is missed.
 
 Three more checks, each a short table:
 - **the plan's step against eager**: the plain eager step of the same model (no remat), its
@@ -28,10 +33,10 @@ Three more checks, each a short table:
   the allocator's peak against the simulated device peak (the same contract, within
   [-2 %, 0 %]), and the measured extra step time against the predicted exposed time
   (`remat.solvers.timeline.overlap`, with the link's bandwidth measured here): see
-  benchmarks/_offload_check.py. ``--checks offload`` runs this check alone (a few minutes of
-  device time); ``--smoke`` runs it on the CPU, on a tiny model, to exercise its code.
+  benchmarks/_offload_check.py. ``--checks offload`` runs this check alone;
+  ``--smoke`` runs it on the CPU, on a tiny model, to exercise its code.
 - **Inductor**: `benchmarks/inductor.py`'s comparison on CUDA, on its U-Net: torch.compile at
-  activation_memory_budget 0.4 and 0.8 beside `remat.optimize(..., compile=True)` at each of
+  activation_memory_budget `--inductor-budgets` beside `remat.optimize(..., compile=True)` at each of
   their measured peaks and at remat's least; the check is the allocator at most the plan's
   peak at most the budget in every remat row (a torch.compile point lower on both memory and
   recompute FLOPs is printed, not counted). ``--checks inductor`` runs it alone.
@@ -42,6 +47,8 @@ import argparse
 import os
 import sys
 import time
+import traceback
+from typing import Callable
 
 import torch
 
@@ -58,11 +65,12 @@ def peak_flops(name: str) -> float | None:
     return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
-def gpt2_medium(batch: int, seq: int, device: str):
+def gpt2_medium(batch: int, seq: int, device: str, tiny: bool = False):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_embd=1024, n_layer=24, n_head=16, n_positions=max(1024, seq),
-                        vocab_size=50257, attn_implementation="sdpa")
+    size = (dict(n_embd=64, n_layer=2, n_head=4, vocab_size=1000) if tiny else
+            dict(n_embd=1024, n_layer=24, n_head=16, vocab_size=50257))
+    config = GPT2Config(n_positions=max(1024, seq), attn_implementation="sdpa", **size)
     torch.manual_seed(0)
     with torch.device(device):
         model = GPT2LMHeadModel(config).to(torch.bfloat16).train()
@@ -81,43 +89,101 @@ def gpt2_medium(batch: int, seq: int, device: str):
     return LMLoss(model), (ids,)
 
 
-def unet(batch: int, size: int, device: str):
+def unet(batch: int, size: int, device: str, channels=(32, 64, 128, 256)):
     from tests.models import UNet
 
     torch.manual_seed(0)
     with torch.device(device):
-        model = UNet(channels=(32, 64, 128, 256)).train()
+        model = UNet(channels=channels).train()
         x = torch.randn(batch, 1, size, size)
         y = torch.randn(batch, 1, size, size)
     return model, (x, y)
 
 
-def run_plan(model, inputs, problem, schedule, steps: int):
+class Stopwatch:
+    """Seconds of the work between `start()` and `stop()`: CUDA events on a GPU, the wall clock
+    on the CPU (the dry run's)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.events[0].record()
+        else:
+            self.began = time.perf_counter()
+
+    def stop(self) -> float:
+        if not self.cuda:
+            return time.perf_counter() - self.began
+        self.events[1].record()
+        torch.cuda.synchronize()
+        return self.events[0].elapsed_time(self.events[1]) / 1e3
+
+
+def timed_steps(step, steps: int, device: torch.device, before=lambda: None,
+                after=lambda: None) -> tuple[float, int, int]:
+    """(median step seconds, the allocator's largest step peak, the largest rise of
+    max_memory_reserved) over `steps` steps after one untimed (compiles, optimizer state)."""
     from remat.fx_passes.measuring.allocator import step_peak
+
+    clock, cuda = Stopwatch(device), device.type == "cuda"
+    times, allocated, reserved = [], 0, 0
+    for index in range(steps + 1):
+        before()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            base_reserved = torch.cuda.memory_reserved()
+            torch.cuda.reset_peak_memory_stats()
+        clock.start()
+        peak, loss = step_peak(step, lambda out, seed: out.backward(seed), device)
+        seconds = clock.stop()
+        if index:
+            times.append(seconds)
+            allocated = max(allocated, peak)
+            if cuda:
+                reserved = max(reserved, torch.cuda.max_memory_reserved() - base_reserved)
+        after()
+        del loss
+    return sorted(times)[len(times) // 2], allocated, reserved
+
+
+def run_plan(model, inputs, problem, schedule, steps: int, device: torch.device):
+    """(median step seconds, allocator peak, reserved rise) of `schedule` run op by op."""
     from remat.fx_passes.compiled.planned import planned_module
 
     module = planned_module(model, problem, schedule)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    times, allocated, reserved = [], 0, 0
-    for step in range(steps + 1):  # the first step compiles and creates the optimizer state
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        base_reserved = torch.cuda.memory_reserved()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        peak, loss = step_peak(lambda: module(*inputs), lambda out, seed: out.backward(seed),
-                               "cuda")
-        end.record()
-        torch.cuda.synchronize()
-        if step:
-            times.append(start.elapsed_time(end) / 1e3)
-            allocated = max(allocated, peak)
-            reserved = max(reserved, torch.cuda.max_memory_reserved() - base_reserved)
-        opt.step()
-        del loss
+    result = timed_steps(lambda: module(*inputs), steps, device,
+                         before=lambda: opt.zero_grad(set_to_none=True), after=opt.step)
     del module, opt
-    return sorted(times)[len(times) // 2], allocated, reserved
+    model.zero_grad(set_to_none=True)
+    return result
+
+
+def run_eager(model, inputs, steps: int, device: torch.device) -> tuple[float, int]:
+    """Median step seconds and the allocator's peak of the plain eager step."""
+    seconds, peak, _ = timed_steps(lambda: model(*inputs), steps, device,
+                                   before=lambda: model.zero_grad(set_to_none=True))
+    model.zero_grad(set_to_none=True)
+    return seconds, peak
+
+
+def guarded(name: str, check: Callable[[], bool]) -> bool:
+    """Run one part; an exception is printed and counted as a miss, and the next part runs."""
+    began = time.perf_counter()
+    try:
+        ok = bool(check())
+    except Exception:  # every part is independent: report and go on
+        traceback.print_exc()
+        ok = False
+        print(f"# part {name}: ERROR (traceback above)", flush=True)
+    print(f"# part {name}: {'passed' if ok else 'MISSED'} in {time.perf_counter() - began:.0f} s",
+          flush=True)
+    return ok
 
 
 def main(argv=None) -> int:
@@ -127,53 +193,86 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--time-limit", type=float, default=60.0)
-    parser.add_argument("--checks", choices=("all", "offload", "inductor"), default="all",
-                        help="offload: only the overlapped offload against its prediction; "
-                             "inductor: only remat compiled against torch.compile's budget")
+    parser.add_argument("--checks", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="the parts to run, in this order")
+    parser.add_argument("--inductor-budgets", nargs="+", type=float, default=[0.4, 0.8])
     parser.add_argument("--smoke", action="store_true",
                         help="run the offload check on the CPU on a tiny model (code paths)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="every part on the CPU at tiny sizes: the code paths, not the "
+                             "numbers (timings and roofline ratios mean nothing there)")
     args = parser.parse_args(argv)
     if args.smoke:
         from _offload_check import smoke
 
         return smoke()
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here; nothing to check (run it on a GPU machine)")
+    if not args.dry_run and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; nothing to check (run it on a GPU machine, or "
+              "--dry-run for the code paths on the CPU)")
         return 0
+    dev = torch.device("cpu" if args.dry_run else "cuda")
+    begin = time.perf_counter()
+    name = "CPU (dry run)" if args.dry_run else torch.cuda.get_device_name()
+    target = "h200" if "H200" in name else "h100" if "H100" in name else "a100-80gb"
+    results = {}
+    model_parts = [p for p in args.checks if p != "inductor"]
+    if model_parts:
+        from remat.fx_passes.lowering.lower import lower
+        from remat.fx_passes.tracing.capture import capture
 
+        model, inputs, what = make_model(args, dev)
+        captured = capture(model, inputs)
+        problem = lower(captured, target=target)  # kernel scratch measured on this device
+        scratch = max(n.meta["remat"].get("scratch", 0) for n in captured.graph.nodes
+                      if "remat" in n.meta)
+        print(f"# {name}: {what}, {len(problem)} ops, largest kernel scratch "
+              f"{scratch / 2**20:.1f} MiB, planned in {time.perf_counter() - begin:.0f} s",
+              flush=True)
+        save_all_seconds = []
+        checks = {
+            "plans": lambda: plans_part(model, inputs, problem, args, dev, name,
+                                        save_all_seconds),
+            "eager": lambda: eager_part(model, inputs, args.steps, dev, save_all_seconds),
+            "ops": lambda: ops_part(captured, target, dev),
+            "offload": lambda: offload_part(model, inputs, problem, target, args.steps, dev),
+        }
+    for part in args.checks:
+        if part == "inductor":
+            results[part] = guarded(part, lambda: inductor_part(dev, args.inductor_budgets,
+                                                                args.time_limit))
+        else:
+            results[part] = guarded(part, checks[part])
+        print(f"# at {time.perf_counter() - begin:.0f} s", flush=True)
+    passed = sum(results.values())
+    print(f"# total {time.perf_counter() - begin:.0f} s; {passed}/{len(results)} parts passed: "
+          + ", ".join(f"{k} {'ok' if v else 'MISSED'}" for k, v in results.items()))
+    return 0 if passed == len(results) else 1
+
+
+PARTS = ("plans", "eager", "ops", "offload", "inductor")
+
+
+def make_model(args, dev: torch.device):
+    if args.dry_run:  # tiny: every path, in seconds
+        if args.model == "unet":
+            return (*unet(2, 32, dev, channels=(4, 8)), "U-Net fp32, tiny (dry run)")
+        return (*gpt2_medium(2, 32, dev, tiny=True), "GPT-2 bf16, 2 layers (dry run)")
+    if args.model == "unet":
+        return (*unet(args.batch, args.seq, dev), f"U-Net fp32, batch {args.batch} x "
+                f"{args.seq}^2")
+    return (*gpt2_medium(args.batch, args.seq, dev), f"GPT-2 medium bf16, batch {args.batch} "
+            f"x {args.seq}")
+
+
+def plans_part(model, inputs, problem, args, dev, name, save_all_seconds) -> bool:
+    """Save-all and two budgets' plans run op by op: the allocator within [-2 %, 0] of the
+    simulated peak."""
     from tabulate import tabulate
 
-    if args.checks == "inductor":
-        return 0 if inductor_part() else 1
-
-    from remat.fx_passes.tracing.capture import capture
-    from remat.fx_passes.lowering.lower import lower
     from remat.solvers import SolverOptions, solve
     from remat.solvers.core.schedule import drop_unneeded, recomputable
     from remat.solvers.timeline.evaluate import make_schedule
     from remat.solvers.timeline.simulate import simulate
-
-    begin = time.perf_counter()
-    name = torch.cuda.get_device_name()
-    if args.model == "unet":
-        model, inputs = unet(args.batch, args.seq, "cuda")
-        what = f"U-Net fp32, batch {args.batch} x {args.seq}^2"
-    else:
-        model, inputs = gpt2_medium(args.batch, args.seq, "cuda")
-        what = f"GPT-2 medium bf16, batch {args.batch} x {args.seq}"
-    target = "h200" if "H200" in name else "h100" if "H100" in name else "a100-80gb"
-    captured = capture(model, inputs)
-    problem = lower(captured, target=target)  # kernel scratch measured on this GPU
-    scratch = max(n.meta["remat"].get("scratch", 0) for n in captured.graph.nodes
-                  if "remat" in n.meta)
-    print(f"# {name}: {what}, {len(problem)} ops, largest kernel scratch "
-          f"{scratch / 2**20:.1f} MiB, planned in {time.perf_counter() - begin:.0f} s",
-          flush=True)
-    if args.checks == "offload":
-        ok = offload_part(model, inputs, problem, target, args.steps)
-        print(f"# total {time.perf_counter() - begin:.0f} s; offload check "
-              f"{'passed' if ok else 'MISSED'}")
-        return 0 if ok else 1
 
     save_all = make_schedule(problem, ())
     full = simulate(problem, save_all).peak
@@ -186,101 +285,89 @@ def main(argv=None) -> int:
                                                    options)))
         except BudgetError as e:
             print(f"# {fraction:.0%} of the save-all peak does not fit: {e}", flush=True)
-
-    peak = peak_flops(name)
+    peak = None if args.dry_run else peak_flops(name)
     rows, missed = [], 0
     for label, schedule in plans:
         predicted = simulate(problem, schedule).peak
-        seconds, allocated, reserved = run_plan(model, inputs, problem, schedule, args.steps)
-        model_flops = problem.total_flops
-        hardware_flops = model_flops + schedule.recompute_flops
+        seconds, allocated, reserved = run_plan(model, inputs, problem, schedule, args.steps,
+                                                dev)
+        if label == "save all":
+            save_all_seconds.append(seconds)
+        hardware_flops = problem.total_flops + schedule.recompute_flops
         ok = 0.98 * predicted <= allocated <= predicted
         missed += not ok
-        rows.append([label, len(schedule.recomputed), f"{predicted / GiB:.3f}",
-                     f"{allocated / GiB:.3f}", f"{(allocated - predicted) / predicted:+.2%}",
+        rows.append([label, len(schedule.recomputed), f"{predicted / GiB:.4f}",
+                     f"{allocated / GiB:.4f}",
+                     f"{allocated - predicted:+,d} B ({(allocated - predicted) / predicted:+.3%})",
                      "ok" if ok else "MISSED", f"{reserved / GiB:.2f}", f"{seconds * 1e3:.0f}",
-                     f"{model_flops / seconds / peak:.1%}" if peak else "-",
+                     f"{problem.total_flops / seconds / peak:.1%}" if peak else "-",
                      f"{hardware_flops / seconds / peak:.1%}" if peak else "-"])
-        print(f"# {label} done at {time.perf_counter() - begin:.0f} s", flush=True)
         torch._dynamo.reset()
     print(tabulate(rows, headers=["budget", "recomputed", "simulated GiB", "allocator GiB",
                                   "error", "check", "max reserved GiB", "step ms", "MFU", "HFU"],
-                   disable_numparse=True))
-    checked = len(rows)
+                   disable_numparse=True), flush=True)
+    return not missed  # a budget refused is printed above, not a miss of the check
 
-    eager_seconds, eager_peak = run_eager(model, inputs, args.steps)
-    plan_seconds = float(rows[0][7]) / 1e3
+
+def eager_part(model, inputs, steps: int, dev, save_all_seconds) -> bool:
+    """The plain eager step beside the save-all plan's: no slower than 1.05x."""
+    from tabulate import tabulate
+
+    eager_seconds, eager_peak = run_eager(model, inputs, steps, dev)
+    if not save_all_seconds:
+        print(f"# eager step {eager_seconds * 1e3:.0f} ms, {eager_peak / GiB:.3f} GiB; the "
+              "save-all plan did not run (part plans)")
+        return False
+    plan_seconds = save_all_seconds[0]
     slower = plan_seconds > 1.05 * eager_seconds
-    missed += slower
     print(tabulate([["eager (no remat)", f"{eager_peak / GiB:.3f}", f"{eager_seconds * 1e3:.0f}"],
-                    ["save-all plan", rows[0][3], rows[0][7]]],
+                    ["save-all plan", "", f"{plan_seconds * 1e3:.0f}"]],
                    headers=["step", "allocator GiB", "step ms"], disable_numparse=True))
     print(f"# the save-all plan's step is {plan_seconds / eager_seconds:.2f}x eager's "
           f"({'MISSED: over 1.05x' if slower else 'ok'})", flush=True)
+    return not slower or dev.type != "cuda"
 
-    op_rows, measured_total, roofline_total, ratios = time_ops(captured, target)
+
+def ops_part(captured, target: str, dev) -> bool:
+    """Every op timed alone against the roofline: printed, not checked."""
+    from tabulate import tabulate
+
+    op_rows, measured_total, roofline_total, ratios = time_ops(captured, target, on=dev.type)
     print(tabulate(op_rows, headers=["op", "target", "measured us", "roofline us", "ratio"],
                    disable_numparse=True))
     ratios.sort()
     print(f"# ops: measured {measured_total * 1e3:.1f} ms in all against a roofline of "
           f"{roofline_total * 1e3:.1f} ms ({measured_total / roofline_total:.2f}x); median "
           f"ratio {ratios[len(ratios) // 2]:.2f} over {len(ratios)} timed ops", flush=True)
-
-    missed += not offload_part(model, inputs, problem, target, args.steps)
-    missed += not inductor_part()
-    checked += 2
-    print(f"# total {time.perf_counter() - begin:.0f} s; {checked - missed}/{checked} checks "
-          "passed")
-    return 1 if missed else 0
+    return bool(ratios)
 
 
-def inductor_part() -> bool:
-    """benchmarks/inductor.py's U-Net on CUDA: torch.compile at 0.4 and 0.8 beside remat
+def inductor_part(dev: torch.device, fractions: list[float], time_limit: float) -> bool:
+    """benchmarks/inductor.py's U-Net on `dev`: torch.compile at `fractions` beside remat
     compiled with Inductor; True when every remat row's allocator <= plan <= budget."""
     import inductor
 
+    inductor.TIME_LIMIT = time_limit
     torch._dynamo.reset()
-    rows = inductor.rows_of(inductor.on(inductor.unet(), "cuda"), [0.4, 0.8])
+    rows = inductor.rows_of(inductor.on(inductor.unet(), dev.type), fractions)
     inductor.verdicts(rows)
     print(inductor.table(rows), flush=True)
     return all(r.verdict.startswith("ok") for r in rows
                if r.runner.startswith("remat") and r.activations >= 0)
 
 
-def offload_part(model, inputs, problem, target: str, steps: int) -> bool:
+def offload_part(model, inputs, problem, target: str, steps: int, dev: torch.device) -> bool:
     """The overlapped offload against its prediction (benchmarks/_offload_check.py)."""
     from tabulate import tabulate
 
     from _offload_check import HEADERS, check_overlapped_offload
     from remat.fx_passes.measuring.devices import device
 
-    row, ok, notes = check_overlapped_offload(model, inputs, problem, steps,
-                                              torch.device("cuda"), device(target).host_link)
+    row, ok, notes = check_overlapped_offload(model, inputs, problem, steps, dev,
+                                              device(target).host_link)
     print(tabulate([row], headers=HEADERS, disable_numparse=True))
     print("\n".join(f"# {n}" for n in notes), flush=True)
     return ok
-
-
-def run_eager(model, inputs, steps: int) -> tuple[float, int]:
-    """Median step seconds and the allocator's peak of the plain eager step."""
-    from remat.fx_passes.measuring.allocator import step_peak
-
-    times, peak = [], 0
-    for step in range(steps + 1):
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        step_peak_bytes, loss = step_peak(lambda: model(*inputs),
-                                          lambda out, seed: out.backward(seed), "cuda")
-        end.record()
-        torch.cuda.synchronize()
-        if step:
-            times.append(start.elapsed_time(end) / 1e3)
-            peak = max(peak, step_peak_bytes)
-        del loss
-    model.zero_grad(set_to_none=True)
-    return sorted(times)[len(times) // 2], peak
 
 
 def time_ops(captured, target: str, top: int = 8, on: str = "cuda"):

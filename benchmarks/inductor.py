@@ -48,6 +48,8 @@ from remat.fx_passes.measuring.flops import node_flops  # noqa: E402
 from remat.solvers import SolverOptions  # noqa: E402
 
 MIB = 2**20
+# Each remat solve's limit in seconds (gpu_check.py lowers it to fit its device time).
+TIME_LIMIT = 60.0
 
 
 @dataclass
@@ -141,7 +143,8 @@ def torch_compile_row(case: Case, fraction: float, eager_time: float) -> Row:
 def remat_row(case: Case, runner: str, eager_time: float, **options: Any) -> Row:
     torch._dynamo.reset()
     plan = remat.optimize(case.model, example_inputs=case.args, example_kwargs=case.kwargs,
-                          compile=True, solver_options=SolverOptions(time_limit=60), **options)
+                          compile=True, solver_options=SolverOptions(time_limit=TIME_LIMIT),
+                          **options)
     peak, seconds = measure(case, plan.module)
     budget = options.get("activation_budget")
     return Row(case.name, runner, peak, plan.recompute_flops, seconds / eager_time,
