@@ -35,7 +35,8 @@ Three more checks, each a short table:
   (`remat.solvers.timeline.overlap`, with the link's bandwidth measured here): see
   benchmarks/_offload_check.py. ``--checks offload`` runs this check alone;
   ``--smoke`` runs it on the CPU, on a tiny model, to exercise its code.
-- **Inductor**: `benchmarks/inductor.py`'s comparison on CUDA, on its U-Net: torch.compile at
+- **Inductor**: `benchmarks/inductor.py`'s comparison on CUDA, on its U-Net (or
+  `--inductor-model`): torch.compile at
   activation_memory_budget `--inductor-budgets` beside `remat.optimize(..., compile=True)` at each of
   their measured peaks and at remat's least; the check is the allocator at most the plan's
   peak at most the budget in every remat row (a torch.compile point lower on both memory and
@@ -196,6 +197,8 @@ def main(argv=None) -> int:
     parser.add_argument("--checks", nargs="+", choices=PARTS, default=list(PARTS),
                         help="the parts to run, in this order")
     parser.add_argument("--inductor-budgets", nargs="+", type=float, default=[0.4, 0.8])
+    parser.add_argument("--inductor-model", choices=("unet", "vit", "qwen2", "llama"),
+                        default="unet", help="benchmarks/inductor.py's model for that part")
     parser.add_argument("--smoke", action="store_true",
                         help="run the offload check on the CPU on a tiny model (code paths)")
     parser.add_argument("--dry-run", action="store_true",
@@ -238,8 +241,8 @@ def main(argv=None) -> int:
         }
     for part in args.checks:
         if part == "inductor":
-            results[part] = guarded(part, lambda: inductor_part(dev, args.inductor_budgets,
-                                                                args.time_limit))
+            results[part] = guarded(part, lambda: inductor_part(
+                dev, args.inductor_model, args.inductor_budgets, args.time_limit))
         else:
             results[part] = guarded(part, checks[part])
         print(f"# at {time.perf_counter() - begin:.0f} s", flush=True)
@@ -342,14 +345,15 @@ def ops_part(captured, target: str, dev) -> bool:
     return bool(ratios)
 
 
-def inductor_part(dev: torch.device, fractions: list[float], time_limit: float) -> bool:
-    """benchmarks/inductor.py's U-Net on `dev`: torch.compile at `fractions` beside remat
+def inductor_part(dev: torch.device, model: str, fractions: list[float],
+                  time_limit: float) -> bool:
+    """benchmarks/inductor.py's `model` on `dev`: torch.compile at `fractions` beside remat
     compiled with Inductor; True when every remat row's allocator <= plan <= budget."""
     import inductor
 
     inductor.TIME_LIMIT = time_limit
     torch._dynamo.reset()
-    rows = inductor.rows_of(inductor.on(inductor.unet(), dev.type), fractions)
+    rows = inductor.rows_of(inductor.on(inductor.MODELS[model](), dev.type), fractions)
     inductor.verdicts(rows)
     print(inductor.table(rows), flush=True)
     return all(r.verdict.startswith("ok") for r in rows
