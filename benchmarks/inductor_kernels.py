@@ -11,7 +11,9 @@ Runners, each one training step of a small transformers Qwen2 (the third, after 
 - `aot + save all`: the same with the default partitioner (every forward value saved);
 - `remat save-all`: remat's save-all schedule through `planned_module(..., compile=True)`;
 - `remat pointwise recomputed`: that schedule with every recomputable pointwise value
-  (``torch.Tag.pointwise``) recomputed just before its reader instead.
+  (``torch.Tag.pointwise``) recomputed just before its reader instead;
+- `remat pointwise, pointwise readers`: only those whose backward readers are all pointwise
+  (the recomputations Inductor can fuse into their readers).
 
 Printed: Inductor's generated kernel count (`torch._inductor.metrics`), the allocator's step
 peak (torch.profiler's memory events on the CPU, the gradients included) and, for remat's
@@ -77,7 +79,9 @@ def aot_backend(save_all: bool):
                         decompositions=select_decomp_table())
 
 
-def pointwise_recomputed(problem, captured) -> set[int]:
+def pointwise_recomputed(problem, captured, fused_readers: bool = False) -> set[int]:
+    """Every recomputable pointwise value; with `fused_readers`, only those whose backward
+    readers are all pointwise too (where Inductor can fuse the recomputation into them)."""
     from remat.solvers.core.schedule import drop_unneeded, recomputable
 
     nodes = {n.name: n for n in captured.graph.nodes if n.op == "call_function"}
@@ -86,7 +90,10 @@ def pointwise_recomputed(problem, captured) -> set[int]:
         node = nodes.get(problem.ops[v].name)
         return node is not None and torch.Tag.pointwise in getattr(node.target, "tags", ())
 
-    return drop_unneeded(problem, [v for v in recomputable(problem) if pointwise(v)])
+    nf = problem.num_forward
+    chosen = [v for v in recomputable(problem) if pointwise(v) and (
+        not fused_readers or all(pointwise(r) for r in problem.users[v] if r >= nf))]
+    return drop_unneeded(problem, chosen)
 
 
 def main() -> None:
@@ -115,7 +122,9 @@ def main() -> None:
     problem = lower(captured)
     for label, recomputed in (("remat save-all", set()),
                               ("remat pointwise recomputed",
-                               pointwise_recomputed(problem, captured))):
+                               pointwise_recomputed(problem, captured)),
+                              ("remat pointwise, pointwise readers",
+                               pointwise_recomputed(problem, captured, fused_readers=True))):
         schedule = make_schedule(problem, recomputed)
         torch._dynamo.reset()
         model = copy.deepcopy(base)
