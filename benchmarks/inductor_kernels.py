@@ -12,8 +12,8 @@ Runners, each one training step of a small transformers Qwen2 (the third, after 
 - `remat save-all`: remat's save-all schedule through `planned_module(..., compile=True)`;
 - `remat pointwise recomputed`: that schedule with every recomputable pointwise value
   (``torch.Tag.pointwise``) recomputed just before its reader instead;
-- `remat pointwise, pointwise readers`: only those whose backward readers are all pointwise
-  (the recomputations Inductor can fuse into their readers).
+- `remat pointwise, pointwise readers`: only those whose backward readers (of their storage,
+  views included) are all pointwise (the recomputations Inductor can fuse into their readers).
 
 Printed: Inductor's generated kernel count (`torch._inductor.metrics`), the allocator's step
 peak (torch.profiler's memory events on the CPU, the gradients included) and, for remat's
@@ -81,19 +81,23 @@ def aot_backend(save_all: bool):
 
 def pointwise_recomputed(problem, captured, fused_readers: bool = False) -> set[int]:
     """Every recomputable pointwise value; with `fused_readers`, only those whose backward
-    readers are all pointwise too (where Inductor can fuse the recomputation into them)."""
+    readers (of their storage, views included) are all pointwise: the recomputations Inductor
+    can fuse into their readers."""
     from remat.solvers.core.schedule import drop_unneeded, recomputable
 
     nodes = {n.name: n for n in captured.graph.nodes if n.op == "call_function"}
+    nf = problem.num_forward
 
     def pointwise(v: int) -> bool:
         node = nodes.get(problem.ops[v].name)
         return node is not None and torch.Tag.pointwise in getattr(node.target, "tags", ())
 
-    nf = problem.num_forward
-    chosen = [v for v in recomputable(problem) if pointwise(v) and (
-        not fused_readers or all(pointwise(r) for r in problem.users[v] if r >= nf))]
-    return drop_unneeded(problem, chosen)
+    def read_fused(v: int) -> bool:
+        readers = [r for r in problem.storage_readers[v] if r >= nf]
+        return bool(readers) and all(pointwise(r) for r in readers)
+
+    return drop_unneeded(problem, [v for v in recomputable(problem) if pointwise(v)
+                                   and (not fused_readers or read_fused(v))])
 
 
 def main() -> None:
