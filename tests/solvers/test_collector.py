@@ -92,7 +92,8 @@ def test_solve_runs_with_the_heap_frozen_and_leaves_nothing_frozen():
     seen = []
 
     def clock():  # the solver's deadline reads it: it sees the collector as the solve runs
-        seen.append(gc.get_freeze_count())
+        if len(seen) < 3:  # get_freeze_count walks every frozen object: a few readings do
+            seen.append(gc.get_freeze_count())
         return time.perf_counter()
 
     problem = chain(layers=4)
