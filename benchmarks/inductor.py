@@ -109,12 +109,25 @@ def graph_flops(gm: torch.fx.GraphModule) -> int:
     return sum(node_flops(n) for n in gm.graph.nodes if n.op == "call_function")
 
 
+def inductor_backend(partition_fn: Callable) -> Callable:
+    """A torch.compile backend: AOTAutograd partitioning with `partition_fn` over Inductor's
+    decompositions, each graph compiled by Inductor's `compile_fx_inner` (as remat's
+    compile=True compiles; Inductor's joint-graph passes do not run)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+
+    def compiler(is_backward: bool):
+        return lambda gm, inputs: compile_fx_inner(gm, inputs, is_backward=is_backward)
+
+    return aot_autograd(fw_compiler=compiler(False), bw_compiler=compiler(True),
+                        partition_fn=partition_fn, decompositions=select_decomp_table())
+
+
 def torch_compile_row(case: Case, fraction: float, eager_time: float) -> Row:
     """torch.compile under activation_memory_budget=`fraction`, its recompute counted in the
     partitioned graphs."""
     from functorch.compile import min_cut_rematerialization_partition
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._inductor.compile_fx import compile_fx_inner
 
     counted = {"joint": 0, "split": 0}
 
@@ -124,13 +137,7 @@ def torch_compile_row(case: Case, fraction: float, eager_time: float) -> Row:
         counted["split"] += graph_flops(fw) + graph_flops(bw)
         return fw, bw
 
-    def compiler(is_backward: bool):
-        return lambda gm, inputs: compile_fx_inner(gm, inputs, is_backward=is_backward)
-
-    from torch._inductor.decomposition import select_decomp_table
-
-    backend = aot_autograd(fw_compiler=compiler(False), bw_compiler=compiler(True),
-                           partition_fn=partition, decompositions=select_decomp_table())
+    backend = inductor_backend(partition)
     torch._dynamo.reset()
     with torch._functorch.config.patch(activation_memory_budget=fraction):
         compiled = torch.compile(case.model, backend=backend)

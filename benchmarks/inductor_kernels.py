@@ -33,6 +33,7 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # no oversubscripti
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/inductor.py
 
 from tabulate import tabulate  # noqa: E402
 
@@ -65,18 +66,12 @@ def read(call, model, kwargs: dict, loss_of) -> tuple[int, int]:
 
 def aot_backend(save_all: bool):
     from functorch.compile import min_cut_rematerialization_partition
-    from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import default_partition
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.decomposition import select_decomp_table
 
-    def compiler(is_backward: bool):
-        return lambda gm, inputs: compile_fx_inner(gm, inputs, is_backward=is_backward)
+    from inductor import inductor_backend
 
-    return aot_autograd(fw_compiler=compiler(False), bw_compiler=compiler(True),
-                        partition_fn=default_partition if save_all
-                        else min_cut_rematerialization_partition,
-                        decompositions=select_decomp_table())
+    return inductor_backend(default_partition if save_all
+                            else min_cut_rematerialization_partition)
 
 
 def pointwise_recomputed(problem, captured, fused_readers: bool = False) -> set[int]:
