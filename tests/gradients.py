@@ -15,6 +15,12 @@ from examples.hf_zoo import grad_diff, gradients
 
 # 1e-5 of the largest gradient: room for about a hundred terms summed in another order
 REORDERED_SUMS = 1e-5
+# A convolutional step compiled by Inductor with its layout optimization runs channels-last:
+# BatchNorm's and the convolutions' weight gradients are sums over batch x height x width,
+# taken in another order, of terms that cancel (a BatchNorm weight's gradient is the sum of
+# the output gradient times the normalized input, which is zero-mean). Per parameter, relative
+# to its largest gradient: 1.02e-5 measured on tests.models.resnet(batch=4, size=16).
+CHANNELS_LAST_SUMS = 1e-4
 
 
 def relative_grad_gap(model: torch.nn.Module, reference: torch.nn.Module) -> float:
@@ -23,4 +29,4 @@ def relative_grad_gap(model: torch.nn.Module, reference: torch.nn.Module) -> flo
     return grad_diff(gradients(reference), model)
 
 
-__all__ = ["REORDERED_SUMS", "relative_grad_gap"]
+__all__ = ["CHANNELS_LAST_SUMS", "REORDERED_SUMS", "relative_grad_gap"]

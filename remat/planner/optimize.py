@@ -123,7 +123,7 @@ def optimize(model: Any, budget: int | str | None = None, *,
                                           objective="flops")
         prepared = prepare(model, example_inputs, example_kwargs=example_kwargs,
                            training=training, target=target, loss_fn=loss_fn, returns=returns,
-                           shape_range=shape_range)
+                           shape_range=shape_range, inductor=compile)
         if offload:
             prepared = prepared.with_host_link(target_device(target).host_link,
                                                training.host_memory)

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 
 def test_the_inductor_rows_run_and_are_judged(monkeypatch):
-    monkeypatch.setattr(planned, "inductor_compilers", lambda: (boxed_nop, boxed_nop))
+    monkeypatch.setattr(planned, "inductor_compilers", lambda *_: (boxed_nop, boxed_nop))
     monkeypatch.setattr(zoo_inductor, "compile_applied", lambda model: model)
     rows = run_arch("llama", SolverOptions(time_limit=2), modes=("eager",), least=False,
                     inductor=True)

@@ -23,7 +23,8 @@ import torch
 from torch import fx
 
 from remat.errors import RematError
-from remat.fx_passes.tracing.capture import Captured, prepare_joint
+from remat.fx_passes.tracing.capture import Captured
+from remat.fx_passes.tracing.joint_passes import prepare_joint
 from remat.fx_passes.lowering.lower import lower
 from remat.fx_passes.compiled.joint_graph import mutated_inputs
 from remat.fx_passes.compiled.planned import _Hooks, _instrumented

@@ -33,7 +33,7 @@ from torch import nn
 
 from remat.errors import RematError
 from remat.fx_passes.compiled.call_checks import PlannedSteps, explained
-from remat.fx_passes.compiled.inductor import inductor_compilers
+from remat.fx_passes.compiled.inductor import conv_heavy, inductor_compilers
 from remat.fx_passes.compiled.rewrite import Partition, partition_fn
 from remat.fx_passes.tracing.plain import records_graph, refuse_backward, wrong_mode_message
 from remat.fx_passes.tracing.step_io import remat_error, step_function
@@ -112,7 +112,7 @@ class PlannedModule(nn.Module):
         self.schedule = schedule
         self.partitions: list[Partition] = []
         self._hooks = _Hooks()
-        fw, bw = inductor_compilers() if compile else (boxed_nop, boxed_nop)
+        fw, bw = inductor_compilers(conv_heavy(problem)) if compile else (boxed_nop, boxed_nop)
         if compile:
             # Inductor plans its own buffers; only the boxed_nop path runs the schedule op by op.
             fw_compiler, bw_compiler = fw, bw

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable
 import torch.fx as fx
 
 from remat.errors import RematError
-from remat.fx_passes.tracing.capture import prepare_joint
+from remat.fx_passes.tracing.joint_passes import prepare_joint
 from remat.fx_passes.compiled.offload_ops import GraphOffloads
 from remat.fx_passes.tracing.dynamic import ShapeRange
 from remat.fx_passes.compiled.joint_graph import (check_schedule, flat_outputs, is_sym,
@@ -82,7 +82,7 @@ def partition(joint: fx.GraphModule, problem: Problem, schedule: Schedule, *,
     the forward (BatchNorm running statistics); `shape_range`, the range a symbolic graph was
     traced for. Raises RematError when the graph is not the problem's or the schedule cannot
     run on it."""
-    prepare_joint(joint)  # as capture did
+    prepare_joint(joint, inductor=problem.source.get("inductor_forms", False))  # as captured
     nodes = match_problem(joint, problem, shape_range)
     check_schedule(problem, schedule, nodes, frozenset(mutated_inputs))
     outputs = flat_outputs(joint)

@@ -44,6 +44,7 @@ from torch import fx
 
 from remat.fx_passes.tracing.capture import Captured
 from remat.fx_passes.tracing.dynamic import is_size_arithmetic
+from remat.fx_passes.tracing.inductor_forms import FORWARD_KEY
 from remat.fx_passes.measuring.profile_pass import profile as run_profile
 from remat.fx_passes.tracing.names import target_name
 from remat.fx_passes.tracing.rng import RandomOp, draws, has_side_effects, rng_state, state_bytes
@@ -69,6 +70,11 @@ def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
     return seen
 
 
+def _hoisted(node: fx.Node) -> bool:
+    """A node of the backward's that the forward runs when what it reads is forward."""
+    return is_size_arithmetic(node) or FORWARD_KEY in node.meta
+
+
 def phases(captured: Captured) -> dict[fx.Node, Phase]:
     """The phase of every node that runs (placeholders and the output node excluded)."""
     graph = captured.graph
@@ -81,11 +87,12 @@ def phases(captured: Captured) -> dict[fx.Node, Phase]:
         parent = node.args[0] if node.target is operator.getitem else None
         if node in forward or (isinstance(parent, fx.Node) and parent in forward):
             result[node] = Phase.FORWARD
-        elif is_size_arithmetic(node) and all(result.get(a) is Phase.FORWARD
-                                              or a.op == "placeholder"
-                                              for a in node.all_input_nodes):
+        elif _hoisted(node) and all(result.get(a) is Phase.FORWARD or a.op == "placeholder"
+                                    for a in node.all_input_nodes):
             # A size of a forward tensor that the backward reads: taken in the forward and
             # handed over as a number (AOTAutograd's saved symints), not by keeping the tensor.
+            # Likewise a compiled plan's ReLU masks (inductor_forms.FORWARD_KEY): a bool per
+            # element the backward can save instead of the ReLU's output.
             result[node] = Phase.FORWARD
         else:
             result[node] = Phase.BACKWARD
@@ -97,7 +104,7 @@ def _forward_order(graph: fx.Graph, phase: dict[fx.Node, Phase],
     """The forward ops in graph order, the sizes that only the backward reads (`phases`) right
     after what they read, so that they end no tensor's life later than it ends anyway."""
     moved = [n for n in graph.nodes if phase.get(n) is Phase.FORWARD and n not in forward
-             and is_size_arithmetic(n)]
+             and _hoisted(n)]
     skip = set(moved)
     order = [n for n in graph.nodes if phase.get(n) is Phase.FORWARD and n not in skip]
     if not moved:
@@ -262,6 +269,8 @@ def lower(captured: Captured, *, target="h100", measure: bool = False,
                             if n in names],
         "seeds": seeds,
     }
+    if captured.inductor:  # the graph a plan applies to gets the same forms (rewrite.partition)
+        source["inductor_forms"] = True
     problem = Problem(tuple(ops), name=captured.model_name, source=source)
     log.info("lowered %s: %d ops (%d forward)", captured.model_name, len(problem),
              problem.num_forward)

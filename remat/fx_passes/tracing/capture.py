@@ -5,9 +5,10 @@ API
 ``capture(model, example_inputs=(), *, example_kwargs=None, loss_fn=None, name=None,
 returns="loss") -> Captured``
     Traces ``loss = loss_fn(model(*example_inputs, **example_kwargs))`` with dynamo
-    (``fullgraph=True``) and AOTAutograd (the step of `remat.fx_passes.tracing.step_io`: with
-    ``returns="output"`` the step also returns the model's output), and returns the joint graph that AOTAutograd hands to its ``partition_fn``:
-    functional ATen, ``node.meta["val"]`` a fake tensor (or tuple of them) on every node.
+    (``fullgraph=True``) and AOTAutograd (`remat.fx_passes.tracing.step_io`'s step, which with
+    ``returns="output"`` also returns the model's output), and returns the joint graph that
+    AOTAutograd hands to its ``partition_fn``: functional ATen, ``node.meta["val"]`` a fake
+    tensor (or tuple of them) on every node.
     Nothing runs: the capture stops before the forward is compiled, so real parameters are
     not touched (BatchNorm statistics stay as they were). A model (or inputs) on the meta
     device is traced with fake tensors on ``fake_device`` ("cpu") standing in for its meta
@@ -28,13 +29,12 @@ returns="loss") -> Captured``
     The loss in the model's output: the output itself when it is a tensor, or its ``.loss``
     (Hugging Face ``ModelOutput``) / ``["loss"]`` / first element; a floating scalar.
 
-Dynamo caches compiled frames per code object; `capture` and `compile_step` reset dynamo
-(``torch._dynamo.reset()``) so that captures never see each other's caches or recompile limits.
-Hugging Face causal LMs whose ``loss_type`` is None (GPT-2) warn in their loss lookup, a graph
-break: `capture` and the compiled step name the loss they fall back to while they trace and
-run, and put the attribute back after (the Trainer reads it to count the loss's tokens). A
-classification head's ``config.problem_type``, which its first call sets, the compiled step
-sets before that call (`loss_type`), so that one compile serves every call.
+`capture` and `compile_step` reset dynamo (``torch._dynamo.reset()``): captures never see each
+other's caches or recompile limits. Hugging Face causal LMs whose ``loss_type`` is None
+(GPT-2) warn in their loss lookup, a graph break: `capture` and the compiled step name the
+loss they fall back to while they trace and run, and put the attribute back after (the Trainer
+reads it to count the loss's tokens). A classification head's ``config.problem_type``, which
+its first call sets, the compiled step sets before that call (`loss_type`).
 """
 from __future__ import annotations
 
@@ -54,11 +54,11 @@ from remat.fx_passes.tracing.dynamic import (Bucket, ShapeRange, concretize, mar
 from remat.fx_passes.tracing.fake_weights import fake_meta_tensors
 from remat.fx_passes.tracing.loss_type import (loss_types_named, problem_types_settled,
                                                unnamed_loss_types, unset_problem_types)
+from remat.fx_passes.tracing.joint_passes import prepare_joint
 from remat.fx_passes.tracing.profiler import compiles_unprofiled
-from remat.fx_passes.tracing.rng import snapshot_random_ops
 from remat.fx_passes.tracing.step_io import (capture_failure, check_inputs, default_loss, progress,
                                      quiet_torch_logs, step_function)
-from remat.fx_passes.tracing.unbacked import bound_data_dependent, data_dependent_sizes
+from remat.fx_passes.tracing.unbacked import data_dependent_sizes
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ class Captured:
     autocast: the autocast state traced under (`call_checks.autocast_state`).
     shape_range, bucket: the range of shapes and the bucket of it traced for, symbolic
         values in ``meta["symbolic_val"]`` (`remat.fx_passes.tracing.dynamic.concretize`).
+    inductor: the graph is in Inductor's forms (`remat.fx_passes.tracing.inductor_forms`).
     """
 
     graph_module: fx.GraphModule
@@ -117,6 +118,7 @@ class Captured:
     training: bool = True
     autocast: tuple = ()
     shape_range: ShapeRange | None = None
+    inductor: bool = False
     bucket: Bucket | None = None
 
     @property
@@ -179,33 +181,6 @@ def _exact_fake_storages(example_inputs) -> None:
         mode.cache_enabled = False
 
 
-def prepare_joint(joint: fx.GraphModule, label: str = "the model") -> None:
-    """The passes every joint graph gets, when it is captured and when a plan is applied to it,
-    so that the problem and the graph it runs on agree: sizes that depend on the data are
-    counted at their worst case (`remat.fx_passes.tracing.unbacked`)."""
-    bound_data_dependent(joint, label)
-    drop_unused_running_stats(joint)
-    snapshot_random_ops(joint)
-
-
-def drop_unused_running_stats(joint: fx.GraphModule) -> None:
-    """In training, ``native_batch_norm_backward`` reads only ``save_mean`` and ``save_invstd``;
-    its ``running_mean`` and ``running_var`` arguments are unused (by the ATen kernels and the
-    decomposition alike). AOTAutograd passes there the statistics' new values, which the step
-    also copies into the buffers: read by the backward, they would be saved until their layer's
-    backward, where eager saves nothing for them. Pass None instead, as the schema allows."""
-    changed = False
-    for node in joint.graph.find_nodes(op="call_function",
-                                       target=torch.ops.aten.native_batch_norm_backward.default):
-        args = list(node.args)
-        if len(args) > 7 and args[7] is True and (args[3] is not None or args[4] is not None):
-            args[3] = args[4] = None
-            node.args = tuple(args)
-            changed = True
-    if changed:
-        joint.recompile()
-
-
 def compile_step(model: torch.nn.Module, partition_fn: Callable, *,
                  fw_compiler: Callable | None = None, bw_compiler: Callable | None = None,
                  loss_fn: Callable | None = None, reset: bool = True,
@@ -244,7 +219,8 @@ class _Stop(Exception):
 def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
             example_kwargs: dict[str, Any] | None = None, loss_fn: Callable | None = None,
             name: str | None = None, fake_device: str = "cpu",
-            returns: str = "loss", shape_range: ShapeRange | None = None) -> Captured:
+            returns: str = "loss", shape_range: ShapeRange | None = None,
+            inductor: bool = False) -> Captured:
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     example_inputs = tuple(example_inputs)
@@ -302,8 +278,9 @@ def capture(model: torch.nn.Module, example_inputs: Sequence[Any] = (), *,
                                    "no_grad?)")
             if shape_range is not None:
                 concretize(seen["joint"], shape_range, bucket, label)
-            prepare_joint(seen["joint"], label)
+            prepare_joint(seen["joint"], label, inductor=inductor)
             captured = _describe(model, args, kwargs, seen, name)
+            captured.inductor = inductor
     if failure is not None:
         # Outside the fake-tensor context: the diagnosis makes fake tensors of its own.
         raise capture_failure(failure, step, example_inputs, example_kwargs) from failure

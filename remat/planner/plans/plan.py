@@ -168,7 +168,8 @@ class Plan:
         prepared = prepare(model, tuple(make(s) for s in self.prepared.inputs),
                            example_kwargs={k: make(s) for k, s in self.prepared.kwargs.items()},
                            training=self.training, target=self.target,
-                           loss_fn=self.prepared.loss_fn, returns=self.prepared.returns)
+                           loss_fn=self.prepared.loss_fn, returns=self.prepared.returns,
+                           inductor=self.prepared.captured.inductor)
         plan = plan_prepared(model, prepared, budget=self.memory.budget,
                              activation_budget=self.activation_budget, target=self.target,
                              solver=self.solver,

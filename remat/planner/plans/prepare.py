@@ -114,7 +114,7 @@ def prepare(model: Any, example_inputs: Sequence[Any] = (), *,
             target: str = "h100", loss_fn: Callable | None = None,
             returns: str = "output", replicate: bool | None = None,
             progress: Callable[[str, float], None] | None = None,
-            shape_range: Any = None) -> Prepared:
+            shape_range: Any = None, inductor: bool = False) -> Prepared:
     """Capture, profile and lower the step once; compute the state it holds. `replicate`
     traces three blocks of a stack of equal ones and replicates the middle one
     (remat.fx_passes.tracing.replicate): the same problem in a fraction of the time, for planning;
@@ -122,7 +122,8 @@ def prepare(model: Any, example_inputs: Sequence[Any] = (), *,
     `progress(phase, seconds)` hears of each phase as it ends. `shape_range`
     (remat.fx_passes.tracing.dynamic.ShapeRange): trace the step for the bucket of this range
     that the example inputs are the largest shape of, its sizes symbolic, and bound the
-    problem over the bucket (remat.fx_passes.lowering.shape_bound)."""
+    problem over the bucket (remat.fx_passes.lowering.shape_bound). `inductor`: for a plan
+    Inductor compiles (`remat.fx_passes.tracing.inductor_forms`)."""
     from remat.fx_passes.lowering.lower import lower
     from remat.fx_passes.lowering.shape_bound import bound_range
     from remat.fx_passes.measuring.profile_pass import profile
@@ -140,6 +141,8 @@ def prepare(model: Any, example_inputs: Sequence[Any] = (), *,
     if shape_range is not None and replicate:
         raise RematError("a range of shapes is traced whole: replicate=True cannot serve it")
     ranged = {} if shape_range is None else {"shape_range": shape_range}
+    if inductor:
+        ranged["inductor"] = True
     captured = (capture_replicated if replicate else capture)(
         model, example_inputs, example_kwargs=example_kwargs, loss_fn=loss_fn, returns=returns,
         **ranged)
