@@ -152,6 +152,8 @@ def _mark_forward(graph: fx.Graph, new: list[fx.Node], tangents: set[str]) -> No
     move each right after the last node it reads."""
     reached = _backward_reached(graph, tangents)
     added = set(new)
+    # Once: moving a node after its input leaves the order of the others as it was.
+    position = {n: i for i, n in enumerate(graph.nodes)}
     for node in new:
         if node not in reached:
             # AOTAutograd hands the backward a forward value through detach nodes of its own:
@@ -165,8 +167,7 @@ def _mark_forward(graph: fx.Graph, new: list[fx.Node], tangents: set[str]) -> No
                                                       for a in inputs):
             continue
         node.meta[FORWARD_KEY] = True
-        last = max(inputs, key=_position(graph))
-        last.append(node)
+        max(inputs, key=position.__getitem__).append(node)
 
 
 def _undetached(node: fx.Node) -> fx.Node:
@@ -174,11 +175,6 @@ def _undetached(node: fx.Node) -> fx.Node:
                                                           _aten.alias.default):
         node = node.args[0]
     return node
-
-
-def _position(graph: fx.Graph) -> Callable[[fx.Node], int]:
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return order.__getitem__
 
 
 def inductor_forms(gm: fx.GraphModule) -> bool:
