@@ -5,15 +5,17 @@
   run as the zoo runs compiled plans. Its prediction (`plan.activation_peak`) is the reading of
   one measured Inductor step (`remat.planner.plans.inductor_check`), so the row checks that
   reading against the zoo's own; the note gives the op-by-op simulated peak beside it.
-- ``eager+compile``: the eager row's plan applied to a fresh copy (``plan.apply``), then
-  ``torch.compile`` (Inductor), the step run twice (the first compiles) before the measured
-  one, against the eager plan's prediction. torch.compile knows nothing of the plan: its
-  partitioner decides again what the compiled blocks save, so this row may be above
-  (benchmarks/compile_applied.py, docs/limitations.md).
+- ``eager+compile``: ``remat.optimize(model, activation_budget=B, example_kwargs=kwargs,
+  execution="eager", compile=True)`` at the eager row's budget B: an eager plan accepted on the
+  allocator's reading of ``torch.compile`` of the applied model
+  (`remat.planner.plans.step_reading`); ``plan.module`` (that compiled model) and the backward
+  run as the zoo runs eager plans. Its prediction is that reading; the note gives the eager
+  timeline's peak beside it.
 
 Both are judged as the zoo's rows are: the allocator's activation peak (`activation_peak`) and
 the gradients against eager PyTorch's (`grad_diff`), here within `INDUCTOR_SUMS`. Both run
-with Inductor's ``fallback_random`` on (remat's compile=True sets it itself): aten's random
+with Inductor's ``fallback_random`` on (remat's compiled step sets it itself; the eager+compile
+row is planned and read under it): aten's random
 kernels on eager's generator, so the dropout masks are eager's and the gradients comparable.
 """
 from __future__ import annotations
@@ -48,7 +50,8 @@ def inductor_rows(name: str, family: str, base: torch.nn.Module, kwargs: dict,
     """The two rows of `name` (module doc): `budget` is the compiled row's budget,
     `eager_plan` the eager row's plan (None where it failed: the row says so)."""
     return [remat_inductor(name, family, base, kwargs, expected, budget, options),
-            applied_compiled(name, family, base, kwargs, expected, eager_plan, eager_budget)]
+            applied_compiled(name, family, base, kwargs, expected, eager_plan, eager_budget,
+                             options)]
 
 
 def remat_inductor(name, family, base, kwargs, expected, budget, options) -> Row:
@@ -69,34 +72,39 @@ def remat_inductor(name, family, base, kwargs, expected, budget, options) -> Row
         row.plan_seconds = time.perf_counter() - start
     row.status, row.gap = plan.status.value, plan.gap
     row.predicted = plan.activation_peak
-    check = plan.inductor
-    replans = len(check.readings) - 1
-    row.note = (f"simulated {check.predicted:,}"
-                + (f"; {replans} re-plan(s)" if replans else ""))
+    row.note = _readings_note(plan)
     return _run(row, plan.module, model, kwargs, expected)
 
 
-def applied_compiled(name, family, base, kwargs, expected, eager_plan, eager_budget) -> Row:
+def applied_compiled(name, family, base, kwargs, expected, eager_plan, eager_budget,
+                     options) -> Row:
     row = Row(name, family, "eager+compile", budget=eager_budget or 0)
     if eager_plan is None:
         row.error = "no eager plan (the eager row failed)"
         return row
     torch._dynamo.reset()
-    row.status, row.gap = eager_plan.status.value, eager_plan.gap
-    row.predicted = eager_plan.activation_peak
-    try:
-        model = eager_plan.apply(copy.deepcopy(base))
-        call = compile_applied(model)
-    except Exception as e:
-        row.error = f"apply: {_first_line(e)}"
-        return row
+    model = copy.deepcopy(base)
+    start = time.perf_counter()
+    # Inductor's config as the row runs it: the reading the plan is accepted on is made under it
     with torch._inductor.config.patch(fallback_random=True):
-        return _run(row, call, model, kwargs, expected)
+        try:
+            plan = remat.optimize(model, activation_budget=eager_budget, example_kwargs=kwargs,
+                                  execution="eager", compile=True, solver_options=options)
+        except Exception as e:  # the table reports every failure with its cause
+            row.error = f"plan: {_first_line(e)}"
+            return row
+        finally:
+            row.plan_seconds = time.perf_counter() - start
+        row.status, row.gap = plan.status.value, plan.gap
+        row.predicted = plan.activation_peak
+        row.note = _readings_note(plan)
+        return _run(row, plan.module, model, kwargs, expected)
 
 
-def compile_applied(model: torch.nn.Module):
-    """torch.compile with its default backend, Inductor (a test replaces it: no compiles)."""
-    return torch.compile(model)
+def _readings_note(plan) -> str:
+    check = plan.inductor
+    replans = len(check.readings) - 1
+    return f"simulated {check.predicted:,}" + (f"; {replans} re-plan(s)" if replans else "")
 
 
 def _run(row: Row, call, model: torch.nn.Module, kwargs: dict, expected: list) -> Row:

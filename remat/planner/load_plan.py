@@ -72,7 +72,8 @@ def loads_plan(text: str, model: Any, *, loss_fn: Callable | None = None,
     kwargs = {k: plan_file.example_input(s, where) for k, s in body["kwargs"].items()}
     prepared = prepare(model, inputs, example_kwargs=kwargs, training=training,
                        target=body["target"], loss_fn=loss_fn, returns=body["returns"],
-                       replicate=body["replicated"], inductor=bool(body.get("compile")))
+                       replicate=body["replicated"],
+                       inductor=bool(body.get("compile")) and body["execution"] == "compiled")
     if body["host_bandwidth"] is not None:
         prepared = prepared.with_host_link(body["host_bandwidth"], training.host_memory)
     _check_graph(body, prepared, source)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
-from remat.errors import BudgetError
+from remat.errors import BudgetError, RematError
 from remat.fx_passes.measuring.devices import device as target_device
 from remat.planner.job.budget import parse_size
 from remat.planner.plans.eager_plan import check_no_cache, plan_eager_mode
@@ -103,8 +103,8 @@ def optimize(model: Any, budget: int | str | None = None, *,
         from remat.planner.plans.inductor_check import check_compile_setup
         from remat.planner.plans.prepare import has_meta_weights
 
-        check_compile_setup(execution=execution, dynamic=dynamic, offload=offload,
-                            training=training, meta_weights=has_meta_weights(model))
+        check_compile_setup(dynamic=dynamic, offload=offload, training=training,
+                            meta_weights=has_meta_weights(model))
     warn_eval_mode(model, "remat.optimize")
     if execution == "eager":  # refused before the capture, not after the planning
         check_no_cache(model, "remat.optimize(..., execution=\"eager\")")
@@ -114,26 +114,32 @@ def optimize(model: Any, budget: int | str | None = None, *,
     if check_tensor_parallel(model, training).parallel:
         return _plan_tensor_parallel(model, whole, activations, example_inputs, example_kwargs,
                                      training, target, solver, solver_options, loss_fn,
-                                     returns, execution, blocks, offload, dynamic)
+                                     returns, execution, blocks, offload, dynamic, compile)
 
     def plan_one(example_inputs, example_kwargs, shape_range=None) -> Plan:
         options = solver_options
         if compile:  # fused recomputations, just before their readers: see inductor_check
             options = dataclasses.replace(options or SolverOptions(), free_positions=False,
                                           objective="flops")
+        # Inductor's own forms of the joint graph are what remat's compiled step runs; an
+        # eager plan's blocks run the model's own ops, matched op for op at each call.
         prepared = prepare(model, example_inputs, example_kwargs=example_kwargs,
                            training=training, target=target, loss_fn=loss_fn, returns=returns,
-                           shape_range=shape_range, inductor=compile)
+                           shape_range=shape_range,
+                           inductor=compile and execution == "compiled")
         if offload:
             prepared = prepared.with_host_link(target_device(target).host_link,
                                                training.host_memory)
-        if execution == "eager":
-            return plan_eager_mode(model, prepared, budget=whole, activation_budget=activations,
-                                   target=target, solver=solver, solver_options=options,
-                                   blocks=blocks, example_inputs=example_inputs,
-                                   example_kwargs=example_kwargs)
+
         def solved(allowance_cut: int = 0, *, least: bool = False) -> Plan:
             def made(chosen):
+                if execution == "eager":
+                    return plan_eager_mode(model, prepared, budget=whole,
+                                           activation_budget=activations, target=target,
+                                           solver=solver, solver_options=chosen, blocks=blocks,
+                                           example_inputs=example_inputs,
+                                           example_kwargs=example_kwargs,
+                                           allowance_cut=allowance_cut)
                 return plan_prepared(model, prepared, budget=whole,
                                      activation_budget=activations, target=target,
                                      solver=solver, solver_options=chosen,
@@ -177,10 +183,9 @@ def optimize(model: Any, budget: int | str | None = None, *,
 
 def _plan_tensor_parallel(model, whole, activations, example_inputs, example_kwargs, training,
                           target, solver, solver_options, loss_fn, returns, execution, blocks,
-                          offload, dynamic):
+                          offload, dynamic, compile):
     """A DTensor model: one TP rank's eager plan (`plan_tensor_parallel`); what is not
     supported for it is refused, with what to do instead."""
-    from remat.errors import RematError
     from remat.planner.parallel.tensor_parallel import plan_tensor_parallel
 
     if execution != "eager":
@@ -188,6 +193,12 @@ def _plan_tensor_parallel(model, whole, activations, example_inputs, example_kwa
             "a compiled plan of a tensor-parallel (DTensor) model is not supported: plan it "
             "with remat.optimize(model, ..., execution=\"eager\"), which plans one TP rank, "
             "and apply it to the parallelized model with plan.apply(model)")
+    if compile:
+        raise RematError(
+            "compile=True measures the compiled step in this process, which holds one TP "
+            "rank's shards and runs no other rank's collectives: plan a tensor-parallel model "
+            "with compile=False, apply the plan and compile the model yourself (its compiled "
+            "memory is then not predicted)")
     if offload or dynamic is not None:
         raise RematError(
             "offload=True and dynamic= are not supported for a tensor-parallel (DTensor) "

@@ -31,7 +31,7 @@ from remat.fx_passes.eager.traced import register, traced_checkpoint
 from remat.fx_passes.tracing.call_checks import autocast_state, uncached_autocast
 from remat.fx_passes.tracing.plain import records_graph, refuse_backward, wrong_mode_message
 
-__all__ = ["apply_eager"]
+__all__ = ["apply_eager", "remove_eager"]
 
 
 def apply_eager(model: torch.nn.Module, policies: dict[str, BlockPolicy]) -> torch.nn.Module:
@@ -54,12 +54,14 @@ def apply_eager(model: torch.nn.Module, policies: dict[str, BlockPolicy]) -> tor
                              "once, to a fresh model")
     # Offload: None unless some block's policy, for some bucket, offloads inputs.
     offloads = EagerOffloads.of(policies)
-    planned = guard_calls(model, policies)
+    undo = _Applied()
+    planned = guard_calls(model, policies, undo.handles)
     for p in planned.values():  # found again by key where torch.compile traces the blocks
         register(p)
     turns: list[_Turn] = []
     for path, names in by_module.items():
         module = model.get_submodule(path)
+        undo.blocks.append((module, module.__dict__.get("forward", _NONE)))
         if None in names:
             module._remat_policy = planned[names[None]]
             module.forward = partial(_checkpointed, module, module.forward, planned[names[None]],
@@ -78,9 +80,38 @@ def apply_eager(model: torch.nn.Module, policies: dict[str, BlockPolicy]) -> tor
             for turn in turns:
                 turn.in_model_call = False
 
-        model.register_forward_pre_hook(first_turn)
-        model.register_forward_hook(call_ended, always_call=True)
+        undo.handles += [model.register_forward_pre_hook(first_turn),
+                         model.register_forward_hook(call_ended, always_call=True)]
+    model._remat_applied = undo
     return model
+
+
+def remove_eager(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo `apply_eager(model, ...)`: each block's forward as it was before, the call
+    checks and turn hooks removed, so that another plan can be applied. Returns `model`."""
+    undo = model.__dict__.pop("_remat_applied", None)
+    if undo is None:
+        raise RematError("remove_eager: no remat plan is applied to this model")
+    for handle in undo.handles:
+        handle.remove()
+    for module, forward in undo.blocks:
+        del module._remat_policy
+        if forward is _NONE:
+            del module.forward
+        else:
+            module.forward = forward
+    return model
+
+
+_NONE = object()  # a block without a forward of its own (the class's runs)
+
+
+class _Applied:
+    """What `apply_eager` changed on a model, for `remove_eager`."""
+
+    def __init__(self):
+        self.handles: list = []
+        self.blocks: list[tuple[torch.nn.Module, Any]] = []
 
 
 class _Turn:

@@ -70,9 +70,11 @@ def current(policy: Any) -> BlockPolicy:
     return policy
 
 
-def guard_calls(model: torch.nn.Module, policies: dict[str, Any]) -> dict[str, Any]:
+def guard_calls(model: torch.nn.Module, policies: dict[str, Any],
+                handles: list | None = None) -> dict[str, Any]:
     """Install the planned call's checks on `model` when `policies` carry a spec, and return
-    what each block's wrapper consults (its policy, or its policy per bucket)."""
+    what each block's wrapper consults (its policy, or its policy per bucket). The hook's
+    handle is appended to `handles`."""
     guarded = [p for p in policies.values() if isinstance(p, GuardedPolicy)]
     if not guarded:
         return dict(policies)
@@ -97,7 +99,9 @@ def guard_calls(model: torch.nn.Module, policies: dict[str, Any]) -> dict[str, A
                 selection.bucket = None
         return None
 
-    model.register_forward_pre_hook(check, with_kwargs=True)
+    handle = model.register_forward_pre_hook(check, with_kwargs=True)
+    if handles is not None:
+        handles.append(handle)
     return {path: _Selected(p, selection) for path, p in policies.items()}
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from functools import cached_property
 from types import MappingProxyType
 from typing import Any, Sequence
 
@@ -118,6 +119,17 @@ class EagerPlan(Plan):
         return self.eager_problem, eager_transfers(self.eager_problem, self.structure,
                                                    self.schedule)
 
+    @cached_property
+    def module(self):
+        """The model handed to `optimize` with the plan applied (`apply`, in place); for a plan
+        made with compile=True, ``torch.compile`` of it: the step its peak was read on."""
+        applied = Plan.module.func(self)
+        if not self.compile:
+            return applied
+        from remat.planner.plans.step_reading import compile_applied
+
+        return compile_applied(applied)
+
     def apply(self, model: Any):
         from remat.fx_passes.eager.apply import apply_eager
 
@@ -145,16 +157,18 @@ class EagerPlan(Plan):
 def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budget: int | None,
                     target: str, solver: Strategy | str, solver_options: SolverOptions | None,
                     blocks: Sequence[str] | None, example_inputs: Sequence[Any] | None = None,
-                    example_kwargs: dict[str, Any] | None = None, no_checkpoint: bool = False):
+                    example_kwargs: dict[str, Any] | None = None, no_checkpoint: bool = False,
+                    allowance_cut: int = 0):
     """The eager plan of least recompute within the budget: a selective-checkpoint policy for
     every block. `no_checkpoint`: where the step with no block checkpointed fits, that is
-    the plan (no policy, nothing recomputed; `unwrapped_plan`)."""
+    the plan (no policy, nothing recomputed; `unwrapped_plan`). `allowance_cut`: bytes kept
+    free below the budget's allowance (the compiled step's excess, `inductor_check`)."""
     probing = time.perf_counter()
     problem, structure, policies, to_graph = eager_structure(
         model, prepared, blocks, example_inputs, example_kwargs)
     phases = [*prepared.phases, ("probe", time.perf_counter() - probing)]
     strategy = Strategy(solver)
-    allowance = prepared.allowance(budget, activation_budget)
+    allowance = prepared.allowance(budget, activation_budget) - allowance_cut
     if allowance < 0:  # known before any solve, whatever its time limit
         raise state_overflow(prepared, budget, strategy, solver_options,
                              per_block=eager_schedule(problem, structure, ()))

@@ -54,8 +54,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from remat.errors import BudgetError, RematError
-from remat.fx_passes.measuring.storage import held_bytes
 from remat.planner.job.budget import format_size
+from remat.planner.plans.step_reading import step_reading
 
 log = logging.getLogger(__name__)
 
@@ -125,13 +125,9 @@ class InductorCheck:
         return cls(tuple(InductorReading(**r) for r in saved["readings"]))
 
 
-def check_compile_setup(*, execution: str, dynamic: Any, offload: bool, training: Any,
+def check_compile_setup(*, dynamic: Any, offload: bool, training: Any,
                         meta_weights: bool) -> None:
     """Refuse, before any capture, what compile=True cannot honour, with what to do instead."""
-    if execution != "compiled":
-        raise RematError("compile=True compiles the planned step of execution=\"compiled\"; an "
-                         "eager plan is compiled by the user: model = plan.apply(model), then "
-                         "torch.compile(model) or plan.compile_blocks(model)")
     if dynamic is not None:
         raise RematError("compile=True plans fixed shapes: the plan is accepted on one "
                          "measured step of the example's shapes; plan without dynamic=, or "
@@ -144,7 +140,8 @@ def check_compile_setup(*, execution: str, dynamic: Any, offload: bool, training
         raise RematError("compile=True measures the compiled step in this process, which "
                          "holds no other rank's shards or all-reduce buckets; plan a "
                          "data-parallel job with compile=False (op by op), or with "
-                         "execution=\"eager\" and compile the applied model")
+                         "execution=\"eager\", compile=False, and compile the applied model "
+                         "yourself (its compiled memory is then not predicted)")
     if meta_weights:
         raise RematError("compile=True runs one compiled step to measure it, which needs real "
                          "weights; this model's parameters are meta or fake tensors: load or "
@@ -159,7 +156,8 @@ def compiled_plan(model: Any, replan: Callable[..., Any], cut_to: Callable[[int]
     solver what a budget of `smallest` would; ``replan(cut, least=True)`` makes the plan at
     the least simulated peak in deterministic mode where it can (module doc). The returned
     plan's `module` is the compiled step that was measured, its activation peak the
-    reading."""
+    reading. An eager plan (execution="eager") is read as its user runs it: applied to `model`
+    and compiled by ``torch.compile`` (`remat.planner.plans.step_reading`)."""
     refused = None
     try:
         plan, cut = replan(0), 0
@@ -171,7 +169,7 @@ def compiled_plan(model: Any, replan: Callable[..., Any], cut_to: Callable[[int]
         plan = replan(cut, least=True)
     readings: list[InductorReading] = []
     while True:
-        module, measured = _compiled_reading(plan, model, example_inputs, example_kwargs)
+        module, measured = step_reading(plan, model, example_inputs, example_kwargs)
         predicted = plan.memory.activation_peak
         readings.append(InductorReading(cut, predicted, measured))
         memory = dataclasses.replace(plan.memory, compiled_excess=measured - predicted)
@@ -187,29 +185,9 @@ def compiled_plan(model: Any, replan: Callable[..., Any], cut_to: Callable[[int]
                                          example_kwargs)
     plan.inductor = InductorCheck(tuple(readings))
     plan.memory = dataclasses.replace(plan.memory, compiled_excess=plan.inductor.excess)
-    plan.__dict__["module"] = module  # the cached property: the step measured, compiled once
+    if module is not None:  # the cached property: the step measured, compiled once
+        plan.__dict__["module"] = module
     return plan
-
-
-def _compiled_reading(plan: Any, model: Any, example_inputs: Sequence[Any],
-                      example_kwargs: dict) -> tuple[Any, int]:
-    """`plan`'s step compiled by Inductor, and the allocator's reading of one step of it."""
-    plan.compile = True
-    module = plan.apply(model)
-    # The first call compiles (and Inductor's compile allocates): the second is the step.
-    try:
-        for _ in range(2):
-            measured = measure_activations(module, model, example_inputs, example_kwargs)
-    except RematError:
-        raise
-    except Exception as e:  # the op-by-op step traced and lowered: Inductor failed
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise RematError(f"compile=True: the planned step failed under Inductor "
-                         f"({type(e).__name__}: {first}); plan with compile=False to run "
-                         "it op by op") from e
-    log.info("under Inductor: %s of activations measured, %s simulated",
-             format_size(measured), format_size(plan.memory.activation_peak))
-    return module, measured
 
 
 def _spend_room(plan: Any, module: Any, readings: list[InductorReading], model: Any,
@@ -232,7 +210,7 @@ def _spend_room(plan: Any, module: Any, readings: list[InductorReading], model: 
         return plan, module, readings
     if other.recompute_flops >= plan.recompute_flops:  # nothing to gain: no compile
         return plan, module, readings
-    other_module, measured = _compiled_reading(other, model, example_inputs, example_kwargs)
+    other_module, measured = step_reading(other, model, example_inputs, example_kwargs)
     reading = InductorReading(excess, other.memory.activation_peak, measured, spent=True)
     memory = dataclasses.replace(other.memory,
                                  compiled_excess=measured - other.memory.activation_peak)
@@ -289,63 +267,3 @@ def _not_met(plan: Any, readings: list[InductorReading], cut: int = 0,
         f"measurement, not proven least): raise the {what} to it, or plan with "
         f"compile=False, whose op-by-op step the simulator predicts exactly",
         budget=budget, smallest=smallest, proven=False)
-
-
-def measure_activations(module: Any, model: Any, example_inputs: Sequence[Any],
-                        example_kwargs: dict) -> int:
-    """The allocator's activation peak of one step of `module` (the step's peak less the
-    gradients it leaves), with the model's gradients, buffers and random generators put back
-    as they were. Compiles on this first call."""
-    import torch
-
-    from remat.fx_passes.measuring.allocator import step_peak
-
-    params = [p for p in model.parameters()]
-    grads = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    generators = _generator_states()
-    device = next((p.device for p in params), torch.device("cpu"))
-    try:
-        for p in params:
-            p.grad = None
-        peak, held = step_peak(lambda: _Held(module(*example_inputs, **example_kwargs)),
-                               lambda h, seed: h.loss.backward(seed), device)
-        del held
-        left = sum(held_bytes(p.grad.untyped_storage()) for p in params if p.grad is not None)
-    finally:
-        with torch.no_grad():
-            for p, g in zip(params, grads):
-                p.grad = g
-            for b, saved in buffers:
-                b.copy_(saved)
-        _restore_generators(generators)
-    return peak - left
-
-
-class _Held:
-    """The step's output, held through the backward as a training loop holds it, and its
-    loss (what `plan.module` returns: the loss, or the model's output carrying it)."""
-
-    def __init__(self, out: Any):
-        import torch
-
-        self.out = out
-        self.loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
-        if self.loss is None:
-            self.loss = out["loss"] if isinstance(out, dict) else out[0]
-
-
-def _generator_states() -> tuple[Any, Any]:
-    import torch
-
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    return torch.get_rng_state(), cuda
-
-
-def _restore_generators(states: tuple[Any, Any]) -> None:
-    import torch
-
-    cpu, cuda = states
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state_all(cuda)

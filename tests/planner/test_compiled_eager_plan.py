@@ -1,0 +1,152 @@
+"""optimize(..., execution="eager", compile=True): an eager plan accepted on the allocator's
+reading of ``torch.compile`` of the applied model, the way its user trains with it.
+
+One real Inductor run (a small GPT, a plan that recomputes matmuls): the compiled applied
+model, compiled again from a fresh copy, reads within the plan's peak, the peak within the
+budget, and the gradients are plain torch.compile's. The repair loop and the model's
+unwrapping on injected readings, without compiling; the plan file; `remove_eager`."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import remat
+from remat.errors import RematError
+from remat.fx_passes.eager.apply import remove_eager
+from remat.planner.plans import step_reading
+from remat.solvers import SolverOptions
+from tests import models
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    model, inputs = models.gpt(models.GPTConfig(dropout=0.0))
+    save_all = remat.optimize(copy.deepcopy(model), activation_budget=10**12,
+                              example_inputs=inputs, solver="save_all").activation_peak
+    return model, inputs, save_all
+
+
+def eager_plan(model, inputs, budget, **kwargs):
+    return remat.optimize(model, activation_budget=budget, example_inputs=inputs,
+                          execution="eager", solver_options=SolverOptions(time_limit=5),
+                          **kwargs)
+
+
+def grads_of(call, model, inputs) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    call(*inputs).backward()
+    return {n.replace("_orig_mod.", ""): p.grad.clone() for n, p in model.named_parameters()}
+
+
+def unwrapped(model) -> bool:
+    """No block of `model` carries a remat wrapper, and the model no remat hook."""
+    return (not hasattr(model, "_remat_applied")
+            and not any(hasattr(m, "_remat_policy") or "forward" in m.__dict__
+                        for m in model.modules())
+            and not model._forward_pre_hooks and not model._forward_hooks)
+
+
+@pytest.mark.slow
+def test_torch_compile_of_the_applied_plan_fits_by_the_allocator(gpt):
+    model, inputs, save_all = gpt
+    budget = int(0.6 * save_all)
+    planned_on = copy.deepcopy(model)
+    plan = eager_plan(planned_on, inputs, budget, compile=True)
+    assert plan.compile and plan.inductor is not None
+    assert plan.recompute_flops > 0  # the budget makes it recompute: the policies matter
+    assert plan.activation_peak == plan.inductor.measured <= budget
+    assert unwrapped(planned_on)  # planning measured the model and put it back
+    # A fresh copy, applied and compiled as the user does, read by the allocator
+    fresh = copy.deepcopy(model)
+    compiled = torch.compile(plan.apply(fresh))
+    for _ in range(2):  # the first call compiles
+        read = step_reading.measure_activations(compiled, fresh, inputs, {})
+    assert read <= plan.activation_peak
+    # Gradients: plain torch.compile's, within Inductor's own reordered sums
+    reference = copy.deepcopy(model)
+    expected = grads_of(torch.compile(reference), reference, inputs)
+    got = grads_of(compiled, fresh, inputs)
+    largest = max(g.abs().max() for g in expected.values())
+    assert max((got[n] - g).abs().max() for n, g in expected.items()) <= 1e-5 * largest
+    # plan.module is torch.compile of the model the plan was made on
+    assert isinstance(plan.module, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def injected(monkeypatch, readings):
+    """Readings answered in turn (two calls per plan: the warm-up, then the step), with the
+    applied model run eagerly instead of compiled; each call notes whether the model was
+    wrapped while it was read."""
+    calls = []
+
+    def measure(module, model, example_inputs, example_kwargs, loss_fn=None):
+        calls.append(hasattr(model, "_remat_applied"))
+        return readings[(len(calls) - 1) // 2]
+
+    monkeypatch.setattr(step_reading, "compile_applied", lambda model: model)
+    monkeypatch.setattr(step_reading, "measure_activations", measure)
+    return calls
+
+
+def test_a_reading_over_the_budget_is_planned_again_with_room(gpt, monkeypatch):
+    model, inputs, save_all = gpt
+    budget = int(0.8 * save_all)
+    first = eager_plan(copy.deepcopy(model), inputs, budget)
+    calls = injected(monkeypatch, [budget + 1, budget - 1])
+    planned_on = copy.deepcopy(model)
+    plan = eager_plan(planned_on, inputs, budget, compile=True)
+    readings = plan.inductor.readings
+    assert [r.measured for r in readings[:2]] == [budget + 1, budget - 1]
+    # the second plan was made with the first's excess kept free below the allowance
+    assert readings[1].allowance_cut == budget + 1 - readings[0].predicted > 0
+    assert readings[1].predicted <= first.activation_peak
+    assert all(calls)  # read with the plan applied ...
+    assert unwrapped(planned_on)  # ... and unwrapped afterwards
+    assert plan.activation_peak <= budget
+
+
+def test_a_failure_under_torch_compile_names_the_remedies(gpt, monkeypatch):
+    model, inputs, save_all = gpt
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("Tensor cached during selective activation checkpoint has been "
+                           "mutated\nmore")
+
+    monkeypatch.setattr(step_reading, "measure_activations", fails)
+    planned_on = copy.deepcopy(model)
+    with pytest.raises(RematError, match=r"failed under torch\.compile \(RuntimeError: Tensor "
+                                         r"cached.*mutated\).*compile=False"):
+        eager_plan(planned_on, inputs, save_all, compile=True)
+    assert unwrapped(planned_on)
+
+
+def test_the_plan_file_keeps_the_compiled_reading(gpt, monkeypatch, tmp_path):
+    model, inputs, save_all = gpt
+    injected(monkeypatch, [save_all // 2])
+    planned_on = copy.deepcopy(model)
+    plan = eager_plan(planned_on, inputs, save_all, compile=True)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = remat.load_plan(path, copy.deepcopy(model))
+    assert loaded.execution == "eager" and loaded.compile
+    assert loaded.inductor == plan.inductor
+    assert loaded.activation_peak == plan.activation_peak == save_all // 2
+
+
+def test_remove_eager_unwraps_and_another_plan_applies(gpt):
+    model, inputs, save_all = gpt
+    plan = eager_plan(copy.deepcopy(model), inputs, int(0.6 * save_all))
+    applied = copy.deepcopy(model)
+    expected = grads_of(applied, applied, inputs)
+    plan.apply(applied)
+    assert not unwrapped(applied)
+    assert grads_of(applied, applied, inputs).keys() == expected.keys()
+    remove_eager(applied)
+    assert unwrapped(applied)
+    got = grads_of(applied, applied, inputs)  # plain eager again
+    assert all(torch.equal(got[n], g) for n, g in expected.items())
+    plan.apply(applied)  # applies again where it had been applied once
+    remove_eager(applied)
+    with pytest.raises(RematError, match="no remat plan is applied"):
+        remove_eager(applied)
