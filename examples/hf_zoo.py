@@ -31,9 +31,10 @@ CP-SAT over the eager timeline), "proven" where the search proved it the least. 
 prediction, and none more than 2 % below it without a stated reason.
 
 `--inductor` adds two rows per architecture (`examples/zoo_inductor.py`): remat's plan
-compiled by Inductor (``compile=True``) at the compiled row's budget, and the eager row's plan
-applied and compiled by ``torch.compile``, against the eager prediction; docs/inductor.md,
-"The zoo under Inductor", has their table.
+compiled by Inductor (``compile=True``) at the compiled row's budget, and an eager plan made
+with ``compile=True`` at the eager row's budget, applied and compiled by ``torch.compile``
+(`--inductor-rows` picks one of them); docs/inductor.md, "The zoo under Inductor", has their
+table.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from tabulate import tabulate
@@ -199,13 +200,13 @@ class _Warnings(logging.Handler):
 
 
 def run_arch(name: str, options: SolverOptions, modes=MODES, fraction: float = 0.5,
-             least: bool = True, inductor: bool = False) -> list[Row]:
+             least: bool = True, inductor: bool | Sequence[str] = False) -> list[Row]:
     """Both modes' rows for one architecture (a failure is a row with its error), each at the
     budget `fraction` of the way from its own mode's per-block checkpointing peak to its saving
     everything peak (`budget_range`), with both modes' least budgets where `least`; with
     `inductor`, both modes' rows and then the two Inductor rows of `examples.zoo_inductor`
-    (remat's compile=True at the compiled row's budget, the eager row's plan under
-    torch.compile)."""
+    (remat's compile=True at the compiled row's budget, the eager plan compiled by
+    torch.compile at the eager row's budget), or those of them it names."""
     family = ARCHS[name][0]
     if inductor:
         modes = MODES
@@ -275,11 +276,12 @@ def run_arch(name: str, options: SolverOptions, modes=MODES, fraction: float = 0
         except Exception as e:
             row.error = f"run: {_first_line(e)}"
     if inductor:
-        from examples.zoo_inductor import inductor_rows
+        from examples.zoo_inductor import MODES as MODES_INDUCTOR, inductor_rows
 
         compiled, eager_row = rows
         rows += inductor_rows(name, family, base, kwargs, expected, compiled.budget or None,
-                              plans.get("eager"), eager_row.budget or None, options)
+                              plans.get("eager"), eager_row.budget or None, options,
+                              only=MODES_INDUCTOR if inductor is True else tuple(inductor))
     return rows
 
 
@@ -351,6 +353,8 @@ def main(argv=None) -> int:
                         help="add two rows per architecture: remat's compile=True at the "
                              "compiled budget, and torch.compile of the applied eager plan "
                              "(examples/zoo_inductor.py; a minute or more of compiles each)")
+    parser.add_argument("--inductor-rows", help="with --inductor, only these of its rows "
+                        "(comma-separated: inductor, eager+compile)")
     parser.add_argument("--out", help="also write the rows to this JSON file")
     parser.add_argument("-v", "--verbose", action="store_true", help="remat's INFO log")
     args = parser.parse_args(argv)
@@ -361,7 +365,9 @@ def main(argv=None) -> int:
     rows: list[Row] = []
     for name in args.archs.split(","):
         new = run_arch(name, options, modes=args.modes.split(","), fraction=args.fraction,
-                       least=not args.no_least, inductor=args.inductor)
+                       least=not args.no_least,
+                       inductor=args.inductor and (args.inductor_rows or "inductor,eager+compile")
+                       .split(","))
         print(tabulate([r.cells() for r in new], tablefmt="plain", disable_numparse=True),
               flush=True)
         rows += new

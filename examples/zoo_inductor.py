@@ -46,12 +46,16 @@ INDUCTOR_SUMS = 1e-3
 
 def inductor_rows(name: str, family: str, base: torch.nn.Module, kwargs: dict,
                   expected: list, budget: int | None, eager_plan, eager_budget: int | None,
-                  options: SolverOptions) -> list[Row]:
-    """The two rows of `name` (module doc): `budget` is the compiled row's budget,
+                  options: SolverOptions, only: tuple[str, ...] = MODES) -> list[Row]:
+    """The rows of `name` in `only` (module doc): `budget` is the compiled row's budget,
     `eager_plan` the eager row's plan (None where it failed: the row says so)."""
-    return [remat_inductor(name, family, base, kwargs, expected, budget, options),
-            applied_compiled(name, family, base, kwargs, expected, eager_plan, eager_budget,
-                             options)]
+    rows = []
+    if "inductor" in only:
+        rows.append(remat_inductor(name, family, base, kwargs, expected, budget, options))
+    if "eager+compile" in only:
+        rows.append(applied_compiled(name, family, base, kwargs, expected, eager_plan,
+                                     eager_budget, options))
+    return rows
 
 
 def remat_inductor(name, family, base, kwargs, expected, budget, options) -> Row:

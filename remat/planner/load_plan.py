@@ -134,7 +134,7 @@ def _compiled_as_saved(plan: Plan, body: dict) -> None:
         return
     from remat.planner.plans.inductor_check import InductorCheck
 
-    plan.compile = True
+    plan.compile = body["compile"]
     if body.get("inductor"):
         plan.inductor = InductorCheck.from_dict(body["inductor"])
         plan.memory = dataclasses.replace(plan.memory, compiled_excess=plan.inductor.excess)

@@ -87,9 +87,24 @@ def optimize(model: Any, budget: int | str | None = None, *,
     readers (``SolverOptions(free_positions=False)``), where Inductor's fused step reads the
     most predictably, and the least recompute FLOPs is the objective (``objective="flops"``,
     seconds breaking ties): Inductor fuses a recomputed pointwise op into its reader, so what
-    costs time is what costs FLOPs. A plan file keeps the choice."""
+    costs time is what costs FLOPs. A plan file keeps the choice.
+
+    `compile=True` with execution="eager": the eager plan is accepted on the allocator's
+    reading of ``torch.compile(plan.apply(model))`` (torch.compile's defaults, Inductor's
+    configuration as it stands at the call), made on the model and unwrapped again; the
+    reading is the plan's peak, made again with room for the excess as above, and
+    `plan.module` is that compiled model. Train with ``torch.compile(plan.apply(model))``.
+    ``compile="blocks"`` reads instead each block of the applied model compiled on its own
+    (``block.compile()``, torchtitan's per-block compile; then ``fully_shard`` as usual).
+    `plan.compile_blocks(model)` (remat's own partitioner per block) is neither."""
     if execution not in ("compiled", "eager"):
         raise ValueError(f"execution must be \"compiled\" or \"eager\", not {execution!r}")
+    if compile not in (False, True, "blocks"):
+        raise ValueError(f"compile must be False, True or \"blocks\", not {compile!r}")
+    if compile == "blocks" and execution != "eager":
+        raise ValueError("compile=\"blocks\" reads an eager plan with each block compiled "
+                         "(execution=\"eager\"); a compiled plan compiles its whole step: "
+                         "compile=True")
     if blocks is not None and execution != "eager":
         raise ValueError("blocks= names the modules to checkpoint in execution=\"eager\"")
     whole, activations = _one_budget(budget, activation_budget)
@@ -134,12 +149,14 @@ def optimize(model: Any, budget: int | str | None = None, *,
         def solved(allowance_cut: int = 0, *, least: bool = False) -> Plan:
             def made(chosen):
                 if execution == "eager":
-                    return plan_eager_mode(model, prepared, budget=whole,
+                    plan = plan_eager_mode(model, prepared, budget=whole,
                                            activation_budget=activations, target=target,
                                            solver=solver, solver_options=chosen, blocks=blocks,
                                            example_inputs=example_inputs,
                                            example_kwargs=example_kwargs,
                                            allowance_cut=allowance_cut)
+                    plan.compile = compile  # how step_reading compiles the applied model
+                    return plan
                 return plan_prepared(model, prepared, budget=whole,
                                      activation_budget=activations, target=target,
                                      solver=solver, solver_options=chosen,

@@ -1,9 +1,10 @@
-"""optimize(..., execution="eager", compile=True): an eager plan accepted on the allocator's
-reading of ``torch.compile`` of the applied model, the way its user trains with it.
+"""optimize(..., execution="eager", compile=True | "blocks"): an eager plan accepted on the
+allocator's reading of ``torch.compile`` of the applied model, or of each of its blocks, the
+way its user trains with it.
 
-One real Inductor run (a small GPT, a plan that recomputes matmuls): the compiled applied
-model, compiled again from a fresh copy, reads within the plan's peak, the peak within the
-budget, and the gradients are plain torch.compile's. The repair loop and the model's
+A real Inductor run for each (a small GPT, a plan that recomputes matmuls): the applied model,
+compiled again from a fresh copy, reads within the plan's peak, the peak within the budget,
+and the gradients are plain torch.compile's. The repair loop and the model's
 unwrapping on injected readings, without compiling; the plan file; `remove_eager`."""
 from __future__ import annotations
 
@@ -48,19 +49,31 @@ def unwrapped(model) -> bool:
             and not model._forward_pre_hooks and not model._forward_hooks)
 
 
+def compiled_as_trained(model, plan, how):
+    """`model` with `plan` applied and compiled as its user trains it: torch.compile of the
+    model, or of each block in place (torchtitan's per-block compile)."""
+    applied = plan.apply(model)
+    if how is True:
+        return torch.compile(applied)
+    for block in applied.h:
+        block.compile()
+    return applied
+
+
 @pytest.mark.slow
-def test_torch_compile_of_the_applied_plan_fits_by_the_allocator(gpt):
+@pytest.mark.parametrize("how", [True, "blocks"])
+def test_torch_compile_of_the_applied_plan_fits_by_the_allocator(gpt, how):
     model, inputs, save_all = gpt
     budget = int(0.6 * save_all)
     planned_on = copy.deepcopy(model)
-    plan = eager_plan(planned_on, inputs, budget, compile=True)
-    assert plan.compile and plan.inductor is not None
+    plan = eager_plan(planned_on, inputs, budget, compile=how)
+    assert plan.compile == how and plan.inductor is not None
     assert plan.recompute_flops > 0  # the budget makes it recompute: the policies matter
     assert plan.activation_peak == plan.inductor.measured <= budget
     assert unwrapped(planned_on)  # planning measured the model and put it back
     # A fresh copy, applied and compiled as the user does, read by the allocator
     fresh = copy.deepcopy(model)
-    compiled = torch.compile(plan.apply(fresh))
+    compiled = compiled_as_trained(fresh, plan, how)
     for _ in range(2):  # the first call compiles
         read = step_reading.measure_activations(compiled, fresh, inputs, {})
     assert read <= plan.activation_peak
@@ -70,8 +83,12 @@ def test_torch_compile_of_the_applied_plan_fits_by_the_allocator(gpt):
     got = grads_of(compiled, fresh, inputs)
     largest = max(g.abs().max() for g in expected.values())
     assert max((got[n] - g).abs().max() for n, g in expected.items()) <= 1e-5 * largest
-    # plan.module is torch.compile of the model the plan was made on
-    assert isinstance(plan.module, torch._dynamo.eval_frame.OptimizedModule)
+    # plan.module: the model the plan was made on, applied and compiled the same way
+    if how is True:
+        assert isinstance(plan.module, torch._dynamo.eval_frame.OptimizedModule)
+    else:
+        assert plan.module is planned_on
+        assert all(block._compiled_call_impl is not None for block in planned_on.h)
 
 
 def injected(monkeypatch, readings):
@@ -84,9 +101,37 @@ def injected(monkeypatch, readings):
         calls.append(hasattr(model, "_remat_applied"))
         return readings[(len(calls) - 1) // 2]
 
-    monkeypatch.setattr(step_reading, "compile_applied", lambda model: model)
+    monkeypatch.setattr(step_reading, "compile_applied", lambda model, blocks=None: model)
     monkeypatch.setattr(step_reading, "measure_activations", measure)
     return calls
+
+
+def test_blocks_are_compiled_in_place_only_for_the_reading(gpt, monkeypatch):
+    model, inputs, save_all = gpt
+    compiled = []
+
+    def compile_applied(model, blocks=None):
+        compiled.append(blocks)
+        for path in blocks:
+            model.get_submodule(path)._compiled_call_impl = model.get_submodule(path)._call_impl
+        return model
+
+    monkeypatch.setattr(step_reading, "compile_applied", compile_applied)
+    planned_on = copy.deepcopy(model)
+    plan = eager_plan(planned_on, inputs, save_all, compile="blocks")
+    assert compiled[0] == sorted(plan.policies) == [f"h.{i}" for i in range(len(model.h))]
+    assert all(block._compiled_call_impl is None for block in planned_on.h)
+    assert unwrapped(planned_on)
+
+
+def test_blocks_compile_is_for_eager_plans(gpt):
+    model, inputs, save_all = gpt
+    with pytest.raises(ValueError, match="compile=True"):
+        remat.optimize(model, activation_budget=save_all, example_inputs=inputs,
+                       compile="blocks")
+    with pytest.raises(ValueError, match="compile must be"):
+        remat.optimize(model, activation_budget=save_all, example_inputs=inputs,
+                       execution="eager", compile="model")
 
 
 def test_a_reading_over_the_budget_is_planned_again_with_room(gpt, monkeypatch):

@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 def test_the_inductor_rows_run_and_are_judged(monkeypatch):
     monkeypatch.setattr(planned, "inductor_compilers", lambda *_: (boxed_nop, boxed_nop))
-    monkeypatch.setattr(step_reading, "compile_applied", lambda model: model)
+    monkeypatch.setattr(step_reading, "compile_applied", lambda model, blocks=None: model)
     rows = run_arch("llama", SolverOptions(time_limit=2), modes=("eager",), least=False,
                     inductor=True)
     assert [r.mode for r in rows] == ["compiled", "eager", "inductor", "eager+compile"]

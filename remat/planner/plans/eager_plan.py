@@ -122,13 +122,14 @@ class EagerPlan(Plan):
     @cached_property
     def module(self):
         """The model handed to `optimize` with the plan applied (`apply`, in place); for a plan
-        made with compile=True, ``torch.compile`` of it: the step its peak was read on."""
+        made with compile=True, ``torch.compile`` of it, and with compile="blocks" the model
+        with each block compiled in place: the step its peak was read on."""
         applied = Plan.module.func(self)
         if not self.compile:
             return applied
-        from remat.planner.plans.step_reading import compile_applied
+        from remat.planner.plans.step_reading import compile_applied, compiled_blocks
 
-        return compile_applied(applied)
+        return compile_applied(applied, compiled_blocks(self))
 
     def apply(self, model: Any):
         from remat.fx_passes.eager.apply import apply_eager

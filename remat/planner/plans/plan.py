@@ -38,7 +38,8 @@ class Plan:
     execution = "compiled"  # how the plan runs: the whole step as one rewritten graph
     compile = False
     """Whether `module` runs the step through Inductor (``optimize(..., compile=True)``)
-    rather than op by op."""
+    rather than op by op; for an eager plan, whether its peak was read under torch.compile of
+    the applied model (True) or of each block ("blocks")."""
     inductor = None
     """`remat.planner.plans.inductor_check.InductorCheck`: the allocator's readings of the step
     under Inductor that the plan was accepted on (compile=True), else None."""

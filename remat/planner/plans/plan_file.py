@@ -15,7 +15,8 @@ A plan file is one JSON object, versioned like the problem files of
      "parameters": {"name": [[shape], "dtype"], ...},
      "schedule": {"strategy": ..., "status": ..., "peak": ..., "recomputed": [op, ...],
                   "recompute_at": [[op, op], ...], "again": [...], "offload_at": [...], ...},
-     "compile": false | true,          whether plan.module runs the step through Inductor
+     "compile": false | true | "blocks", whether plan.module runs the step through Inductor
+                                       ("blocks": an eager plan's blocks compiled one by one)
      "inductor": null | {"readings": [{"allowance_cut", "predicted", "measured"}, ...]},
                                        the allocator's readings the compiled plan was accepted on
      "blocks": {"layers.0": BlockPolicy's fields, ...},       (eager plans: their policies)

@@ -23,12 +23,27 @@ log = logging.getLogger(__name__)
 __all__ = ["compile_applied", "measure_activations", "step_reading"]
 
 
-def compile_applied(model: Any) -> Any:
+def compile_applied(model: Any, blocks: Sequence[str] | None = None) -> Any:
     """``torch.compile(model)`` with its defaults, as the user of an eager plan compiles the
-    applied model; what an eager plan made with compile=True is read on, and its `module`."""
+    applied model; what an eager plan made with compile=True is read on, and its `module`.
+    With `blocks` (module paths, ``compile="blocks"``): each of those modules compiled in place
+    instead (``nn.Module.compile``, torchtitan's per-block compile), and `model` returned."""
     import torch
 
-    return torch.compile(model)
+    if blocks is None:
+        return torch.compile(model)
+    for path in blocks:
+        model.get_submodule(path).compile()
+    return model
+
+
+def compiled_blocks(plan: Any) -> list[str] | None:
+    """The module paths an eager plan with compile="blocks" compiles one by one, else None."""
+    if plan.compile != "blocks":
+        return None
+    from remat.fx_passes.eager.runs import module_path
+
+    return sorted({module_path(name) for name in plan.policies})
 
 
 def step_reading(plan: Any, model: Any, example_inputs: Sequence[Any],
@@ -42,7 +57,8 @@ def step_reading(plan: Any, model: Any, example_inputs: Sequence[Any],
 
 def _applied_reading(plan: Any, model: Any, example_inputs: Sequence[Any],
                      example_kwargs: dict) -> tuple[None, int]:
-    """The allocator's reading of one step of ``torch.compile(plan.apply(model))``, with
+    """The allocator's reading of one step of ``torch.compile(plan.apply(model))`` (or of
+    each block compiled, `compiled_blocks`), with
     torch.compile's defaults and Inductor's configuration as they stand at the call; the model
     is unwrapped again afterwards (`remove_eager`). Dynamo traces each block's checkpoint with
     the plan's policy, and AOTAutograd's partitioner decides again, within it, what the
@@ -50,10 +66,10 @@ def _applied_reading(plan: Any, model: Any, example_inputs: Sequence[Any],
     take less; random ops, always cached under torch.compile, take more)."""
     from remat.fx_passes.eager.apply import remove_eager
 
-    plan.compile = True  # plan.module is then torch.compile of the applied model
+    blocks = compiled_blocks(plan)
     plan.apply(model)
     try:
-        compiled = compile_applied(model)
+        compiled = compile_applied(model, blocks)
         for _ in range(2):  # the first call compiles
             measured = measure_activations(compiled, model, example_inputs, example_kwargs,
                                            plan.prepared.loss_fn)
@@ -65,6 +81,8 @@ def _applied_reading(plan: Any, model: Any, example_inputs: Sequence[Any],
                          "applied model eagerly, or plan with execution=\"compiled\", "
                          "compile=True (remat compiles the whole step)") from e
     finally:
+        for path in blocks or ():  # nn.Module.compile's, undone
+            model.get_submodule(path)._compiled_call_impl = None
         remove_eager(model)
     log.info("under torch.compile: %s of activations measured, %s predicted eagerly",
              format_size(measured), format_size(plan.memory.activation_peak))
