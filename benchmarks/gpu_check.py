@@ -4,7 +4,7 @@ within 2 % of it (remat's accuracy promise, docs/memory-and-accuracy.md), on the
 cuDNN and cuBLAS choose their workspaces.
 
     python benchmarks/gpu_check.py [--model gpt2-medium|unet] [--batch 16] [--seq 1024]
-        [--steps 3] [--time-limit 60] [--checks plans eager ops offload inductor]
+        [--steps 3] [--time-limit 60] [--checks plans eager ops offload inductor applied kernels]
         [--inductor-budgets 0.4 0.8] [--dry-run]
 
 Each part runs on its own: one that raises prints its traceback, counts as missed, and the
@@ -21,26 +21,26 @@ the check, max_memory_reserved above its baseline, the step time (CUDA events), 
 against the card's dense bf16 peak. Exits 0 with a message where there is no CUDA, 1 when a
 check is missed.
 
-Three more checks, each a short table:
+More parts, each a short table:
 - **the plan's step against eager**: the plain eager step of the same model (no remat), its
   allocator peak and step time, beside the save-all plan's (a plan that recomputes nothing
   must not cost more than eager);
 - **op times against the roofline**: every op of the graph timed alone (CUDA events, median of
   3) against `remat.fx_passes.measuring.timing.roofline` for the target: the total, the median ratio,
   and the ops with the largest measured times;
-- **offload**: the save-all schedule with its largest saved tensors kept
-  in host memory where the transfer timeline hides them, run with its copies on copy streams:
-  the allocator's peak against the simulated device peak (the same contract, within
-  [-2 %, 0 %]), and the measured extra step time against the predicted exposed time
-  (`remat.solvers.timeline.overlap`, with the link's bandwidth measured here): see
-  benchmarks/_offload_check.py. ``--checks offload`` runs this check alone;
-  ``--smoke`` runs it on the CPU, on a tiny model, to exercise its code.
+- **offload**: the save-all schedule with its largest saved tensors kept in host memory where
+  the transfer timeline hides them, run with its copies on copy streams: the allocator's peak
+  against the simulated device peak (the same contract, within [-2 %, 0 %]), and the measured
+  extra step time against the predicted exposed time (`remat.solvers.timeline.overlap`, with
+  the link's bandwidth measured here): see benchmarks/_offload_check.py. ``--checks offload``
+  runs this check alone; ``--smoke`` runs it on the CPU, on a tiny model, to exercise its code.
 - **Inductor**: `benchmarks/inductor.py`'s comparison on CUDA, on its U-Net (or
-  `--inductor-model`): torch.compile at
-  activation_memory_budget `--inductor-budgets` beside `remat.optimize(..., compile=True)` at each of
-  their measured peaks and at remat's least; the check is the allocator at most the plan's
-  peak at most the budget in every remat row (a torch.compile point lower on both memory and
-  recompute FLOPs is printed, not counted). ``--checks inductor`` runs it alone.
+  `--inductor-model`): torch.compile at activation_memory_budget `--inductor-budgets` beside
+  `remat.optimize(..., compile=True)` at each of their measured peaks and at remat's least;
+  the check is the allocator at most the plan's peak at most the budget in every remat row (a
+  torch.compile point lower on both memory and recompute FLOPs is printed, not counted).
+- **applied**: eager plans made with compile=True and "blocks" (benchmarks/_applied_check.py).
+- **kernels** (named alone, not by default): benchmarks/inductor_kernels.py's table on CUDA.
 """
 from __future__ import annotations
 
@@ -60,10 +60,6 @@ from remat.errors import BudgetError  # noqa: E402
 GiB = 2**30
 # Dense bf16 tensor-core peaks by device-name fragment (vendor datasheets, as in devices.py).
 PEAK_BF16 = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L4": 121e12, "4090": 165.2e12}
-
-
-def peak_flops(name: str) -> float | None:
-    return next((v for k, v in PEAK_BF16.items() if k in name), None)
 
 
 def gpt2_medium(batch: int, seq: int, device: str, tiny: bool = False):
@@ -194,8 +190,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--time-limit", type=float, default=60.0)
-    parser.add_argument("--checks", nargs="+", choices=PARTS, default=list(PARTS),
-                        help="the parts to run, in this order")
+    parser.add_argument("--checks", nargs="+", choices=PARTS, default=list(PARTS[:-1]),
+                        help="the parts to run, in this order (default: all but kernels)")
     parser.add_argument("--inductor-budgets", nargs="+", type=float, default=[0.4, 0.8])
     parser.add_argument("--inductor-model", choices=("unet", "vit", "qwen2", "llama"),
                         default="unet", help="benchmarks/inductor.py's model for that part")
@@ -218,8 +214,12 @@ def main(argv=None) -> int:
     name = "CPU (dry run)" if args.dry_run else torch.cuda.get_device_name()
     target = "h200" if "H200" in name else "h100" if "H100" in name else "a100-80gb"
     results = {}
-    model_parts = [p for p in args.checks if p != "inductor"]
-    if model_parts:
+    checks = {"inductor": lambda: inductor_part(dev, args.inductor_model, args.inductor_budgets,
+                                                args.time_limit),
+              "kernels": lambda: part_of("inductor_kernels", "kernels_part")(dev.type, args.steps),
+              "applied": lambda: part_of("_applied_check", "applied_part")(
+                  dev.type, args.inductor_model, args.time_limit, args.dry_run)}
+    if any(p not in checks for p in args.checks):  # the parts on `make_model`'s model
         from remat.fx_passes.lowering.lower import lower
         from remat.fx_passes.tracing.capture import capture
 
@@ -232,19 +232,15 @@ def main(argv=None) -> int:
               f"{scratch / 2**20:.1f} MiB, planned in {time.perf_counter() - begin:.0f} s",
               flush=True)
         save_all_seconds = []
-        checks = {
+        checks.update({
             "plans": lambda: plans_part(model, inputs, problem, args, dev, name,
                                         save_all_seconds),
             "eager": lambda: eager_part(model, inputs, args.steps, dev, save_all_seconds),
             "ops": lambda: ops_part(captured, target, dev),
             "offload": lambda: offload_part(model, inputs, problem, target, args.steps, dev),
-        }
+        })
     for part in args.checks:
-        if part == "inductor":
-            results[part] = guarded(part, lambda: inductor_part(
-                dev, args.inductor_model, args.inductor_budgets, args.time_limit))
-        else:
-            results[part] = guarded(part, checks[part])
+        results[part] = guarded(part, checks[part])
         print(f"# at {time.perf_counter() - begin:.0f} s", flush=True)
     passed = sum(results.values())
     print(f"# total {time.perf_counter() - begin:.0f} s; {passed}/{len(results)} parts passed: "
@@ -252,7 +248,7 @@ def main(argv=None) -> int:
     return 0 if passed == len(results) else 1
 
 
-PARTS = ("plans", "eager", "ops", "offload", "inductor")
+PARTS = ("plans", "eager", "ops", "offload", "inductor", "applied", "kernels")
 
 
 def make_model(args, dev: torch.device):
@@ -261,8 +257,7 @@ def make_model(args, dev: torch.device):
             return (*unet(2, 32, dev, channels=(4, 8)), "U-Net fp32, tiny (dry run)")
         return (*gpt2_medium(2, 32, dev, tiny=True), "GPT-2 bf16, 2 layers (dry run)")
     if args.model == "unet":
-        return (*unet(args.batch, args.seq, dev), f"U-Net fp32, batch {args.batch} x "
-                f"{args.seq}^2")
+        return (*unet(args.batch, args.seq, dev), f"U-Net fp32, batch {args.batch} x {args.seq}^2")
     return (*gpt2_medium(args.batch, args.seq, dev), f"GPT-2 medium bf16, batch {args.batch} "
             f"x {args.seq}")
 
@@ -288,7 +283,7 @@ def plans_part(model, inputs, problem, args, dev, name, save_all_seconds) -> boo
                                                    options)))
         except BudgetError as e:
             print(f"# {fraction:.0%} of the save-all peak does not fit: {e}", flush=True)
-    peak = None if args.dry_run else peak_flops(name)
+    peak = None if args.dry_run else next((v for k, v in PEAK_BF16.items() if k in name), None)
     rows, missed = [], 0
     for label, schedule in plans:
         predicted = simulate(problem, schedule).peak
@@ -358,6 +353,11 @@ def inductor_part(dev: torch.device, model: str, fractions: list[float],
     print(inductor.table(rows), flush=True)
     return all(r.verdict.startswith("ok") for r in rows
                if r.runner.startswith("remat") and r.activations >= 0)
+
+
+def part_of(module: str, name: str) -> Callable[..., bool]:
+    """A part kept in a module of its own beside this script (imported when it runs)."""
+    return getattr(__import__(module), name)
 
 
 def offload_part(model, inputs, problem, target: str, steps: int, dev: torch.device) -> bool:

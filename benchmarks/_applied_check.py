@@ -1,0 +1,83 @@
+"""gpu_check's `applied` part: eager plans read under torch.compile, by the allocator.
+
+On one of benchmarks/inductor.py's models (its Qwen2 by default): plain eager and plain
+``torch.compile`` (no remat) for reference, then ``remat.optimize(model, activation_budget=B,
+execution="eager", compile=how)`` for how in (True, "blocks"), B a fraction of plain eager's
+activation peak. Each plan's `module` (torch.compile of the applied model, or the model with
+each block compiled) runs on a fresh copy of the weights and is read by the allocator
+(``max_memory_allocated`` on CUDA, the profiler's memory events on the CPU), the third step.
+The check: allocator <= the plan's peak (its own reading while planning) <= budget. Printed
+beside it: the eager timeline's prediction of the same plan, the recompute FLOPs, and the
+fastest step over plain eager's.
+
+    python benchmarks/gpu_check.py --checks applied [--inductor-model qwen2]
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from tabulate import tabulate
+
+import remat
+from remat.solvers import SolverOptions
+
+MIB = 2**20
+FRACTION = 0.6  # of plain eager's activation peak: the plans recompute
+
+
+def applied_table(case, time_limit: float, fraction: float = FRACTION) -> tuple[str, bool]:
+    """(the table, whether every plan row kept allocator <= plan <= budget)."""
+    import inductor
+
+    torch._dynamo.reset()
+    eager_peak, eager_time = inductor.measure(case, fresh(case).model)
+    rows = [["eager", f"{eager_peak / MIB:.2f}", "", "", "", "1.00x", ""]]
+    plain = fresh(case)
+    peak, seconds = inductor.measure(plain, torch.compile(plain.model))
+    rows.append(["torch.compile", f"{peak / MIB:.2f}", "", "", "", f"{seconds / eager_time:.2f}x",
+                 ""])
+    budget, ok = int(fraction * eager_peak), True
+    for how in (True, "blocks"):
+        torch._dynamo.reset()
+        mine = fresh(case)
+        label = f"remat eager, compile={how!r} @ {budget / MIB:.2f}"
+        try:
+            plan = remat.optimize(mine.model, activation_budget=budget, example_inputs=mine.args,
+                                  example_kwargs=mine.kwargs, execution="eager", compile=how,
+                                  solver_options=SolverOptions(time_limit=time_limit))
+        except remat.RematError as e:  # BudgetError included: the row says why
+            rows.append([label, "", "", "", "", "", str(e).splitlines()[0][:120]])
+            ok = False
+            continue
+        peak, seconds = inductor.measure(mine, plan.module)
+        within = peak <= plan.activation_peak <= budget
+        ok &= within
+        rows.append([label, f"{peak / MIB:.2f}", f"{plan.activation_peak / MIB:.2f}",
+                     f"{plan.inductor.predicted / MIB:.2f}", f"{plan.recompute_flops / 1e9:.2f}",
+                     f"{seconds / eager_time:.2f}x", "ok" if within else "MISSED"])
+    table = tabulate(rows, headers=["runner", "allocator MiB", "plan MiB", "eager timeline MiB",
+                                    "recompute GFLOP", "step / eager", "verdict"])
+    return f"# {case.name}: eager plans under torch.compile\n{table}", ok
+
+
+def applied_part(device: str, model: str, time_limit: float, dry_run: bool) -> bool:
+    """The part: inductor.py's `model` on `device` (a 2-layer Qwen2 of hidden 64 in a dry run,
+    on the CPU: the code paths); prints the table, True when every plan row is ok."""
+    import inductor
+
+    if dry_run:
+        from inductor_kernels import qwen2
+
+        model_, kwargs = qwen2(2, 64, 32)
+        case = inductor.Case("qwen2 (dry run)", model_, (), kwargs)
+    else:
+        case = inductor.on(inductor.MODELS[model](), device)
+    table, ok = applied_table(case, time_limit)
+    print(table, flush=True)
+    return ok
+
+
+def fresh(case):
+    """`case` with a copy of its model (a plan applies in place)."""
+    return type(case)(case.name, copy.deepcopy(case.model), case.args, case.kwargs)
