@@ -122,3 +122,32 @@ def test_a_plan_with_a_policy_per_bucket_is_refused_under_torch_compile(planned)
     while cause is not None and not isinstance(cause, RematError):
         cause = cause.__cause__ or cause.__context__
     assert isinstance(cause, RematError)
+
+
+def test_a_hugging_face_model_called_with_keywords_compiles_with_its_plan():
+    """A plan made from keyword inputs carries the call's checks in each block's policy (a
+    frozen dataclass dynamo could not pass to a function on torch 2.11): the traced blocks
+    find their policy by a key read off it."""
+    pytest.importorskip("transformers")
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, vocab_size=128,
+                         use_cache=False)
+    model = Qwen2ForCausalLM(config).train()
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    kwargs = {"input_ids": ids, "labels": ids}
+    plan = remat.optimize(copy.deepcopy(model), activation_budget=10**12, example_kwargs=kwargs,
+                          execution="eager", solver="checkpoint_blocks")
+    applied = plan.apply(copy.deepcopy(model))
+    graphs, backend = recording()
+    torch.compile(applied, backend=backend)(**kwargs).loss.backward()
+    reference = copy.deepcopy(model)
+    plain, plain_backend = recording()
+    torch.compile(reference, backend=plain_backend)(**kwargs).loss.backward()
+    # every block checkpointed: its matmuls run again in the compiled backward
+    assert count(graphs["backward"], "aten.mm.default") > count(plain["backward"],
+                                                                "aten.mm.default")
+    for (name, p), q in zip(applied.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -39,23 +39,21 @@ __all__ = ["LOOKAHEAD", "aligned_contexts", "compiled_contexts", "register",
 # key -> a block's planned policy (a BlockPolicy, or one per bucket with its call checks).
 # Holding the policies keeps their ids unique for as long as a key may be looked up.
 _POLICIES: dict[str, Any] = {}
-_KEYS: dict[int, str] = {}
+_KEY = "_remat_key"  # the attribute a registered policy carries its key in
 
 
 def register(planned: Any) -> str:
-    """The key a traced block finds `planned` by (registered once per object)."""
-    key = _KEYS.get(id(planned))
+    """The key a traced block finds `planned` by (registered once per object). The key is
+    kept on the policy object itself: dynamo reads a string attribute of it as a constant,
+    where a call taking the object (a frozen dataclass holding the call's checks) is one it
+    cannot always trace (torch 2.11: "can't reconstruct arbitrary frozen dataclass
+    instances")."""
+    key = getattr(planned, _KEY, None)
     if key is None:
         key = f"{current(planned).path}@{len(_POLICIES)}"
-        _POLICIES[key], _KEYS[id(planned)] = planned, key
+        _POLICIES[key] = planned
+        object.__setattr__(planned, _KEY, key)  # the policies are frozen dataclasses
     return key
-
-
-@torch._dynamo.assume_constant_result
-def _key_of(planned: Any) -> str:
-    # Run by dynamo at trace time, its result a constant of the traced frame: the partial
-    # below then has constant arguments, which dynamo accepts as a context_fn.
-    return _KEYS[id(planned)]
 
 
 def compiled_contexts(key: str):
@@ -116,4 +114,4 @@ def traced_checkpoint(module: torch.nn.Module, forward, planned: Any, *args, **k
         return refuse_backward(forward(*args, **kwargs), wrong_mode_message(
             policy.training, module.training, f"block {policy.path!r}: "))
     return checkpoint(forward, *args, use_reentrant=False,
-                      context_fn=partial(compiled_contexts, _key_of(planned)), **kwargs)
+                      context_fn=partial(compiled_contexts, getattr(planned, _KEY)), **kwargs)
