@@ -47,6 +47,7 @@ def applied_table(case, time_limit: float, fraction: float = FRACTION) -> tuple[
                                   example_kwargs=mine.kwargs, execution="eager", compile=how,
                                   solver_options=SolverOptions(time_limit=time_limit))
         except remat.RematError as e:  # BudgetError included: the row says why
+            print(f"# {label}: {e}", flush=True)
             rows.append([label, "", "", "", "", "", str(e).splitlines()[0][:120]])
             ok = False
             continue
