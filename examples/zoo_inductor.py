@@ -63,21 +63,7 @@ def remat_inductor(name, family, base, kwargs, expected, budget, options) -> Row
     if budget is None:
         row.error = "no compiled budget (the compiled row failed)"
         return row
-    torch._dynamo.reset()
-    model = copy.deepcopy(base)
-    start = time.perf_counter()
-    try:
-        plan = remat.optimize(model, activation_budget=budget, example_kwargs=kwargs,
-                              compile=True, solver_options=options)
-    except Exception as e:  # the table reports every failure with its cause
-        row.error = f"plan: {_first_line(e)}"
-        return row
-    finally:
-        row.plan_seconds = time.perf_counter() - start
-    row.status, row.gap = plan.status.value, plan.gap
-    row.predicted = plan.activation_peak
-    row.note = _readings_note(plan)
-    return _run(row, plan.module, model, kwargs, expected)
+    return _planned_row(row, base, kwargs, expected, dict(compile=True, solver_options=options))
 
 
 def applied_compiled(name, family, base, kwargs, expected, eager_plan, eager_budget,
@@ -86,29 +72,44 @@ def applied_compiled(name, family, base, kwargs, expected, eager_plan, eager_bud
     if eager_plan is None:
         row.error = "no eager plan (the eager row failed)"
         return row
+    # Inductor's config as the row runs it: the reading the plan is accepted on is made under it
+    with torch._inductor.config.patch(fallback_random=True):
+        return _planned_row(row, base, kwargs, expected,
+                            dict(execution="eager", compile=True, solver_options=options))
+
+
+def _planned_row(row: Row, base, kwargs: dict, expected: list, settings: dict) -> Row:
+    """`row` planned at its budget with `settings` on a fresh copy of `base` and run. Where
+    the budget is refused with a least found (under Inductor, by measurement), the row is
+    planned again once at that least, and its note says so."""
     torch._dynamo.reset()
     model = copy.deepcopy(base)
     start = time.perf_counter()
-    # Inductor's config as the row runs it: the reading the plan is accepted on is made under it
-    with torch._inductor.config.patch(fallback_random=True):
+    refused = ""
+    try:
         try:
-            plan = remat.optimize(model, activation_budget=eager_budget, example_kwargs=kwargs,
-                                  execution="eager", compile=True, solver_options=options)
-        except Exception as e:  # the table reports every failure with its cause
-            row.error = f"plan: {_first_line(e)}"
-            return row
-        finally:
-            row.plan_seconds = time.perf_counter() - start
-        row.status, row.gap = plan.status.value, plan.gap
-        row.predicted = plan.activation_peak
-        row.note = _readings_note(plan)
-        return _run(row, plan.module, model, kwargs, expected)
-
-
-def _readings_note(plan) -> str:
+            plan = remat.optimize(model, activation_budget=row.budget, example_kwargs=kwargs,
+                                  **settings)
+        except remat.BudgetError as e:
+            if e.smallest is None or e.smallest <= row.budget:
+                raise
+            refused = f"{row.budget:,} refused, planned at the least found; "
+            row.budget = e.smallest
+            torch._dynamo.reset()
+            plan = remat.optimize(model, activation_budget=row.budget, example_kwargs=kwargs,
+                                  **settings)
+    except Exception as e:  # the table reports every failure with its cause
+        row.error = f"plan: {refused}{_first_line(e)}"
+        return row
+    finally:
+        row.plan_seconds = time.perf_counter() - start
+    row.status, row.gap = plan.status.value, plan.gap
+    row.predicted = plan.activation_peak
     check = plan.inductor
     replans = len(check.readings) - 1
-    return f"simulated {check.predicted:,}" + (f"; {replans} re-plan(s)" if replans else "")
+    row.note = (f"{refused}simulated {check.predicted:,}"
+                + (f"; {replans} re-plan(s)" if replans else ""))
+    return _run(row, plan.module, model, kwargs, expected)
 
 
 def _run(row: Row, call, model: torch.nn.Module, kwargs: dict, expected: list) -> Row:
