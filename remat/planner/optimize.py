@@ -154,7 +154,11 @@ def optimize(model: Any, budget: int | str | None = None, *,
                                            solver=solver, solver_options=chosen, blocks=blocks,
                                            example_inputs=example_inputs,
                                            example_kwargs=example_kwargs,
-                                           allowance_cut=allowance_cut)
+                                           allowance_cut=allowance_cut,
+                                           # the model compiled with no block
+                                           # wrapped is plain torch.compile: taken
+                                           # where the allowance holds its eager peak
+                                           no_checkpoint=compile is True)
                     plan.compile = compile  # how step_reading compiles the applied model
                     return plan
                 return plan_prepared(model, prepared, budget=whole,

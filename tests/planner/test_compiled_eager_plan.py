@@ -151,6 +151,23 @@ def test_a_reading_over_the_budget_is_planned_again_with_room(gpt, monkeypatch):
     assert plan.activation_peak <= budget
 
 
+def test_room_enough_for_the_unwrapped_model_recomputes_nothing(gpt, monkeypatch):
+    """Compiled, the model with no block wrapped is plain torch.compile: where a reading leaves
+    room for its eager peak, that plan is made, read, and stands."""
+    model, inputs, save_all = gpt
+    injected(monkeypatch, [1])
+    unwrapped = eager_plan(copy.deepcopy(model), inputs, 10**12, compile=True)
+    assert unwrapped.policies == {} and unwrapped.recompute_flops == 0
+    budget = unwrapped.inductor.predicted * 3 // 4  # its eager peak does not fit
+    injected(monkeypatch, [1, budget - 1])
+    plan = eager_plan(copy.deepcopy(model), inputs, budget, compile=True)
+    first, last = plan.inductor.readings
+    assert first.measured == 1 and first.predicted <= budget  # the first plan recomputed
+    assert last.spent and last.allowance_cut == 1 - first.predicted
+    assert plan.policies == {} and plan.recompute_flops == 0
+    assert plan.activation_peak == budget - 1
+
+
 def test_a_failure_under_torch_compile_names_the_remedies(gpt, monkeypatch):
     model, inputs, save_all = gpt
 

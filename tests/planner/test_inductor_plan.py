@@ -216,9 +216,10 @@ def test_the_least_plan_falls_back_to_the_wall_clock_search(monkeypatch):
 
 
 @pytest.mark.parametrize("second_fits", [True, False])
-def test_room_a_reading_leaves_is_given_back_once(monkeypatch, second_fits):
+def test_room_a_reading_leaves_is_given_back_while_it_gains(monkeypatch, second_fits):
     """A plan that reads far below its budget under Inductor is made again with that room:
-    taken where it fits (fewer FLOPs), else the first stands with its own reading."""
+    taken where it fits (fewer FLOPs), and its own room given back in turn; a plan so made
+    that reads over the budget leaves the one before it standing, with its own reading."""
     import remat.planner.optimize as optimize_module
 
     model, inputs = models.mlp(batch=32, width=64, depth=4)
@@ -233,21 +234,26 @@ def test_room_a_reading_leaves_is_given_back_once(monkeypatch, second_fits):
     monkeypatch.setattr(optimize_module, "plan_prepared", recording)
     first_reading = budget // 2
     second_reading = budget - 1 if second_fits else budget + 1
-    injected(monkeypatch, [first_reading, second_reading])
+    # any plan made after the second reads over the budget
+    injected(monkeypatch, [first_reading, second_reading] + [budget + 1] * 4)
     plan = remat.optimize(model, activation_budget=budget, example_inputs=inputs, compile=True,
                           solver_options=SolverOptions(time_limit=10))
-    first, second = made
+    first, second = made[:2]
     assert first.recompute_flops > 0 and second.recompute_flops < first.recompute_flops
-    (kept,), (spent,) = ([r for r in plan.inductor.readings if r.spent is flag]
-                         for flag in (False, True))
-    assert kept.measured == first_reading and spent.measured == second_reading
-    assert spent.allowance_cut == first_reading - kept.predicted < 0  # the room, given back
+    readings = plan.inductor.readings
+    (kept,), spent = [r for r in readings if not r.spent], [r for r in readings if r.spent]
+    assert kept.measured == first_reading and not kept.spent
+    assert spent[0].measured == second_reading
+    assert spent[0].allowance_cut == first_reading - kept.predicted < 0  # the room, given back
     if second_fits:
         assert plan.schedule is second.schedule and plan.activation_peak == budget - 1
-        assert plan.inductor.readings[-1].spent and "to recompute less" in plan.report().render()
+        assert readings[-1] is spent[0] and "to recompute less" in plan.report().render()
+        # where the second left room and recomputes, a third was made and read over
+        assert all(r.measured == budget + 1 for r in spent[1:])
+        assert len(made) == 2 + len(spent[1:])
     else:
         assert plan.schedule is first.schedule and plan.activation_peak == first_reading
-        assert not plan.inductor.readings[-1].spent
+        assert readings[-1] is kept and len(spent) == 1
 
 
 def test_readings_that_never_fit_are_a_budget_error_naming_them(monkeypatch):
