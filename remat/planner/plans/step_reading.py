@@ -58,9 +58,9 @@ def step_reading(plan: Any, model: Any, example_inputs: Sequence[Any],
 def _applied_reading(plan: Any, model: Any, example_inputs: Sequence[Any],
                      example_kwargs: dict) -> tuple[None, int]:
     """The allocator's reading of one step of ``torch.compile(plan.apply(model))`` (or of
-    each block compiled, `compiled_blocks`), with
-    torch.compile's defaults and Inductor's configuration as they stand at the call; the model
-    is unwrapped again afterwards (`remove_eager`). Dynamo traces each block's checkpoint with
+    the model with each block compiled, `compiled_blocks`), with torch.compile's defaults and
+    Inductor's configuration as they stand at the call; the model is unwrapped again
+    afterwards (`remove_eager`). Dynamo traces each block's checkpoint with
     the plan's policy, and AOTAutograd's partitioner decides again, within it, what the
     compiled graphs save: the eager timeline does not predict that step (fused pointwise ops
     take less; random ops, always cached under torch.compile, take more)."""
