@@ -95,7 +95,10 @@ def optimize(model: Any, budget: int | str | None = None, *,
     reading is the plan's peak, made again with room for the excess as above, and
     `plan.module` is that compiled model. Train with ``torch.compile(plan.apply(model))``.
     ``compile="blocks"`` reads instead each block of the applied model compiled on its own
-    (``block.compile()``, torchtitan's per-block compile; then ``fully_shard`` as usual).
+    (``block.compile()``, torchtitan's per-block compile; then ``fully_shard`` as usual): a
+    graph per block, so ``torch._dynamo.config.recompile_limit`` must be at least the number
+    of blocks (else a RematError says so). Each reading starts and ends with
+    ``torch._dynamo.reset()``.
     `plan.compile_blocks(model)` (remat's own partitioner per block) is neither."""
     if execution not in ("compiled", "eager"):
         raise ValueError(f"execution must be \"compiled\" or \"eager\", not {execution!r}")

@@ -124,6 +124,26 @@ def test_blocks_are_compiled_in_place_only_for_the_reading(gpt, monkeypatch):
     assert unwrapped(planned_on)
 
 
+def test_blocks_past_dynamos_recompile_limit_are_refused(gpt, monkeypatch):
+    """Compiled one by one, each block with its own policy is a graph of its own: past
+    torch._dynamo.config.recompile_limit dynamo would run the rest uncompiled, silently, and
+    the reading would be eager PyTorch's. That is a RematError naming the limit."""
+    model, inputs, save_all = gpt
+
+    def compile_applied(model, blocks=None):  # AOTAutograd without Inductor: no C++ compile
+        for path in blocks:
+            model.get_submodule(path).compile(backend="aot_eager")
+        return model
+
+    monkeypatch.setattr(step_reading, "compile_applied", compile_applied)
+    planned_on = copy.deepcopy(model)
+    with torch._dynamo.config.patch(recompile_limit=len(model.h) - 1), \
+            pytest.raises(RematError, match=rf"recompile_limit = {len(model.h) - 1}\).*at "
+                                            rf"least {len(model.h)}"):
+        eager_plan(planned_on, inputs, int(0.6 * save_all), compile="blocks")
+    assert unwrapped(planned_on)
+
+
 def test_blocks_compile_is_for_eager_plans(gpt):
     model, inputs, save_all = gpt
     with pytest.raises(ValueError, match="compile=True"):

@@ -64,18 +64,35 @@ def _applied_reading(plan: Any, model: Any, example_inputs: Sequence[Any],
     the plan's policy, and AOTAutograd's partitioner decides again, within it, what the
     compiled graphs save: the eager timeline does not predict that step (fused pointwise ops
     take less; random ops, always cached under torch.compile, take more)."""
+    import torch
+
     from remat.fx_passes.eager.apply import remove_eager
 
     blocks = compiled_blocks(plan)
+    # Each reading compiles from a fresh dynamo state, as the run it stands for will: entries
+    # an earlier reading left would count towards dynamo's recompile limit. Past that limit
+    # dynamo runs a frame uncompiled without a word, so a reading would be eager PyTorch's:
+    # here that is an error.
+    torch._dynamo.reset()
     plan.apply(model)
     try:
-        compiled = compile_applied(model, blocks)
-        for _ in range(2):  # the first call compiles
-            measured = measure_activations(compiled, model, example_inputs, example_kwargs,
-                                           plan.prepared.loss_fn)
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            compiled = compile_applied(model, blocks)
+            for _ in range(2):  # the first call compiles
+                measured = measure_activations(compiled, model, example_inputs,
+                                               example_kwargs, plan.prepared.loss_fn)
     except RematError:
         raise
     except Exception as e:
+        if "recompile" in type(e).__name__.lower() or "recompile_limit" in str(e):
+            limit = torch._dynamo.config.recompile_limit
+            raise RematError(
+                f"compile={plan.compile!r}: torch.compile reached its recompile limit "
+                f"(torch._dynamo.config.recompile_limit = {limit}) and would run the rest "
+                f"uncompiled: each of the plan's {len(plan.policies)} blocks checkpoints its "
+                "own ops, a graph of its own where blocks are compiled one by one; raise the "
+                f"limit to at least {len(plan.policies)} before planning and training, or "
+                "plan with compile=True (the whole model compiled)") from e
         raise RematError(f"compile=True: the applied eager plan failed under torch.compile "
                          f"({_cause(e)}); plan with compile=False and run the "
                          "applied model eagerly, or plan with execution=\"compiled\", "
@@ -84,6 +101,7 @@ def _applied_reading(plan: Any, model: Any, example_inputs: Sequence[Any],
         for path in blocks or ():  # nn.Module.compile's, undone
             model.get_submodule(path)._compiled_call_impl = None
         remove_eager(model)
+        torch._dynamo.reset()  # the run planned compiles afresh: no reading's entries left
     log.info("under torch.compile: %s of activations measured, %s predicted eagerly",
              format_size(measured), format_size(plan.memory.activation_peak))
     return None, measured
