@@ -84,7 +84,7 @@ def _applied_reading(plan: Any, model: Any, example_inputs: Sequence[Any],
     except RematError:
         raise
     except Exception as e:
-        if "recompile" in type(e).__name__.lower() or "recompile_limit" in str(e):
+        if isinstance(e, torch._dynamo.exc.FailOnRecompileLimitHit):
             limit = torch._dynamo.config.recompile_limit
             raise RematError(
                 f"compile={plan.compile!r}: torch.compile reached its recompile limit "
