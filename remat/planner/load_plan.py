@@ -87,7 +87,8 @@ def loads_plan(text: str, model: Any, *, loss_fn: Callable | None = None,
         policies = {path: _block_policy(d) for path, d in body["blocks"].items()}
         structure, policies, problem, to_graph = eager_step(prepared, list(policies),
                                                             policies=policies,
-                                                            probed=_probed(body))
+                                                            probed=_probed(body),
+                                                            for_compile=bool(body.get("compile")))
         _check_problem(body, problem, source)
         schedule = eager_schedule(problem, structure, entry["info"]["cached"],
                                   offload=entry["info"].get("offload", ()),

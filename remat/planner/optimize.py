@@ -161,7 +161,8 @@ def optimize(model: Any, budget: int | str | None = None, *,
                                            # the model compiled with no block
                                            # wrapped is plain torch.compile: taken
                                            # where the allowance holds its eager peak
-                                           no_checkpoint=compile is True)
+                                           no_checkpoint=compile is True,
+                                           for_compile=bool(compile))
                     plan.compile = compile  # how step_reading compiles the applied model
                     return plan
                 return plan_prepared(model, prepared, budget=whole,

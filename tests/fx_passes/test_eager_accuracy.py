@@ -388,7 +388,7 @@ def test_a_tensor_eager_makes_smaller_than_the_capture_is_planned_with_eager_byt
     padding mask only when not tracing, so the capture broadcasts the mask over the batch in
     every attention (OPT, T5 and mT5 eager were 2.1 % to 2.5 % below the prediction). The
     probe's bytes of each op's tensor replace the graph's."""
-    from remat.fx_passes.eager.policy import eager_problem
+    from remat.fx_passes.eager.eager_bytes import eager_problem
     from remat.fx_passes.lowering.lower import op_nodes
     from remat.solvers.timeline.eager import eager_schedule
 

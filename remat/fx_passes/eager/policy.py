@@ -1,6 +1,7 @@
 """Plan per-block selective checkpointing for eager mode: which ops of each block a policy may
-cache (MUST_SAVE) and which it recomputes (PREFER_RECOMPUTE), and the problem the eager
-planner solves (`eager_problem`). `remat.fx_passes.eager.apply` wraps the blocks.
+cache (MUST_SAVE) and which it recomputes (PREFER_RECOMPUTE), and the blocks the eager planner
+solves for (`eager_blocks`; its problem's bytes: `remat.fx_passes.eager.eager_bytes`).
+`remat.fx_passes.eager.apply` wraps the blocks.
 
 The plan is made on AOTAutograd's joint graph; the policy sees the ATen ops that eager
 PyTorch dispatches below autograd. The two agree op for op except where functionalization or
@@ -15,18 +16,18 @@ dispatches in each block (one forward) and matches it to the joint graph's ops. 
 matched by position within the block: the policy counts the ops it is called for, and an op
 other than the expected one (or a different count) raises RematError naming the block.
 
-What the policy never caches, whatever the plan says: views (free to recompute), in-place ops
-and the tensors they later overwrite (checkpoint refuses a cached tensor that was mutated; the
-functional joint graph cannot show them, the probe's run does: `probe.probe`), and
-random ops (checkpoint replays the generator from the block's start: skipping one draw would
-shift the draws of every later random op of the block).
+What the policy never caches, whatever the plan says: views (free to recompute), and in-place
+ops and the tensors they later overwrite (checkpoint refuses a cached tensor that was mutated;
+the functional joint graph cannot show them, the probe's run does: `probe.probe`). A block's
+random draws are cached all or none (`_cached_together`): checkpoint replays the generator from
+the block's start, so skipping one draw would shift the draws of every later one.
 """
 from __future__ import annotations
 
 import logging
 import operator
 from dataclasses import replace
-from typing import Any, Collection, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import fx
@@ -35,18 +36,19 @@ from remat.errors import RematError
 from remat.fx_passes.tracing.capture import Captured
 from remat.fx_passes.tracing.dynamic import is_size_arithmetic
 from remat.fx_passes.eager.block_policy import BlockPolicy, canonical
+from remat.fx_passes.eager.eager_bytes import kept_input, random_draw
 from remat.fx_passes.eager.probe import Observed, aligned
 from remat.fx_passes.eager.runs import joined_runs, module_path, run_name, split_runs
 from remat.fx_passes.eager.unused import unused_tensors
 from remat.fx_passes.lowering.lower import op_nodes
-from remat.fx_passes.tracing.rng import rng_state, state_bytes
+from remat.fx_passes.tracing.rng import is_random, rng_state, state_bytes
 from remat.solvers.timeline.eager_blocks import EagerBlocks
 from remat.solvers.core.problem import (Kind, Phase, Problem, Reason, recompute_blocker,
                                    tuple_of)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["block_paths", "eager_blocks", "eager_problem", "with_eager_bytes"]
+__all__ = ["block_paths", "eager_blocks"]
 
 _CPU_DROPOUT = ("aten.empty_like.default", "aten.bernoulli_.float", "aten.div_.Scalar")
 
@@ -165,12 +167,13 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
             run.append(b)
     policies = {p: replace(pol, keep=frozenset(
         k for k, (joint, ok) in enumerate(zip(pol.joint, pol.cacheable))
-        if ok and any(_decision(problem, j) for j in joint))) for p, pol in policies.items()}
+        if ok and any(_always_cached(problem, j) for j in joint))) for p, pol in policies.items()}
     cacheable = frozenset(j for pol in policies.values()
                           for joint, ok in zip(pol.joint, pol.cacheable) if ok for j in joint)
     position = {v: after + 0.5 for pol in policies.values() for v, after in pol.made_after}
     forward_life = {j: last for pol in policies.values() for j, last in pol.life}
-    groups = tuple(joint for pol in policies.values() for joint in pol.joint if len(joint) > 1)
+    groups = tuple(group for pol in policies.values() for group in _cached_together(
+        problem, nodes, pol))
     cpu = torch.device(captured.device).type == "cpu"
     # A backward op that reads a weight or an input of the step (a placeholder, no op of the
     # problem, and no size: ``s0``) unpacks what its node saved through checkpoint's hooks.
@@ -187,6 +190,38 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
                          kept_numbers=_kept_numbers(problem, nodes, captured.device),
                          unused_tensors=unused, unpacks=unpacks)
     return blocks, policies
+
+
+def _cached_together(problem: Problem, nodes: list[fx.Node], policy: BlockPolicy
+                     ) -> list[tuple[int, ...]]:
+    """The joint ops a policy caches all or none of: the tensors of one eager op with several
+    outputs (layer norm's output, mean and rstd), and the block's random draws together.
+    Checkpoint replays the generator from the block's start, so a recomputed draw takes the
+    numbers of the first draw the recomputation makes: cached draws followed by a recomputed
+    one would give it an earlier draw's numbers (two ``rand_like`` in a block, the first
+    cached: gradients 5e-3 off eager's). On the CPU dropout's draw is an in-place
+    ``bernoulli_``, never cached; on CUDA it is ``native_dropout``."""
+    draws_at = [k for k, (name, joint, ok) in enumerate(zip(policy.ops, policy.joint,
+                                                             policy.cacheable))
+                if ok and _tagged_random(name)
+                and any(random_draw(problem, nodes, j) for j in joint)]
+    if len(draws_at) < 2:
+        draws_at = []
+    groups = [joint for k, joint in enumerate(policy.joint)
+              if len(joint) > 1 and k not in draws_at]
+    if draws_at:
+        groups.append(tuple(j for k in draws_at for j in policy.joint[k]))
+    return groups
+
+
+def _tagged_random(name: str) -> bool:
+    """Whether the eager op named `name` ("aten.rand_like.default") is a random op."""
+    target = torch.ops
+    for part in name.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            return False
+    return is_random(target)
 
 
 def _unused(problem: Problem, nodes: list[fx.Node], device: str,
@@ -286,7 +321,7 @@ def expected_ops(problem: Problem, nodes: list[fx.Node], path: str, members: Seq
     index = {n: i for i, n in enumerate(nodes)}
     for v in members:
         node, op = nodes[v], problem.ops[v]
-        if node.target is operator.getitem or node.target is rng_state or _kept_input(node) \
+        if node.target is operator.getitem or node.target is rng_state or kept_input(node) \
                 or is_size_arithmetic(node):
             continue
         outputs = (v,)
@@ -309,92 +344,16 @@ def expected_ops(problem: Problem, nodes: list[fx.Node], path: str, members: Seq
         names.append(name)
         joint.append(outputs)
         cacheable.append(op.kind is not Kind.VIEW
-                         and (recompute_blocker(problem, v) is None or _decision(problem, v))
+                         and (recompute_blocker(problem, v) is None or _always_cached(problem, v))
                          and all(problem.ops[o].kind is not Kind.VIEW for o in outputs))
     return BlockPolicy(path, tuple(names), tuple(joint), tuple(cacheable), tuple(made_after))
 
 
-def _decision(problem: Problem, v: int) -> bool:
-    """Whether op `v` is a routing decision read from data, or a tensor taken out of one:
-    the policy caches it (checkpoint would make the decision again) unless the block
-    overwrites it in place (then checkpoint replays it on bitwise-equal inputs)."""
+def _always_cached(problem: Problem, v: int) -> bool:
+    """Whether op `v` is a routing decision read from data, a random draw of a plan made for
+    torch.compile (`draws_cached`), or a tensor taken out of one: the policy caches it
+    (checkpoint would make the decision, or a traced recomputation the draw, again) unless the
+    block overwrites it in place (then checkpoint replays it on bitwise-equal inputs)."""
     t = tuple_of(problem, v)
-    return Reason.DATA in (problem.ops[v].not_recomputable,
-                           None if t is None else problem.ops[t].not_recomputable)
-
-
-def _kept_input(node: fx.Node) -> bool:
-    """A dropout that draws nothing (p=0, or eval): PyTorch's decomposition clones its input,
-    eager PyTorch returns the input itself."""
-    if node.target is not torch.ops.aten.clone.default:
-        return False
-    stack = node.meta.get("source_fn_stack") or [(None, None)]
-    fn = stack[-1][1]
-    return fn is torch.nn.functional.dropout or (
-        isinstance(fn, type) and issubclass(fn, torch.nn.modules.dropout._DropoutNd))
-
-
-def with_eager_bytes(problem: Problem, policies: dict[str, BlockPolicy],
-                     keep: Collection[int] = ()) -> Problem:
-    """The eager problem with the bytes the probe saw eager PyTorch make for a block's op
-    (`BlockPolicy.eager_bytes`) where the joint graph's own storage has other bytes: eager
-    can run other shapes than the capture. Transformers drops an all-ones padding mask only
-    when it is not tracing (masking_utils' ``_ignore_causal_mask_sdpa``), so the capture
-    broadcasts the mask over the batch in every attention ([batch, heads, q, k] where eager
-    makes [1, heads, q, k]: OPT's, T5's). Views, tensors taken out of a tuple op, ops
-    without bytes and the ops `keep` names (sizes read from the data, whose bound the one
-    routing the probe saw must not replace) keep the graph's."""
-    ops = list(problem.ops)
-    for policy in policies.values():
-        for j, nbytes in policy.eager_bytes:
-            op = ops[j]
-            if (op.kind in (Kind.VIEW, Kind.TUPLE) or problem.root[j] != j or op.size == 0
-                    or tuple_of(problem, j) is not None or op.size == nbytes or j in keep):
-                continue
-            ops[j] = replace(op, size=nbytes)
-    return problem if ops == list(problem.ops) else replace(problem, ops=tuple(ops))
-
-
-def eager_problem(problem: Problem, nodes: list[fx.Node], device: str) -> Problem:
-    """The problem as eager PyTorch allocates: no generator snapshots (checkpoint keeps the
-    state, `EagerBlocks.state_bytes`), a dropout that draws nothing returns its input (a view);
-    on the CPU a dropout's mask is its noise, in the input's dtype, its backward a product
-    with it (no scratch); a Python number an op takes as a tensor is one (8 bytes) while the
-    op runs; a size (a symbolic graph's arithmetic) is a Python int, read by no op."""
-    index = {n: i for i, n in enumerate(nodes)}
-    sizes = {v for v, node in enumerate(nodes) if is_size_arithmetic(node)}
-    ops = [replace(op, inputs=tuple(i for i in op.inputs if i not in sizes))
-           if sizes.intersection(op.inputs) else op for op in problem.ops]
-    for v, node in enumerate(nodes):
-        if node.target is rng_state:  # checkpoint keeps one state per block instead
-            ops[v] = replace(ops[v], size=0)
-        if _kept_input(node):
-            base = index.get(node.args[0]) if isinstance(node.args[0], fx.Node) else None
-            ops[v] = (replace(ops[v], kind=Kind.VIEW, size=0, inputs=(base,))
-                      if base is not None and ops[base].kind is not Kind.TUPLE
-                      else replace(ops[v], size=0))
-    for v, node in enumerate(nodes):
-        if device.startswith("cuda"):
-            break
-        if getattr(node.target, "_overloadname", "") == "Tensor":
-            # A Python number where the op takes a tensor (``x * 0.5``) is wrapped by eager
-            # PyTorch in an 8-byte tensor for the op's duration (the graph keeps the number).
-            numbers = sum(isinstance(a, (int, float)) for a in node.args)
-            ops[v] = replace(ops[v], temp=ops[v].temp + 8 * numbers)
-        if str(node.target) == "aten.native_dropout_backward.default":
-            # Eager's is MulBackward0, the gradient times the saved noise; the joint graph's
-            # kernel first makes a float copy of its boolean mask (its measured scratch).
-            ops[v] = replace(ops[v], temp=0)
-            continue
-        if str(node.target) != "aten.native_dropout.default":
-            continue
-        items = {n.args[1]: index[n] for n in node.users if n in index}
-        if 0 in items and 1 in items:
-            out, mask = ops[items[0]], ops[items[1]]
-            # The tuple op stands for empty_like, bernoulli_ and div_: the noise alone; the
-            # output is made by the mul that its getitem stands for.
-            ops[items[1]] = replace(mask, size=out.size)
-            ops[v] = replace(ops[v], temp=out.size)
-    return Problem(tuple(ops), name=problem.name, source=problem.source)
-
-
+    return bool({Reason.DATA, Reason.COMPILED_DRAW} & {
+        problem.ops[v].not_recomputable, None if t is None else problem.ops[t].not_recomputable})

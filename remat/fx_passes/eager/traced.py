@@ -15,9 +15,12 @@ with dropout on the CPU runs another kernel path under tracing (``native_dropout
 allocates with ``empty_like`` and draws with ``bernoulli_``). So the traced policy follows the
 plan's op list in order and matches each op to the next planned op of the same name within a
 few positions (`LOOKAHEAD`); an op with no such match is recomputed when it is cheap to run
-again (no plan position to read it from). Random ops are always cached: on the CPU a traced
-recomputation draws new numbers (no RNG functionalization there), and the gradients would
-differ from the forward's masks.
+again (no plan position to read it from). Ops that draw random numbers are always cached: on
+the CPU a traced recomputation draws new numbers (no RNG functionalization there), and the
+gradients would differ from the forward's masks; the eager problem of a plan made for
+torch.compile caches them too (`remat.fx_passes.eager.policy.random_ops_kept`). Attention
+with ``dropout_p=0`` is tagged random but draws nothing: it follows the plan (AOTAutograd
+saves a generator state beside each such recomputation, a few bytes).
 
 What eager mode checks around each block call (the op count, offloads through saved-tensor
 hooks) has no traced counterpart: a plan that offloads is refused under torch.compile."""
@@ -31,6 +34,7 @@ import torch
 from remat.errors import RematError
 from remat.fx_passes.eager.call_guard import current
 from remat.fx_passes.eager.block_policy import counterpart
+from remat.fx_passes.tracing.rng import call_draws
 from remat.fx_passes.tracing.plain import records_graph, refuse_backward, wrong_mode_message
 
 __all__ = ["LOOKAHEAD", "aligned_contexts", "compiled_contexts", "register",
@@ -89,7 +93,7 @@ def aligned_contexts(policy):
     cursors = {False: 0, True: 0}
 
     def decide(ctx, op, *args, **kwargs):
-        if torch.Tag.nondeterministic_seeded in getattr(op, "tags", ()):
+        if call_draws(op, args, kwargs):
             return CheckpointPolicy.MUST_SAVE
         name = counterpart(str(op))  # an in-place op may be traced functionalized
         start = cursors[ctx.is_recompute]

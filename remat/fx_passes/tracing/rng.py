@@ -24,12 +24,12 @@ The snapshot is an op like the others: the lowering gives it its bytes, it is ne
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import fx
 
-__all__ = ["RandomOp", "as_rng_state_ops", "draws", "has_side_effects", "is_random",
+__all__ = ["RandomOp", "as_rng_state_ops", "call_draws", "draws", "has_side_effects", "is_random",
            "rng_state", "snapshot_random_ops", "state_bytes", "unwrapped"]
 
 SUFFIX = "_rng_state"
@@ -44,12 +44,18 @@ def is_random(target: Any) -> bool:
 def draws(node: fx.Node) -> bool:
     """Whether an aten node draws random numbers: a random op, unless the argument that gives
     its probability is 0 (attention with ``dropout_p=0.0``, which is tagged random all the same)."""
-    if not is_random(node.target):
+    return call_draws(node.target, node.args, node.kwargs)
+
+
+def call_draws(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """`draws` for a call of `op` on `args` and `kwargs` (what a checkpoint policy is asked
+    about while AOTAutograd traces)."""
+    if not is_random(op):
         return False
-    for i, argument in enumerate(node.target._schema.arguments):
+    for i, argument in enumerate(op._schema.arguments):
         if argument.name in ("dropout_p", "p"):
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name,
-                                                                            argument.default_value)
+            value = args[i] if i < len(args) else kwargs.get(argument.name,
+                                                             argument.default_value)
             return not (isinstance(value, (int, float)) and value == 0)
     return True
 

@@ -159,14 +159,15 @@ def plan_eager_mode(model: Any, prepared, *, budget: int | None, activation_budg
                     target: str, solver: Strategy | str, solver_options: SolverOptions | None,
                     blocks: Sequence[str] | None, example_inputs: Sequence[Any] | None = None,
                     example_kwargs: dict[str, Any] | None = None, no_checkpoint: bool = False,
-                    allowance_cut: int = 0):
+                    allowance_cut: int = 0, for_compile: bool = False):
     """The eager plan of least recompute within the budget: a selective-checkpoint policy for
     every block. `no_checkpoint`: where the step with no block checkpointed fits, that is
     the plan (no policy, nothing recomputed; `unwrapped_plan`). `allowance_cut`: bytes kept
-    free below the budget's allowance (the compiled step's excess, `inductor_check`)."""
+    free below the budget's allowance (the compiled step's excess, `inductor_check`).
+    `for_compile`: the plan is made for torch.compile (`eager_step`)."""
     probing = time.perf_counter()
     problem, structure, policies, to_graph = eager_structure(
-        model, prepared, blocks, example_inputs, example_kwargs)
+        model, prepared, blocks, example_inputs, example_kwargs, for_compile=for_compile)
     phases = [*prepared.phases, ("probe", time.perf_counter() - probing)]
     strategy = Strategy(solver)
     allowance = prepared.allowance(budget, activation_budget) - allowance_cut
@@ -228,7 +229,7 @@ def unwrapped_plan(problem, structure, allowance: int):
 
 def eager_structure(model: Any, prepared, blocks: Sequence[str] | None,
                     example_inputs: Sequence[Any] | None = None,
-                    example_kwargs: dict[str, Any] | None = None):
+                    example_kwargs: dict[str, Any] | None = None, *, for_compile: bool = False):
     """What the eager planner solves: the problem with eager's bytes (under ZeRO-2/3 with the
     collectives), the blocks' structure, each block's policy, and for each op of the problem
     the joint-graph op it is (None: a collective)."""
@@ -250,7 +251,8 @@ def eager_structure(model: Any, prepared, blocks: Sequence[str] | None,
     else:
         log.info("eager: no weights to run the blocks with; their eager ops are derived from "
                  "the joint graph (plan.apply's run checks them)")
-    structure, policies, problem, to_graph = eager_step(prepared, paths, observed=observed)
+    structure, policies, problem, to_graph = eager_step(prepared, paths, observed=observed,
+                                                        for_compile=for_compile)
     return problem, structure, policies, to_graph
 
 
@@ -284,18 +286,23 @@ def _without_input_writers(paths: Sequence[str], writers: dict[str, tuple],
     return kept
 
 
-def eager_step(prepared, paths: Sequence[str], *, observed=None, policies=None, probed=None):
+def eager_step(prepared, paths: Sequence[str], *, observed=None, policies=None, probed=None,
+               for_compile: bool = False):
     """(structure, policies, eager problem, its ops' joint-graph ops) of the eager step whose
     blocks are `paths`: their policies `observed` by a probe, derived from the joint graph, or
     given (a saved plan's, `remat.planner.plans.plan_file`, with what its probe found: `probed`,
-    `eager_blocks`'s, in the joint graph's numbering)."""
-    from remat.fx_passes.eager.policy import eager_blocks, eager_problem, with_eager_bytes
+    `eager_blocks`'s, in the joint graph's numbering). `for_compile`: the plan runs under
+    torch.compile, whose traced policy caches every random draw (`draws_cached`)."""
+    from remat.fx_passes.eager.eager_bytes import draws_cached, eager_problem, with_eager_bytes
+    from remat.fx_passes.eager.policy import eager_blocks
     from remat.fx_passes.eager.recompute_state import state_kept_recomputable
     from remat.fx_passes.lowering.lower import op_nodes
 
     captured, joint = prepared.captured, prepared.sharded.graph
     nodes = op_nodes(captured, joint)
     joint = state_kept_recomputable(joint, nodes)
+    if for_compile:
+        joint = draws_cached(joint, nodes)
     structure, policies = eager_blocks(captured, joint, paths, observed, policies=policies,
                                        probed=probed)
     # Checkpoint's recomputations run the graph's ops with eager's bytes; under ZeRO-2/3 the

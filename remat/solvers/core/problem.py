@@ -54,6 +54,9 @@ class Reason(str, enum.Enum):
     # and send tokens elsewhere, or change shapes. Kept from the forward.
     DATA = "data-dependent"
     INHERITED = "inherited"  # takes its output out of a tuple op that may not be recomputed
+    # A random draw of an eager plan made for torch.compile: the traced policy caches it (a
+    # recomputation traced on the CPU would draw anew), so the plan caches it too.
+    COMPILED_DRAW = "random draw under torch.compile"
 
 
 @dataclass(frozen=True)
