@@ -4,22 +4,19 @@ within 2 % of it (remat's accuracy promise, docs/memory-and-accuracy.md), on the
 cuDNN and cuBLAS choose their workspaces.
 
     python benchmarks/gpu_check.py [--model gpt2-medium|unet] [--batch 16] [--seq 1024]
-        [--steps 3] [--time-limit 60] [--checks plans eager ops offload inductor applied kernels]
-        [--inductor-budgets 0.4 0.8] [--dry-run]
+        [--steps 3] [--time-limit 60] [--checks PART ...] [--inductor-budgets 0.4 0.8]
+        [--dry-run]
 
 Each part runs on its own: one that raises prints its traceback, counts as missed, and the
-next part runs. `--dry-run` runs every part on the CPU at tiny sizes, to exercise the code
-paths before device time is spent (its timings and roofline ratios mean nothing).
+next part runs. `--dry-run` runs every part on the CPU at tiny sizes (the code paths, not the
+numbers).
 
 The model is captured with its weights on the GPU, so every op's kernel scratch is measured
-there (max_memory_allocated around the op, `remat.fx_passes.measuring.scratch`). GPT-2 medium (bf16)
-defaults to an activation peak of roughly half of an 80 GB card without checkpointing; the
-U-Net (fp32, cuDNN convolutions) is the case with the largest workspaces. Prints, per budget:
-the simulated activation peak, the allocator's peak of a step above its baseline (parameters,
-optimizer state, batch; the backward's seed left out, `remat.fx_passes.measuring.allocator.step_peak`),
+there (`remat.fx_passes.measuring.scratch`). GPT-2 medium (bf16) has an activation peak of about
+half an 80 GB card; the U-Net (fp32, cuDNN) has the largest workspaces. Prints, per budget:
+the simulated activation peak, the allocator's peak of a step above its baseline (`step_peak`),
 the check, max_memory_reserved above its baseline, the step time (CUDA events), and MFU / HFU
-against the card's dense bf16 peak. Exits 0 with a message where there is no CUDA, 1 when a
-check is missed.
+against the card's dense bf16 peak. Exits 0 where there is no CUDA, 1 when a check is missed.
 
 More parts, each a short table:
 - **the plan's step against eager**: the plain eager step of the same model (no remat), its
@@ -39,7 +36,8 @@ More parts, each a short table:
   `remat.optimize(..., compile=True)` at each of their measured peaks and at remat's least;
   the check is the allocator at most the plan's peak at most the budget in every remat row (a
   torch.compile point lower on both memory and recompute FLOPs is printed, not counted).
-- **applied**: eager plans made with compile=True and "blocks" (benchmarks/_applied_check.py).
+- **applied**, **draws**: eager plans made with compile=True and "blocks", and eager plans of a
+  model with dropout against eager's gradients (benchmarks/_applied_check.py, _draws_check.py).
 - **kernels** (named alone, not by default): benchmarks/inductor_kernels.py's table on CUDA.
 """
 from __future__ import annotations
@@ -217,8 +215,9 @@ def main(argv=None) -> int:
     checks = {"inductor": lambda: inductor_part(dev, args.inductor_model, args.inductor_budgets,
                                                 args.time_limit),
               "kernels": lambda: part_of("inductor_kernels", "kernels_part")(dev.type, args.steps),
-              "applied": lambda: part_of("_applied_check", "applied_part")(
-                  dev.type, args.inductor_model, args.time_limit, args.dry_run)}
+              "applied": lambda: part_of("_applied_check", "applied_part")(dev.type, args),
+              "draws": lambda: part_of("_draws_check", "draws_part")(dev.type, args.time_limit,
+                                                                      args.dry_run)}
     if any(p not in checks for p in args.checks):  # the parts on `make_model`'s model
         from remat.fx_passes.lowering.lower import lower
         from remat.fx_passes.tracing.capture import capture
@@ -248,7 +247,7 @@ def main(argv=None) -> int:
     return 0 if passed == len(results) else 1
 
 
-PARTS = ("plans", "eager", "ops", "offload", "inductor", "applied", "kernels")
+PARTS = ("plans", "eager", "ops", "offload", "inductor", "applied", "draws", "kernels")
 
 
 def make_model(args, dev: torch.device):

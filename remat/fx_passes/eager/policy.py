@@ -20,7 +20,8 @@ What the policy never caches, whatever the plan says: views (free to recompute),
 ops and the tensors they later overwrite (checkpoint refuses a cached tensor that was mutated;
 the functional joint graph cannot show them, the probe's run does: `probe.probe`). A block's
 random draws are cached all or none (`_cached_together`): checkpoint replays the generator from
-the block's start, so skipping one draw would shift the draws of every later one.
+the block's start, so skipping one draw would shift the draws of every later one
+(`_draws_replayed`).
 """
 from __future__ import annotations
 
@@ -165,6 +166,7 @@ def eager_blocks(captured: Captured, problem: Problem, paths: Sequence[str],
             run = []
         if seq is not None:
             run.append(b)
+    policies = {p: _draws_replayed(problem, nodes, pol) for p, pol in policies.items()}
     policies = {p: replace(pol, keep=frozenset(
         k for k, (joint, ok) in enumerate(zip(pol.joint, pol.cacheable))
         if ok and any(_always_cached(problem, j) for j in joint))) for p, pol in policies.items()}
@@ -199,12 +201,10 @@ def _cached_together(problem: Problem, nodes: list[fx.Node], policy: BlockPolicy
     Checkpoint replays the generator from the block's start, so a recomputed draw takes the
     numbers of the first draw the recomputation makes: cached draws followed by a recomputed
     one would give it an earlier draw's numbers (two ``rand_like`` in a block, the first
-    cached: gradients 5e-3 off eager's). On the CPU dropout's draw is an in-place
-    ``bernoulli_``, never cached; on CUDA it is ``native_dropout``."""
-    draws_at = [k for k, (name, joint, ok) in enumerate(zip(policy.ops, policy.joint,
-                                                             policy.cacheable))
-                if ok and _tagged_random(name)
-                and any(random_draw(problem, nodes, j) for j in joint)]
+    cached: gradients 5e-3 off eager's). On CUDA dropout is ``native_dropout``, which a policy
+    may cache; on the CPU its draw is an in-place ``bernoulli_``, which none does
+    (`_draws_replayed`)."""
+    draws_at = [k for k in _draw_positions(problem, nodes, policy) if policy.cacheable[k]]
     if len(draws_at) < 2:
         draws_at = []
     groups = [joint for k, joint in enumerate(policy.joint)
@@ -212,6 +212,25 @@ def _cached_together(problem: Problem, nodes: list[fx.Node], policy: BlockPolicy
     if draws_at:
         groups.append(tuple(j for k in draws_at for j in policy.joint[k]))
     return groups
+
+
+def _draws_replayed(problem: Problem, nodes: list[fx.Node], policy: BlockPolicy) -> BlockPolicy:
+    """`policy` with none of its draws cacheable where one cannot be cached (on the CPU
+    dropout's in-place ``bernoulli_``): the recomputation draws that one again from the
+    block's start, so no draw before it may be skipped."""
+    draws_at = _draw_positions(problem, nodes, policy)
+    if all(policy.cacheable[k] for k in draws_at):
+        return policy
+    cacheable = list(policy.cacheable)
+    for k in draws_at:
+        cacheable[k] = False
+    return replace(policy, cacheable=tuple(cacheable))
+
+
+def _draw_positions(problem: Problem, nodes: list[fx.Node], policy: BlockPolicy) -> list[int]:
+    """The positions of `policy` whose eager op draws random numbers."""
+    return [k for k, (name, joint) in enumerate(zip(policy.ops, policy.joint))
+            if _tagged_random(name) and any(random_draw(problem, nodes, j) for j in joint)]
 
 
 def _tagged_random(name: str) -> bool:
