@@ -12,14 +12,18 @@ random numbers and plain torch.compile is a bitwise reference."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.debugging import boxed_nop
+from torch._functorch.partitioners import (default_partition,
+                                           min_cut_rematerialization_partition)
 
 import remat
 from remat.errors import RematError
+from remat.fx_passes.eager.apply import apply_eager
 from remat.fx_passes.eager.call_guard import current
 from remat.solvers import SolverOptions
 from tests import models
@@ -38,7 +42,7 @@ def planned():
     return model, inputs, plan
 
 
-def recording():
+def recording(partition_fn=default_partition):
     """A backend that records the forward and backward graphs AOTAutograd compiles."""
     graphs: dict[str, list[torch.fx.GraphModule]] = {"forward": [], "backward": []}
 
@@ -48,7 +52,8 @@ def recording():
             return boxed_nop(gm, example_inputs)  # aot_eager's own
         return compile_graph
 
-    return graphs, aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+    return graphs, aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                                partition_fn=partition_fn)
 
 
 def count(graphs, target: str) -> int:
@@ -151,3 +156,43 @@ def test_a_hugging_face_model_called_with_keywords_compiles_with_its_plan():
                                                                 "aten.mm.default")
     for (name, p), q in zip(applied.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def saved_bytes(graphs) -> int:
+    """Bytes the forward graphs hand the backward (their outputs past the first: the loss)."""
+    total = 0
+    for gm in graphs["forward"]:
+        outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        for node in outputs[1:]:
+            value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+            if isinstance(value, torch.Tensor):
+                total += value.untyped_storage().nbytes()
+    return total
+
+
+def test_prefer_save_lets_the_min_cut_partitioner_recompute_pointwise_ops():
+    """A plan made for torch.compile caches with PREFER_SAVE: Inductor's min-cut partitioner
+    (here with graph-recording compilers) saves fewer bytes than with MUST_SAVE, recomputing
+    only ops on its allowlist (no more matmuls), with the same gradients. The Llama's SwiGLU
+    and RMSNorm have cached pointwise values that only pointwise backward ops read."""
+    from examples.llama import LLAMA_TEST, tiny_llama
+
+    model, inputs = tiny_llama(LLAMA_TEST, batch=2)
+    # Each block caches every op it may: what it caches decides the bytes saved.
+    plan = remat.optimize(copy.deepcopy(model), activation_budget=10**12, example_inputs=inputs,
+                          execution="eager", solver_options=SolverOptions(time_limit=5))
+    runs = {}
+    for prefer in (False, True):
+        policies = {p: replace(current(pol), prefer_save=prefer)
+                    for p, pol in plan.block_policies.items()}
+        applied = apply_eager(copy.deepcopy(model), policies)
+        graphs, backend = recording(min_cut_rematerialization_partition)
+        torch._dynamo.reset()
+        torch.manual_seed(0)  # the same dropout masks in both runs
+        runs[prefer] = graphs, step(torch.compile(applied, backend=backend), applied, inputs)
+    (must, must_grads), (prefer, prefer_grads) = runs[False], runs[True]
+    assert saved_bytes(prefer) < 0.99 * saved_bytes(must), (saved_bytes(prefer), saved_bytes(must))
+    assert count(prefer["backward"], "aten.mm.default") == count(must["backward"],
+                                                                 "aten.mm.default")
+    for name, grad in prefer_grads.items():
+        torch.testing.assert_close(grad, must_grads[name], rtol=1e-6, atol=1e-8, msg=name)

@@ -16,6 +16,7 @@ import torch
 import remat
 from remat.errors import RematError
 from remat.fx_passes.eager.apply import remove_eager
+from remat.fx_passes.eager.call_guard import current
 from remat.planner.plans import step_reading
 from remat.solvers import SolverOptions
 from tests import models
@@ -120,6 +121,8 @@ def test_blocks_are_compiled_in_place_only_for_the_reading(gpt, monkeypatch):
     planned_on = copy.deepcopy(model)
     plan = eager_plan(planned_on, inputs, save_all, compile="blocks")
     assert compiled[0] == sorted(plan.policies) == [f"h.{i}" for i in range(len(model.h))]
+    # made for torch.compile: cached ops are PREFER_SAVE, for Inductor's partitioner
+    assert all(current(p).prefer_save for p in plan.block_policies.values())
     assert all(block._compiled_call_impl is None for block in planned_on.h)
     assert unwrapped(planned_on)
 

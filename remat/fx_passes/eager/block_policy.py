@@ -51,7 +51,7 @@ def counterpart(op_name: str) -> str:
 class BlockPolicy:
     """What one block's policy expects and caches: `ops[k]` is the k-th op the policy is
     called for (canonical name), `joint[k]` the joint-graph ops it stands for, `cache` the
-    positions it returns MUST_SAVE for."""
+    positions it caches."""
 
     path: str
     ops: tuple[str, ...]
@@ -73,7 +73,14 @@ class BlockPolicy:
     called in the other mode runs without the plan, and a backward through it is refused."""
     keep: frozenset[int] = frozenset()
     """Positions cached whatever the plan says: routing decisions (top-k, argmax, nonzero),
-    which a recomputation must not make again (`remat.solvers.Reason.DATA`)."""
+    which a recomputation must not make again (`remat.solvers.Reason.DATA`), and in a plan
+    made for torch.compile its random draws (`Reason.COMPILED_DRAW`)."""
+    prefer_save: bool = False
+    """Under torch.compile, whether cached positions are PREFER_SAVE rather than MUST_SAVE
+    (`remat.fx_passes.eager.traced`): set for plans made with compile=True or "blocks", read
+    under Inductor, whose min-cut partitioner may recompute a cached pointwise op fused into
+    its backward readers. AOTAutograd's default partition does not support PREFER_SAVE where
+    a recomputation reads the op ("Node ... was invalid, but is output")."""
     offload: tuple[tuple[tuple[int, ...], str], ...] = ()
     """(shape, dtype) of the block's inputs that checkpoint's frame keeps in host memory
     (`remat.fx_passes.eager.offload`)."""

@@ -7,8 +7,15 @@ constants; the closure eager mode passes is refused ("checkpoint not implemented
 NestedUserFunctionVariable context_fn"). So each block's plan is registered under a string key
 when the plan is applied, and a traced block passes `partial(compiled_contexts, key)`.
 AOTAutograd calls it while it traces the step, and the policy answers op by op; the
-partitioner keeps what it caches and puts the rest, recomputed, into the backward graph, where
-Inductor may fuse it.
+partitioner puts what the plan recomputes into the backward graph (PREFER_RECOMPUTE, which it
+must honour), where Inductor may fuse it, and saves what the plan caches. A plan made for
+torch.compile (`BlockPolicy.prefer_save`) caches with PREFER_SAVE: Inductor's min-cut
+partitioner may still recompute such an op from what it saves anyway, if it is on its
+allowlist (pointwise ops and views, never a matmul), fused into its backward readers, as plain
+torch.compile does. MUST_SAVE forbids that: on benchmarks/inductor.py's Qwen2 (CPU, Inductor),
+an eager plan at 60 % of eager's peak read 44.28 MiB with MUST_SAVE and 42.53 MiB with
+PREFER_SAVE, for the same recompute FLOPs. Other plans keep MUST_SAVE, which every partitioner
+honours (AOTAutograd's default partition fails on a PREFER_SAVE op a recomputation reads).
 
 The ops a traced block dispatches are mostly those eager mode dispatches, not all: attention
 with dropout on the CPU runs another kernel path under tracing (``native_dropout`` where eager
@@ -91,6 +98,7 @@ def aligned_contexts(policy):
     # One cursor per pass: the forward asks, and (torch 2.11) the recomputation asks again
     # for the same ops in the same order.
     cursors = {False: 0, True: 0}
+    save = CheckpointPolicy.PREFER_SAVE if policy.prefer_save else CheckpointPolicy.MUST_SAVE
 
     def decide(ctx, op, *args, **kwargs):
         if call_draws(op, args, kwargs):
@@ -100,8 +108,7 @@ def aligned_contexts(policy):
         for k in range(start, min(start + LOOKAHEAD, len(policy.ops))):
             if counterpart(policy.ops[k]) == name:
                 cursors[ctx.is_recompute] = k + 1
-                return CheckpointPolicy.MUST_SAVE if k in policy.cache else \
-                    CheckpointPolicy.PREFER_RECOMPUTE
+                return save if k in policy.cache else CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(decide)

@@ -67,7 +67,10 @@ class EagerPlan(Plan):
 
         cached = frozenset(self.to_graph[v] for v in self.schedule.info["cached"])
         mode = self.prepared.captured.training  # a block in the other mode runs plainly
-        policies = {p: dataclasses.replace(with_cache(pol, cached), training=mode)
+        # A plan read under torch.compile lets Inductor's partitioner fuse cached pointwise
+        # ops into their backward readers (BlockPolicy.prefer_save).
+        policies = {p: dataclasses.replace(with_cache(pol, cached), training=mode,
+                                           prefer_save=self.compile is not False)
                     for p, pol in self.policies.items()}
         for path, (inputs, prefetch) in self._offloads().items():
             policies[path] = with_offload(policies[path], inputs, prefetch)
