@@ -5,10 +5,11 @@ Checkpoint replays the generator from a block's start, so a recomputed draw take
 of the first draw the recomputation makes: a block's random draws (on CUDA attention's dropout
 and ``native_dropout``, both functional ops a policy may cache) are cached all or none. On
 tests.models' GPT with dropout 0.1 after attention and MLP (two draws a block; attention's
-own dropout is off: capturing it on CUDA crashed the process, torch 2.11), planned eagerly at fractions of its
-plain eager peak: per plan, the largest gradient difference from plain eager's step with the
-same seed, the blocks whose policy caches some of their draws but not all (must be none), the
-allocator's activation peak against the plan's. The last row applies, by hand, a policy that
+own dropout is off: measuring its backward alone crashed the process on an H200, torch 2.11,
+before the generator offsets were made on the CPU, which no GPU run has checked since),
+planned eagerly at fractions of its plain eager peak: per plan, the largest gradient
+difference from plain eager's step with the same seed, the blocks whose policy caches some of
+their draws but not all (must be none), the allocator's activation peak against the plan's. The last row applies, by hand, a policy that
 caches each block's first draw and recomputes the others (what the grouping rules out): its
 gradients are expected to differ, which shows the check can tell.
 

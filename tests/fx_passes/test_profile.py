@@ -223,3 +223,32 @@ def test_grouped_mm_flops_are_its_experts_matmuls():
     assert grouped.get_total_flops() == looped.get_total_flops() > 0
     problem = lower(capture(model, (x, offsets)))
     assert problem.total_flops == grouped.get_total_flops()
+
+
+def test_a_random_ops_seed_and_offset_are_made_on_the_cpu_to_run_an_op_alone():
+    """Attention with dropout on CUDA returns its generator seed and offset, which eager
+    PyTorch keeps on the CPU and the backward reads on the host (the traced values say CUDA);
+    made up on the GPU, efficient attention's backward crashed the process. Traced here with
+    fake CUDA tensors; "meta" stands for the GPU the other inputs are made on."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from remat.fx_passes.measuring import scratch
+    from remat.fx_passes.tracing.rng import generator_offsets
+
+    def attention(q):
+        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, q, q, None, True, 0.1, True)
+        return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            out, q, q, q, None, out, lse, seed, offset, 0.1, [True, True, True, False], True)
+
+    with FakeTensorMode():
+        gm = make_fx(attention)(torch.empty(2, 2, 32, 16, device="cuda"))
+    backward = next(n for n in gm.graph.nodes if "backward" in str(n.target))
+    seeds = [a for a in backward.args if isinstance(a, torch.fx.Node) and generator_offsets(a)]
+    assert len(seeds) == 2 and all(a.meta["val"].device.type == "cuda" for a in seeds)
+    args, _ = scratch._arguments(backward, torch.device("meta"), torch.Generator())
+    made = {a.name: v for a, v in zip(backward.args, args) if isinstance(a, torch.fx.Node)}
+    assert {made[a.name].device.type for a in seeds} == {"cpu"}
+    assert made[backward.args[1].name].device.type == "meta"  # the query, made on the device
+    assert not generator_offsets(backward.args[0])  # the attention's output: a float

@@ -25,6 +25,7 @@ from torch import fx
 from remat.fx_passes.measuring.allocator import cpu_memory_events, paired
 from remat.fx_passes.measuring.storage import remat_meta
 from remat.fx_passes.measuring.workspace import workspace_bytes
+from remat.fx_passes.tracing.rng import generator_offsets
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ __all__ = ["measure_scratch", "scratch_pass"]
 # Two consecutive allocations of these sizes open and close each op's window in the CPU
 # allocator's events (odd sizes, so that no tensor of a real op collides with both in a row).
 _MARK = (1237, 1249)
+CPU = torch.device("cpu")
 
 
 def _runs(node: fx.Node) -> bool:
@@ -67,7 +69,9 @@ def _materialize(value: Any, device: torch.device, generator: torch.Generator) -
 
 
 def _arguments(node: fx.Node, device: torch.device, generator: torch.Generator):
-    real = lambda a: (_materialize(a.meta.get("val"), device, generator)
+    # A random op's seed and offset are CPU tensors in eager PyTorch (generator_offsets).
+    real = lambda a: (_materialize(a.meta.get("val"), CPU if generator_offsets(a) else device,
+                                   generator)
                       if isinstance(a, fx.Node) else a)
     return (torch.fx.node.map_aggregate(node.args, real),
             torch.fx.node.map_aggregate(node.kwargs, real))

@@ -20,6 +20,7 @@ import torch
 from torch import fx
 
 from remat.fx_passes.measuring.devices import Device
+from remat.fx_passes.tracing.rng import generator_offsets
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +71,14 @@ def measure_node(node: fx.Node, device: torch.device, *, runs: int = 5,
     """Median seconds of one op on `device`, or None when it cannot run alone."""
     if node.op != "call_function" or node.target is operator.getitem:
         return 0.0
-    args = torch.fx.node.map_aggregate(
-        node.args, lambda a: _materialize(a.meta.get("val"), device) if isinstance(a, fx.Node) else a)
-    kwargs = torch.fx.node.map_aggregate(
-        node.kwargs, lambda a: _materialize(a.meta.get("val"), device) if isinstance(a, fx.Node) else a)
+    def real(a):  # a random op's seed and offset are CPU tensors in eager (generator_offsets)
+        if not isinstance(a, fx.Node):
+            return a
+        return _materialize(a.meta.get("val"),
+                            torch.device("cpu") if generator_offsets(a) else device)
+
+    args = torch.fx.node.map_aggregate(node.args, real)
+    kwargs = torch.fx.node.map_aggregate(node.kwargs, real)
     try:
         with torch.no_grad():
             for _ in range(warmup):

@@ -29,8 +29,9 @@ from typing import Any, Sequence
 import torch
 from torch import fx
 
-__all__ = ["RandomOp", "as_rng_state_ops", "call_draws", "draws", "has_side_effects", "is_random",
-           "rng_state", "snapshot_random_ops", "state_bytes", "unwrapped"]
+__all__ = ["RandomOp", "as_rng_state_ops", "call_draws", "draws", "generator_offsets",
+           "has_side_effects", "is_random", "rng_state", "snapshot_random_ops", "state_bytes",
+           "unwrapped"]
 
 SUFFIX = "_rng_state"
 
@@ -58,6 +59,21 @@ def call_draws(op: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
                                                              argument.default_value)
             return not (isinstance(value, (int, float)) and value == 0)
     return True
+
+
+def generator_offsets(node: fx.Node) -> bool:
+    """Whether `node` is the seed or offset a random op returns (attention with dropout on
+    CUDA: ``philox_seed``, ``philox_offset``, 0-dim int64). Eager PyTorch returns them on the
+    CPU and the backward kernel reads them on the host, whatever device the traced value
+    names: made up on the GPU to run the backward alone, they crashed the process (a segfault
+    in efficient attention's backward, H200, torch 2.11)."""
+    if node.target is not operator.getitem or not isinstance(node.args[0], fx.Node):
+        return False
+    source = node.args[0].target
+    value = node.meta.get("val")
+    return ((isinstance(source, RandomOp) or is_random(source))
+            and isinstance(value, torch.Tensor) and value.dim() == 0
+            and value.dtype in (torch.int64, torch.uint64))
 
 
 def has_side_effects(node: fx.Node) -> bool:
