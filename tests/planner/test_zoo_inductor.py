@@ -43,3 +43,39 @@ def test_a_failed_mode_gives_its_inductor_row_a_cause():
                                              None, SolverOptions())
     assert row.error.startswith("no compiled budget") and row.allocator is None
     assert failed.error.startswith("no eager plan") and failed.allocator is None
+
+
+def test_gradients_beyond_the_sums_tolerance_are_judged_against_plain_torch_compile(
+        monkeypatch):
+    """A row whose gradients are 5e-3 off eager's passes where plain torch.compile of the same
+    model is itself that far (Inductor's numerics on the model), and fails where it is not."""
+    import copy
+    from types import SimpleNamespace
+
+    import torch
+
+    from examples.hf_zoo import gradients, training_step
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 1)
+            self.scale = 1.0
+
+        def forward(self, x):
+            return SimpleNamespace(loss=self.scale * self.linear(x).square().mean())
+
+    torch.manual_seed(0)
+    base, kwargs = Scaled(), {"x": torch.randn(8, 4)}
+    reference = copy.deepcopy(base)
+    training_step(reference, kwargs, seed=7)()
+    expected = gradients(reference)
+    for plain, fails in ((4e-3, False), (1e-4, True)):
+        monkeypatch.setattr(zoo_inductor, "plain_compile_diff", lambda *_: plain)
+        model = copy.deepcopy(base)
+        model.scale = 1.005  # every gradient 5e-3 off, relative to the largest
+        row = zoo_inductor.Row("toy", "decoder", "inductor", budget=0)
+        row = zoo_inductor._run(row, model, model, kwargs, expected, base)
+        assert row.grad_diff == pytest.approx(5e-3, rel=1e-3)
+        assert bool(row.error) == fails, row
+        assert ("plain torch.compile" in (row.error if fails else row.note)), row
