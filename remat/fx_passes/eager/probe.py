@@ -307,10 +307,12 @@ def aligned(policy: BlockPolicy, observed: Sequence[str], freed: Sequence[int] =
         log.warning(
             "block %r: only %d of its %d eager ops match the %d of the captured graph: eager "
             "PyTorch runs other code in this block than the capture did under torch.compile "
-            "(a branch on torch.compiler.is_compiling(), like the scan of transformers' Mamba "
-            "models with config.use_associative_scan); the eager plan's memory is predicted "
-            "from the captured graph and can be off either way; make the model take one path "
-            "(for Mamba models, use_associative_scan=False)", policy.path, matched,
+            "(code that branches on tracing: the scan of transformers' Mamba models with "
+            "config.use_associative_scan; transformers' sdpa attention with fewer key/value "
+            "heads than heads, which repeats them when traced and passes enable_gqa when the "
+            "attention mask it drops outside tracing is absent); the eager plan's memory is "
+            "predicted from the captured graph and can be off either way; make the model take "
+            "one path (for Mamba models, use_associative_scan=False)", policy.path, matched,
             len(observed), len(policy.ops))
     elif matched < len(observed):
         log.info("block %r: %d of its %d eager ops have no counterpart in the joint graph; "
