@@ -196,3 +196,46 @@ def test_prefer_save_lets_the_min_cut_partitioner_recompute_pointwise_ops():
                                                                  "aten.mm.default")
     for name, grad in prefer_grads.items():
         torch.testing.assert_close(grad, must_grads[name], rtol=1e-6, atol=1e-8, msg=name)
+
+
+def test_a_block_that_breaks_the_graph_recomputes_its_in_place_draw():
+    """A block dynamo cannot trace as one graph (a size read from data, as in DBRX's expert
+    dispatch) runs its checkpoint eagerly with the traced policy, which then sees in-place
+    random ops (DBRX's router jitter: ``empty_like(x).uniform_()``). Cached, the drawn tensor is the one ``empty_like`` made, and checkpoint
+    refused it as mutated; recomputed, checkpoint's replayed generator draws it again."""
+
+    class Jitter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.a(x)
+            h = h * torch.empty_like(h).uniform_(0.9, 1.1)
+            rows = torch.nonzero(h[:, 0] > 0).squeeze(-1)  # a data-dependent size: no HOP
+            h = h.index_add(0, rows, torch.tanh(h[rows]))
+            return self.b(torch.tanh(h))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([Jitter(), Jitter()])
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    model, x = Model(), torch.randn(8, 16)
+    plan = remat.optimize(copy.deepcopy(model), activation_budget=10**9, example_inputs=(x,),
+                          execution="eager", solver_options=SolverOptions(time_limit=5))
+    reference = copy.deepcopy(model)
+    torch.manual_seed(1)
+    want = step(reference, reference, (x,))
+    applied = plan.apply(copy.deepcopy(model))
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    got = step(torch.compile(applied, backend="aot_eager"), applied, (x,))
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, want[name], rtol=1e-6, atol=1e-7, msg=name)

@@ -25,9 +25,13 @@ few positions (`LOOKAHEAD`); an op with no such match is recomputed when it is c
 again (no plan position to read it from). Ops that draw random numbers are always cached: on
 the CPU a traced recomputation draws new numbers (no RNG functionalization there), and the
 gradients would differ from the forward's masks; the eager problem of a plan made for
-torch.compile caches them too (`remat.fx_passes.eager.policy.random_ops_kept`). Attention
+torch.compile caches them too (`remat.fx_passes.eager.eager_bytes.draws_cached`). Attention
 with ``dropout_p=0`` is tagged random but draws nothing: it follows the plan (AOTAutograd
-saves a generator state beside each such recomputation, a few bytes).
+saves a generator state beside each such recomputation, a few bytes). An in-place draw is
+never cached: the policy sees one only where dynamo could not trace the block as one graph
+(DBRX's expert dispatch, a size read from data) and runs its checkpoint eagerly, whose
+replayed generator draws it again; cached, the tensor it writes into (``empty_like(x).
+uniform_()``, DBRX's router jitter) was refused by checkpoint as mutated.
 
 What eager mode checks around each block call (the op count, offloads through saved-tensor
 hooks) has no traced counterpart: a plan that offloads is refused under torch.compile."""
@@ -101,7 +105,7 @@ def aligned_contexts(policy):
     save = CheckpointPolicy.PREFER_SAVE if policy.prefer_save else CheckpointPolicy.MUST_SAVE
 
     def decide(ctx, op, *args, **kwargs):
-        if call_draws(op, args, kwargs):
+        if call_draws(op, args, kwargs) and not op._schema.is_mutable:
             return CheckpointPolicy.MUST_SAVE
         name = counterpart(str(op))  # an in-place op may be traced functionalized
         start = cursors[ctx.is_recompute]
