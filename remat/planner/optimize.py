@@ -149,7 +149,8 @@ def optimize(model: Any, budget: int | str | None = None, *,
             prepared = prepared.with_host_link(target_device(target).host_link,
                                                training.host_memory)
 
-        def solved(allowance_cut: int = 0, *, least: bool = False) -> Plan:
+        def solved(allowance_cut: int = 0, *, least: bool = False,
+                   fallback: bool = True) -> Plan:
             def made(chosen):
                 if execution == "eager":
                     plan = plan_eager_mode(model, prepared, budget=whole,
@@ -170,17 +171,37 @@ def optimize(model: Any, budget: int | str | None = None, *,
                                      solver=solver, solver_options=chosen,
                                      allowance_cut=allowance_cut)
 
-            if not least or (options is not None and options.deterministic is not None):
-                return made(options)
+            if not least:
+                return remembered(allowance_cut, options, made)
             # The plan of the least simulated peak, read under Inductor, is the least a
             # BudgetError names: made in deterministic mode, the same plan (and reading) comes
             # back when that figure is asked for, where the same least peak is found again.
             # Deterministic mode searches less (one worker): where it finds no plan at that
-            # peak, the wall-clock search's stands.
+            # peak, the wall-clock search's stands (`fallback`).
+            chosen = options
+            if options is None or options.deterministic is None:
+                chosen = dataclasses.replace(options or SolverOptions(), deterministic=True)
             try:
-                return made(dataclasses.replace(options or SolverOptions(), deterministic=True))
+                return remembered(allowance_cut, chosen, made)
             except BudgetError:
-                return made(options)
+                if not fallback or chosen is options:
+                    raise
+                return remembered(allowance_cut, options, made)
+
+        # Each solve made once: the least-peak search asked again in the options' own mode
+        # (deterministic set by the caller) is the solve already made.
+        solves: dict = {}
+
+        def remembered(allowance_cut: int, chosen: Any, made: Callable[[Any], Plan]) -> Plan:
+            key = (allowance_cut, None if chosen is None else chosen.deterministic)
+            if key not in solves:
+                try:
+                    solves[key] = made(chosen)
+                except BudgetError as e:
+                    solves[key] = e
+            if isinstance(solves[key], BudgetError):
+                raise solves[key]
+            return solves[key]
 
         if not compile:
             return solved()

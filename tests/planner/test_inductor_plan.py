@@ -215,6 +215,41 @@ def test_the_least_plan_falls_back_to_the_wall_clock_search(monkeypatch):
     assert modes[-2:] == [True, None]
 
 
+def test_the_least_plan_does_not_follow_the_wall_clock_search(monkeypatch):
+    """The wall-clock search's least moves with the machine's load (a loaded search finds a
+    worse one); the plan read for a budget below the least is the one at the deterministic
+    search's least, the same whatever the wall-clock search named. The wall-clock search is
+    played by a refusal naming a least of our choosing; deterministic mode gets the time it
+    needs (1 deterministic second) and a wall clock 30 times that, which no load here cuts."""
+    import remat.planner.optimize as optimize_module
+
+    model, inputs = models.gpt()
+    plan_prepared = optimize_module.plan_prepared
+    save_all = save_all_peak(model, inputs)
+    made = []
+
+    def loaded(named):
+        def solve(*args, **kwargs):
+            if kwargs["solver_options"].deterministic is None:
+                raise BudgetError("the wall-clock search, loaded", budget=1, smallest=named)
+            plan = plan_prepared(*args, **kwargs)
+            made.append((named, plan.activation_peak, plan.schedule.saved,
+                         plan.schedule.recomputed))
+            return plan
+        return solve
+
+    options = SolverOptions(time_limit=30, deterministic_time=1)
+    for named in (save_all // 2, save_all * 3 // 4):
+        monkeypatch.setattr(optimize_module, "plan_prepared", loaded(named))
+        injected(monkeypatch, [2])  # over the budget: the least plan read, then refused
+        with pytest.raises(BudgetError, match="compiled, read"):
+            remat.optimize(model, activation_budget=1, example_inputs=inputs, compile=True,
+                           solver_options=options)
+    assert [m[0] for m in made] == [save_all // 2, save_all * 3 // 4]  # one plan read in each
+    assert made[0][1:] == made[1][1:]
+    assert made[0][1] < save_all // 2
+
+
 @pytest.mark.parametrize("second_fits", [True, False])
 def test_room_a_reading_leaves_is_given_back_while_it_gains(monkeypatch, second_fits):
     """A plan that reads far below its budget under Inductor is made again with that room:
