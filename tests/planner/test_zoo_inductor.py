@@ -24,18 +24,24 @@ def test_the_inductor_rows_run_and_are_judged(monkeypatch):
     assert [r.mode for r in rows] == ["compiled", "eager", "inductor", "eager+compile"]
     compiled, eager, remat_compiled, applied = rows
     assert not any(r.error for r in rows), rows
-    # compile=True at the compiled row's budget; its reading (op by op here) is the prediction
+    # compile=True at the compiled row's budget; its reading (op by op here, where nothing is
+    # fused: at least the simulation, which counts fused values at no bytes) is the prediction
     assert remat_compiled.budget == compiled.budget
     assert remat_compiled.predicted <= remat_compiled.budget
-    assert remat_compiled.note.startswith(f"simulated {remat_compiled.predicted:,}")
     assert remat_compiled.allocator == remat_compiled.predicted
+    simulated = int(remat_compiled.note.removeprefix("simulated ").split(";")[0]
+                    .replace(",", ""))
+    assert simulated <= remat_compiled.predicted
     # an eager plan made with compile=True at the eager row's budget: its reading (of the
     # applied model, eagerly here) is the prediction, at most the eager timeline's
     assert applied.budget == eager.budget and applied.predicted <= applied.budget
     assert applied.allocator == applied.predicted
     simulated = int(applied.note.removeprefix("simulated ").split(";")[0].replace(",", ""))
     assert applied.predicted <= simulated
-    assert remat_compiled.grad_diff == applied.grad_diff == 0.0
+    assert applied.grad_diff == 0.0
+    # the compiled plan's loss backward makes the softmax from the logits and their
+    # log-sum-exp (remat.fx_passes.tracing.softmax_loss): a rounding away from eager's
+    assert remat_compiled.grad_diff < 1e-6
 
 
 def test_a_failed_mode_gives_its_inductor_row_a_cause():

@@ -61,8 +61,9 @@ def match_problem(joint: fx.GraphModule, problem: Problem,
                              f"but {sorted(graph_inputs)} in the graph{advice}")
         graph_bytes = _storage_bytes(node)
         # An output's size may count the gradient seed of the backward too (lower's
-        # `_with_seeds`).
-        own = op.size - problem.source.get("seeds", {}).get(op.name, 0)
+        # `_with_seeds`); a value Inductor fuses away counts none (lowering.fusion).
+        own = (op.size - problem.source.get("seeds", {}).get(op.name, 0)
+               + problem.source.get("fused", {}).get(op.name, 0))
         if isinstance(graph_bytes, torch.SymInt) and in_names(graph_bytes, names).isdigit():
             # Symbolic in type only: a constant once the shape environment's replacements are
             # made (a size a check fixed), compared as the number it is.

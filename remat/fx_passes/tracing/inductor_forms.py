@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 from torch import fx
 
-__all__ = ["FORWARD_KEY", "inductor_forms"]
+__all__ = ["FORWARD_KEY", "inductor_forms", "undetached"]
 
 # Set on a node of the backward's that the lowering makes a forward op (lower.phases).
 FORWARD_KEY = "remat_forward"
@@ -158,7 +158,7 @@ def _mark_forward(graph: fx.Graph, new: list[fx.Node], tangents: set[str]) -> No
         if node not in reached:
             # AOTAutograd hands the backward a forward value through detach nodes of its own:
             # the mask reads the value itself, so that it can run where the value is made.
-            node.args = fx.node.map_arg(node.args, _undetached)
+            node.args = fx.node.map_arg(node.args, undetached)
         inputs = node.all_input_nodes
         if not inputs or any(a in reached or (a in added and FORWARD_KEY not in a.meta)
                              for a in inputs):
@@ -170,7 +170,7 @@ def _mark_forward(graph: fx.Graph, new: list[fx.Node], tangents: set[str]) -> No
         max(inputs, key=position.__getitem__).append(node)
 
 
-def _undetached(node: fx.Node) -> fx.Node:
+def undetached(node: fx.Node) -> fx.Node:
     while node.op == "call_function" and node.target in (_aten.detach.default,
                                                           _aten.alias.default):
         node = node.args[0]

@@ -7,6 +7,7 @@ from torch import fx
 
 from remat.fx_passes.tracing.inductor_forms import inductor_forms
 from remat.fx_passes.tracing.rng import snapshot_random_ops
+from remat.fx_passes.tracing.softmax_loss import read_from_logits
 from remat.fx_passes.tracing.unbacked import bound_data_dependent
 
 __all__ = ["drop_unused_running_stats", "prepare_joint"]
@@ -17,12 +18,14 @@ def prepare_joint(joint: fx.GraphModule, label: str = "the model", *,
     """The passes every joint graph gets, when it is captured and when a plan is applied to it,
     so that the problem and the graph it runs on agree: sizes that depend on the data at their
     worst case (`remat.fx_passes.tracing.unbacked`); for a plan Inductor compiles
-    (`inductor`), Inductor's forms (`remat.fx_passes.tracing.inductor_forms`)."""
+    (`inductor`), Inductor's forms (`remat.fx_passes.tracing.inductor_forms`) and log-softmax's
+    backward read from the logits (`remat.fx_passes.tracing.softmax_loss`)."""
     bound_data_dependent(joint, label)
     drop_unused_running_stats(joint)
     snapshot_random_ops(joint)
     if inductor:
         inductor_forms(joint)
+        read_from_logits(joint)
 
 
 def drop_unused_running_stats(joint: fx.GraphModule) -> None:

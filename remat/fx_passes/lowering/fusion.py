@@ -1,0 +1,112 @@
+"""Values Inductor fuses away, counted at no bytes in a compiled plan's problem.
+
+Inductor keeps a pointwise op's result out of memory where it can compute it inside the
+kernels that read it: a pointwise or reduction reader inlines the expression, so the value is
+never a buffer. Op by op each is a tensor the simulator holds from its op to its last reader.
+On the Llama of `benchmarks/inductor.py` (8 layers, hidden 256, vocab 4096) every compiled
+plan read below its simulation under Inductor, by 3 MiB where its peak is in the blocks and by
+16 MiB (one logits-sized tensor: log-softmax's output, fused with the loss) where it is at the
+loss, so the simulation ordered plans otherwise than the allocator did, and a budget below the
+least simulated peak was refused where another plan would have stood.
+
+`fused_ops(problem, nodes)` names the ops counted at no bytes (`with_fused`) in a problem for a
+plan Inductor compiles: an op whose value
+- is made by a pointwise op (tagged ``pointwise``, or a softmax, log-softmax or the negative
+  log-likelihood's backward, which Inductor decomposes into pointwise expressions over
+  reductions), draws nothing, and is neither an output nor returned by the forward;
+- is read only in its own phase, so never saved for the backward: a forward value the
+  backward needs is a buffer when saved, and a plan decides that, not the lowering (such
+  values keep their bytes, recomputed or not: counted, not fused, which overstates);
+- is read by at most `MAX_READERS` ops, each pointwise or a reduction (a matmul, a
+  convolution or attention, kernels outside Inductor's, read buffers), through views only.
+
+What the rule misses is left to the reading: `remat.planner.plans.inductor_check` accepts a
+compiled plan on the allocator's reading of its step, and plans again where it reads over the
+budget. Inductor also realizes a value read by several kernels when inlining it into each
+would repeat too much work; `MAX_READERS` keeps to the values it inlines.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Sequence
+
+import torch
+from torch import fx
+
+from remat.solvers.core.problem import Kind, Problem
+
+__all__ = ["MAX_READERS", "fused_ops", "with_fused"]
+
+# Readers of a value Inductor inlines: Inductor realizes a value on reuse only when inlining
+# it repeats more reads or operations than its thresholds allow (torch._inductor.config's
+# realize_reads_threshold, 4, and realize_opcount_threshold, 30).
+MAX_READERS = 2
+
+_aten = torch.ops.aten
+
+
+def _softmax_like() -> frozenset:
+    """Ops Inductor decomposes into pointwise expressions over reductions: their values are
+    inlined into readers as a pointwise op's are."""
+    return frozenset({_aten._log_softmax.default, _aten._softmax.default,
+                      _aten.nll_loss_backward.default})
+
+
+def _fusing_readers() -> frozenset:
+    """Ops outside the pointwise and reduction tags that Inductor lowers to loops reading their
+    inputs inline."""
+    return frozenset({_aten.nll_loss_forward.default, _aten._log_softmax.default,
+                      _aten._softmax.default, _aten._log_softmax_backward_data.default,
+                      _aten._softmax_backward_data.default})
+
+
+def _tagged(target: object, *tags: torch.Tag) -> bool:
+    return any(tag in getattr(target, "tags", ()) for tag in tags)
+
+
+def _fusible(node: fx.Node) -> bool:
+    target = node.target
+    if _tagged(target, torch.Tag.nondeterministic_seeded, torch.Tag.inplace):
+        return False
+    return _tagged(target, torch.Tag.pointwise) or target in _softmax_like()
+
+
+def _inlines(node: fx.Node) -> bool:
+    target = node.target
+    if _tagged(target, torch.Tag.inplace):
+        return False
+    return (_tagged(target, torch.Tag.pointwise, torch.Tag.reduction)
+            or target in _fusing_readers())
+
+
+def fused_ops(problem: Problem, nodes: Sequence[fx.Node]) -> frozenset[int]:
+    """The ops of `problem` (`nodes[i]` the fx node of op i) whose values Inductor keeps out of
+    memory, by the module's rule."""
+    candidates = set(problem.candidates)
+    fused = set()
+    for i, op in enumerate(problem.ops):
+        if (op.kind is not Kind.TENSOR or op.size == 0 or op.is_output or op.forward_output
+                or i in candidates or problem.root[i] != i or not _fusible(nodes[i])):
+            continue
+        readers = problem.storage_readers[i]
+        aliases = [j for j in problem.users[i] if problem.root[j] == i]
+        if not readers or len(readers) > MAX_READERS:
+            continue
+        if any(problem.ops[j].phase is not op.phase or not _inlines(nodes[j])
+               for j in readers):
+            continue
+        if any(_tagged(nodes[j].target, torch.Tag.inplace) for j in aliases):
+            continue
+        fused.add(i)
+    return frozenset(fused)
+
+
+def with_fused(problem: Problem, fused: frozenset[int]) -> Problem:
+    """`problem` with the values of `fused` at no bytes; their bytes unfused kept in its source
+    by name (``source["fused"]``), which the rewrite checks against the graph's."""
+    if not fused:
+        return problem
+    ops = tuple(replace(op, size=0) if i in fused else op for i, op in enumerate(problem.ops))
+    source = dict(problem.source,
+                  fused={problem.ops[i].name: problem.ops[i].size for i in sorted(fused)})
+    return replace(problem, ops=ops, source=source)
