@@ -64,16 +64,24 @@ def _tagged(target: object, *tags: torch.Tag) -> bool:
     return any(tag in getattr(target, "tags", ()) for tag in tags)
 
 
+def _writes(target: object) -> bool:
+    """Whether the op writes into an argument (an in-place op; torch 2.11 has no ``inplace``
+    tag, so read from the schema)."""
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(a.alias_info is not None and a.alias_info.is_write
+                                      for a in schema.arguments)
+
+
 def _fusible(node: fx.Node) -> bool:
     target = node.target
-    if _tagged(target, torch.Tag.nondeterministic_seeded, torch.Tag.inplace):
+    if _writes(target) or _tagged(target, torch.Tag.nondeterministic_seeded):
         return False
     return _tagged(target, torch.Tag.pointwise) or target in _softmax_like()
 
 
 def _inlines(node: fx.Node) -> bool:
     target = node.target
-    if _tagged(target, torch.Tag.inplace):
+    if _writes(target):
         return False
     return (_tagged(target, torch.Tag.pointwise, torch.Tag.reduction)
             or target in _fusing_readers())
@@ -95,7 +103,7 @@ def fused_ops(problem: Problem, nodes: Sequence[fx.Node]) -> frozenset[int]:
         if any(problem.ops[j].phase is not op.phase or not _inlines(nodes[j])
                for j in readers):
             continue
-        if any(_tagged(nodes[j].target, torch.Tag.inplace) for j in aliases):
+        if any(_writes(nodes[j].target) for j in aliases):
             continue
         fused.add(i)
     return frozenset(fused)
