@@ -66,8 +66,7 @@ def _alike(a: Any, b: Any) -> bool:
 def _rewrite(graph: fx.Graph, node: fx.Node, grad: fx.Node, logits: fx.Node, out: fx.Node,
              dim: int, dtype: torch.dtype) -> None:
     def call(target: Any, args: tuple, name: str) -> fx.Node:
-        new = graph.call_function(target, args)
-        new.name = graph._graph_namespace.create_name(f"{node.name}_{name}", None)
+        new = graph.create_node("call_function", target, args, name=f"{node.name}_{name}")
         values = fx.node.map_arg(args, lambda a: a.meta["val"])
         with fake_mode:
             new.meta["val"] = target(*values)
