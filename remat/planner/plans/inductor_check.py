@@ -1,11 +1,12 @@
 """A compiled plan run by Inductor, accepted only on the allocator's reading of its step.
 
-`optimize(..., compile=True)` plans the joint graph op by op, as for `compile=False`, then
+`optimize(..., compile=True)` plans the joint graph as for `compile=False`, in Inductor's forms
+and with the values Inductor fuses away at no bytes (`remat.fx_passes.lowering.fusion`), then
 hands the partitioned graphs to Inductor (`remat.fx_passes.compiled.inductor`) and runs one
 training step on the example inputs under the allocator (torch.profiler's memory events on
-the CPU, ``max_memory_allocated`` on CUDA). Inductor fuses pointwise chains (their
-intermediates never reach memory) and plans its own buffers, so its peak is not the
-simulator's: below it on some plans, above on others (`benchmarks/inductor.py`). So the
+the CPU, ``max_memory_allocated`` on CUDA). Inductor fuses more than that count knows (a
+recomputed pointwise chain into its backward reader) and plans its own buffers, so its peak
+is not the simulator's: below it on some plans, above on others (`benchmarks/inductor.py`). So the
 reading decides, and is the plan's activation peak (`StepMemory.compiled_excess`, the
 difference, negative where Inductor reads below): what the report shows is what the
 allocator saw.
@@ -113,10 +114,11 @@ class InductorCheck:
                         "simulation, to recompute less")
         elif last.allowance_cut < 0:
             repaired = (f"; the plan of the least simulated peak, "
-                        f"{format_size(-last.allowance_cut)} over the budget op by op")
+                        f"{format_size(-last.allowance_cut)} over the budget as simulated")
         return (f"compiled by Inductor: one step read {format_size(last.measured)} of "
                 f"activations by the allocator against {format_size(last.predicted)} simulated "
-                f"op by op ({verdict}; the activation peak is the reading){repaired}")
+                f"(what Inductor fuses away counted at no bytes; {verdict}; the activation "
+                f"peak is the reading){repaired}")
 
     def to_dict(self) -> dict:
         return {"readings": [dataclasses.asdict(r) for r in self.readings]}
