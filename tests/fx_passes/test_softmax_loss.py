@@ -128,3 +128,35 @@ def test_the_fused_simulation_is_nearer_inductors_allocator():
     assert abs(measured - fused) < abs(measured - counted), (measured, fused, counted)
     assert counted - fused >= problem.source["fused"][
         problem.ops[only(problem, "aten._log_softmax.default")].name]
+
+
+class Head(torch.nn.Module):
+    """A head and a cross-entropy of the kind Hugging Face models compute (the logits made
+    float32 first, the loss summed), with label smoothing: log-softmax's output also read by
+    the smoothing's sum."""
+
+    def __init__(self, reduction: str, smoothing: float):
+        super().__init__()
+        self.head = torch.nn.Linear(16, 64)
+        self.reduction, self.smoothing = reduction, smoothing
+
+    def forward(self, x, targets):
+        logits = self.head(torch.tanh(x)).float()
+        return torch.nn.functional.cross_entropy(
+            logits.view(-1, 64), targets.view(-1), reduction=self.reduction,
+            label_smoothing=self.smoothing)
+
+
+@pytest.mark.parametrize("reduction,smoothing", [("sum", 0.0), ("mean", 0.1)])
+def test_other_cross_entropies_keep_eager_gradients(reduction, smoothing):
+    torch.manual_seed(0)
+    model = Head(reduction, smoothing)
+    x, targets = torch.randn(4, 8, 16), torch.randint(0, 64, (4, 8))
+    targets[0, :3] = -100
+    problem = lower(capture(model, (x, targets), inductor=True))
+    assert "aten._log_softmax_backward_data.default" not in [op.target for op in problem.ops]
+    eager, planned = copy.deepcopy(model), copy.deepcopy(model)
+    module = planned_module(planned, problem, make_schedule(problem, (), budget=None))
+    module(x, targets).backward()
+    eager(x, targets).backward()
+    assert relative_grad_gap(planned, eager) <= REORDERED_SUMS

@@ -46,9 +46,10 @@ def read_from_logits(gm: fx.GraphModule) -> bool:
         if out.op != "call_function" or out.target is not _aten._log_softmax.default:
             continue
         logits = out.args[0]
-        if not _alike(logits, out):
+        fake_mode = torch._guards.detect_fake_mode([out.meta.get("val")])
+        if not _alike(logits, out) or not isinstance(grad, fx.Node) or fake_mode is None:
             continue
-        _rewrite(graph, node, grad, logits, out, dim, dtype)
+        _rewrite(graph, node, grad, logits, out, dim, dtype, fake_mode)
         _drop_unread(out_read)
         changed = True
     if changed:
@@ -64,7 +65,7 @@ def _alike(a: Any, b: Any) -> bool:
 
 
 def _rewrite(graph: fx.Graph, node: fx.Node, grad: fx.Node, logits: fx.Node, out: fx.Node,
-             dim: int, dtype: torch.dtype) -> None:
+             dim: int, dtype: torch.dtype, fake_mode: Any) -> None:
     def call(target: Any, args: tuple, name: str) -> fx.Node:
         new = graph.create_node("call_function", target, args, name=f"{node.name}_{name}")
         values = fx.node.map_arg(args, lambda a: a.meta["val"])
@@ -75,7 +76,6 @@ def _rewrite(graph: fx.Graph, node: fx.Node, grad: fx.Node, logits: fx.Node, out
                 new.meta[key] = node.meta[key]
         return new
 
-    fake_mode = torch._guards.detect_fake_mode([grad.meta["val"], out.meta["val"]])
     with graph.inserting_after(out):
         lse = call(_aten.logsumexp.default, (logits, [dim], True), "lse")
     lse.meta[FORWARD_KEY] = True  # a forward value: the lowering keeps it there
