@@ -23,7 +23,10 @@ plan Inductor compiles: an op whose value
 What the rule misses is left to the reading: `remat.planner.plans.inductor_check` accepts a
 compiled plan on the allocator's reading of its step, and plans again where it reads over the
 budget. Inductor also realizes a value read by several kernels when inlining it into each
-would repeat too much work; `MAX_READERS` keeps to the values it inlines.
+would repeat too much work; `MAX_READERS` keeps to the values it inlines. On the CPU it
+realizes such a value too where its expression computes exp, log, sigmoid or tanh
+(``should_realize_on_reuse`` in torch/_inductor/ir.py); the rule does not model that (on the
+Qwen2 of `benchmarks/inductor.py` it would fuse the same 134 values).
 """
 from __future__ import annotations
 
@@ -45,20 +48,16 @@ MAX_READERS = 2
 _aten = torch.ops.aten
 
 
-def _softmax_like() -> frozenset:
-    """Ops Inductor decomposes into pointwise expressions over reductions: their values are
-    inlined into readers as a pointwise op's are. Not ``nll_loss_backward``: its decomposition
-    scatters into zeros, and Inductor on the CPU kept that a buffer (the zoo's Llama, a
-    save-all plan: read 407,324 B against 382,500 simulated with it fused, 405,864 without)."""
-    return frozenset({_aten._log_softmax.default, _aten._softmax.default})
-
-
-def _fusing_readers() -> frozenset:
-    """Ops outside the pointwise and reduction tags that Inductor lowers to loops reading their
-    inputs inline."""
-    return frozenset({_aten.nll_loss_forward.default, _aten._log_softmax.default,
-                      _aten._softmax.default, _aten._log_softmax_backward_data.default,
-                      _aten._softmax_backward_data.default})
+# Ops Inductor decomposes into pointwise expressions over reductions: their values are inlined
+# into readers as a pointwise op's are. Not nll_loss_backward: its decomposition scatters into
+# zeros, and Inductor on the CPU kept that a buffer (the zoo's Llama, a save-all plan: read
+# 407,324 B against 382,500 simulated with it fused, 405,864 without).
+_SOFTMAX_LIKE = frozenset({_aten._log_softmax.default, _aten._softmax.default})
+# Ops outside the pointwise and reduction tags that Inductor lowers to loops reading their
+# inputs inline.
+_FUSING_READERS = frozenset({_aten.nll_loss_forward.default, _aten._log_softmax.default,
+                             _aten._softmax.default, _aten._log_softmax_backward_data.default,
+                             _aten._softmax_backward_data.default})
 
 
 def _tagged(target: object, *tags: torch.Tag) -> bool:
@@ -77,7 +76,7 @@ def _fusible(node: fx.Node) -> bool:
     target = node.target
     if _writes(target) or _tagged(target, torch.Tag.nondeterministic_seeded):
         return False
-    return _tagged(target, torch.Tag.pointwise) or target in _softmax_like()
+    return _tagged(target, torch.Tag.pointwise) or target in _SOFTMAX_LIKE
 
 
 def _inlines(node: fx.Node) -> bool:
@@ -85,7 +84,7 @@ def _inlines(node: fx.Node) -> bool:
     if _writes(target):
         return False
     return (_tagged(target, torch.Tag.pointwise, torch.Tag.reduction)
-            or target in _fusing_readers())
+            or target in _FUSING_READERS)
 
 
 def fused_ops(problem: Problem, nodes: Sequence[fx.Node]) -> frozenset[int]:
