@@ -89,6 +89,13 @@ def conv_heavy(problem: Any) -> bool:
     return convolutions > 0 and nodes < 300 * convolutions
 
 
+# The most positions apart (in Inductor's node order) two kernels fuse horizontally: 1, next
+# to each other (module doc). At 4 or 16 the Qwen2's masks fused as without the rule (33.39
+# MB read); at 1 a Llama plan at 66,485,264 B reads 1 MiB above its simulation, which it
+# met to 4 bytes at 4 (`benchmarks/inductor.py`'s cases, a script not in the repository).
+HORIZONTAL_REACH = 1
+
+
 def _plan_keeping_choices() -> Any:
     """Inductor's heuristics (its current choices handler) with horizontal fusion limited to
     adjacent kernels (module doc)."""
@@ -102,7 +109,7 @@ def _plan_keeping_choices() -> Any:
                                 shared_data_score: int) -> bool:
             # Kernels between them would run with the later one's outputs already made.
             between = max(node2.min_order - node1.max_order, node1.min_order - node2.max_order)
-            if between > 1:
+            if between > HORIZONTAL_REACH:
                 return False
             return base.can_fuse_horizontal(scheduler, node1, node2, shared_data_score)
 
