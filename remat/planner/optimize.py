@@ -87,7 +87,10 @@ def optimize(model: Any, budget: int | str | None = None, *,
     readers (``SolverOptions(free_positions=False)``), where Inductor's fused step reads the
     most predictably, and the least recompute FLOPs is the objective (``objective="flops"``,
     seconds breaking ties): Inductor fuses a recomputed pointwise op into its reader, so what
-    costs time is what costs FLOPs. A plan file keeps the choice.
+    costs time is what costs FLOPs. Where it fuses one into every reader, the recomputation
+    costs nothing and holds no memory in the plan, and a saved one whose inputs the plan saves
+    anyway is recomputed instead (docs/execution-model.md, "Fused recomputations"). A plan
+    file keeps the choice.
 
     `compile=True` with execution="eager": the eager plan is accepted on the allocator's
     reading of ``torch.compile(plan.apply(model))`` (torch.compile's defaults, Inductor's

@@ -26,6 +26,7 @@ from remat.solvers.eager.search import optimal_eager
 from remat.solvers.timeline.eager import eager_schedule
 from remat.solvers.timeline.eager_blocks import EagerBlocks
 from remat.solvers.timeline.evaluate import check_host_memory, evaluate
+from remat.solvers.timeline.free_recompute import take_free_recomputations
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +75,13 @@ def solve(problem: Problem, budget: int, strategy: Strategy | str = Strategy.OPT
     start = time.perf_counter()
     costed = with_objective(problem, options.objective)
     if costed is problem:
-        schedule = fn(problem, budget, options)
+        schedule = take_free_recomputations(problem, fn(problem, budget, options), budget)
     else:
         if options.hint is not None:
             options = replace(options, hint=evaluate(costed, options.hint))
         try:
-            schedule = _in_problem_units(problem, fn(costed, budget, options), options.objective)
+            schedule = take_free_recomputations(costed, fn(costed, budget, options), budget)
+            schedule = _in_problem_units(problem, schedule, options.objective)
         except BudgetError as e:
             if e.schedule is not None:
                 e.schedule = _in_problem_units(problem, e.schedule, options.objective)

@@ -17,7 +17,7 @@ from remat.fx_passes.compiled.planned import planned_module
 from remat.fx_passes.lowering.lower import lower
 from remat.fx_passes.measuring.allocator import step_peak
 from remat.fx_passes.tracing.capture import capture
-from remat.solvers import SolverOptions, simulate
+from remat.solvers import SolverOptions, simulate, solve
 from remat.solvers.core.problem import Phase
 from remat.solvers.timeline.evaluate import make_schedule
 from tests import models
@@ -91,6 +91,26 @@ def test_the_forms_run_op_by_op_with_eager_gradients():
                                                     for i in schedule.recomputed}
 
 
+def relu_of_mask(problem, mask: int) -> int:
+    return problem.root[problem.ops[mask].inputs[0]]
+
+
+def test_masks_are_recomputed_for_free_where_their_relu_outputs_are_saved():
+    problem = lowered(True)
+    masks = {i for i in range(problem.num_forward) if problem.ops[i].target == "aten.le.Scalar"}
+    # Each mask's one reader, a where in ReLU's backward, computes it inside its own kernel.
+    assert problem.fused_recomputations == masks
+    assert set(problem.source["free_recompute"]) == {problem.ops[i].name for i in masks}
+    assert all(problem.ops[i].cost == 0 and problem.source["free_recompute"][problem.ops[i].name]
+               > 0 for i in masks)
+    # Save-all then saves a mask only where its ReLU output is not saved (it is concatenated
+    # into the decoder's input, which is saved instead).
+    schedule = solve(problem, 10**12, "save_all")
+    assert schedule.info["free_recomputations"] > 0
+    for i in masks:
+        assert (i in schedule.saved) != (relu_of_mask(problem, i) in schedule.saved)
+
+
 def test_convolutional_graphs_keep_inductors_layout_optimization():
     assert conv_heavy(lowered(True))
     model, inputs = models.mlp(batch=4, width=16, depth=2)
@@ -109,7 +129,12 @@ def test_a_compiled_unet_plan_fits_by_the_allocator_and_trains_as_eager():
     del loss
     grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters())
     assert peak - grads <= plan.activation_peak
-    # Masks crossed to the backward (the plan's own compile, the step above ran it).
-    assert any(name.endswith("_le") for name in plan.module.partition.saved)
+    # Masks crossed to the backward (the plan's own compile, the step above ran it), none
+    # beside the ReLU output it is computed from.
+    saved = plan.module.partition.saved
+    masks = [i for i, op in enumerate(plan.problem.ops) if op.name in saved
+             and op.target == "aten.le.Scalar"]
+    assert masks and all(plan.problem.ops[relu_of_mask(plan.problem, i)].name not in saved
+                         for i in masks)
     eager(*inputs).backward()
     assert relative_grad_gap(model, eager) <= CHANNELS_LAST_SUMS

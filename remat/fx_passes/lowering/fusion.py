@@ -20,6 +20,14 @@ plan Inductor compiles: an op whose value
 - is read by at most `MAX_READERS` ops, each pointwise or a reduction (a matmul, a
   convolution or attention, kernels outside Inductor's, read buffers), through views only.
 
+`free_recomputations(problem, nodes)` names the forward values the backward may need whose
+recomputation Inductor fuses into their readers: the same pointwise values, every reader of
+which (at most `MAX_READERS` in each phase) inlines them, whatever the phase (ReLU's masks,
+read by the where of its backward; SiLU's output, read by a product in each phase). Saved, such
+a value is a buffer; recomputed, its readers compute it from its inputs, with no kernel or
+memory of its own. `with_free_recomputations` gives those recomputations no cost, and the
+simulator holds a recomputed copy of one at no bytes (`Problem.fused_recomputations`).
+
 What the rule misses is left to the reading: `remat.planner.plans.inductor_check` accepts a
 compiled plan on the allocator's reading of its step, and plans again where it reads over the
 budget. Inductor also realizes a value read by several kernels when inlining it into each
@@ -38,7 +46,8 @@ from torch import fx
 
 from remat.solvers.core.problem import Kind, Problem
 
-__all__ = ["MAX_READERS", "fused_ops", "with_fused"]
+__all__ = ["MAX_READERS", "free_recomputations", "fused_ops", "with_free_recomputations",
+           "with_fused"]
 
 # Readers of a value Inductor inlines: Inductor realizes a value on reuse only when inlining
 # it repeats more reads or operations than its thresholds allow (torch._inductor.config's
@@ -117,4 +126,42 @@ def with_fused(problem: Problem, fused: frozenset[int]) -> Problem:
     ops = tuple(replace(op, size=0) if i in fused else op for i, op in enumerate(problem.ops))
     source = dict(problem.source,
                   fused={problem.ops[i].name: problem.ops[i].size for i in sorted(fused)})
+    return replace(problem, ops=ops, source=source)
+
+
+def free_recomputations(problem: Problem, nodes: Sequence[fx.Node]) -> frozenset[int]:
+    """The forward values of `problem` whose recomputation Inductor fuses into the backward
+    kernels that read them: values of pointwise ops by the rule of `fused_ops`, saved or not as
+    a plan decides, every reader of which (at most `MAX_READERS` in each phase) inlines them.
+    Recomputed, such a value has no kernel of its own and never reaches memory: its readers
+    compute it from its inputs."""
+    fusible = set()
+    for v in problem.candidates:
+        op = problem.ops[v]
+        if (op.kind is not Kind.TENSOR or op.size == 0 or op.is_output or op.forward_output
+                or problem.root[v] != v or not _fusible(nodes[v])):
+            continue
+        readers = problem.storage_readers[v]
+        backward = [j for j in readers if problem.ops[j].phase is not op.phase]
+        forward = len(readers) - len(backward)
+        if not backward or len(backward) > MAX_READERS or forward > MAX_READERS:
+            continue
+        if not all(_inlines(nodes[j]) for j in readers):
+            continue
+        if any(_writes(nodes[j].target) for j in problem.users[v] if problem.root[j] == v):
+            continue
+        fusible.add(v)
+    return frozenset(fusible)
+
+
+def with_free_recomputations(problem: Problem, free: frozenset[int]) -> Problem:
+    """`problem` with the recomputations of `free` at no cost (a recomputed copy of one is
+    computed inside its readers' kernels); their measured seconds kept in its source by name
+    (``source["free_recompute"]``): the forward still runs them, and the report's step time
+    counts them."""
+    if not free:
+        return problem
+    ops = tuple(replace(op, cost=0.0) if i in free else op for i, op in enumerate(problem.ops))
+    source = dict(problem.source,
+                  free_recompute={problem.ops[i].name: problem.ops[i].cost for i in sorted(free)})
     return replace(problem, ops=ops, source=source)

@@ -45,7 +45,8 @@ from torch import fx
 from remat.fx_passes.tracing.capture import Captured
 from remat.fx_passes.tracing.dynamic import is_size_arithmetic
 from remat.fx_passes.tracing.inductor_forms import FORWARD_KEY
-from remat.fx_passes.lowering.fusion import fused_ops, with_fused
+from remat.fx_passes.lowering.fusion import (free_recomputations, fused_ops,
+                                             with_free_recomputations, with_fused)
 from remat.fx_passes.measuring.profile_pass import profile as run_profile
 from remat.fx_passes.tracing.names import target_name
 from remat.fx_passes.tracing.rng import RandomOp, draws, has_side_effects, rng_state, state_bytes
@@ -275,6 +276,7 @@ def lower(captured: Captured, *, target="h100", measure: bool = False,
     problem = Problem(tuple(ops), name=captured.model_name, source=source)
     if captured.inductor:  # what Inductor fuses away holds no memory in its step
         problem = with_fused(problem, fused_ops(problem, order))
+        problem = with_free_recomputations(problem, free_recomputations(problem, order))
     log.info("lowered %s: %d ops (%d forward)", captured.model_name, len(problem),
              problem.num_forward)
     return problem

@@ -233,11 +233,17 @@ def kept_tensors(problem: Problem, schedule: Schedule, top: int = 5) -> tuple[Ke
                  for v in largest)
 
 
+def _fused_away(problem: Problem) -> float:
+    """Seconds of the forward ops a compiled plan's problem costs at nothing because their
+    recomputations are fused away (``source["free_recompute"]``): the forward still runs them."""
+    return sum((problem.source.get("free_recompute") or {}).values())
+
+
 def price(problem: Problem, schedule: Schedule, *, device: str, peak_flops: float | None,
           time_source: str) -> Price:
     exposed = schedule.exposed_time
     return Price(model_flops=problem.total_flops, recompute_flops=schedule.recompute_flops,
-                 step_time=problem.total_cost + schedule.cost,
+                 step_time=problem.total_cost + schedule.cost + _fused_away(problem),
                  recompute_time=schedule.cost - exposed, device=device, peak_flops=peak_flops,
                  time_source=time_source,
                  offloaded_bytes=sum(problem.ops[v].size for v in schedule.offload_at),

@@ -13,6 +13,9 @@ docs/execution-model.md and nothing else:
   backward (recomputations included). Any other forward storage dies after its last forward
   reader; a recomputed one lives again from its recomputation to its last backward reader.
 - Outputs (and the bases of output views) live to the end of the step.
+- A recomputed copy of a value that a compiled step fuses into its readers
+  (`Problem.fused_recomputations`) holds no bytes; its readers read its inputs instead, so
+  their storages live to those reads.
 - An op's `temp` bytes are live during its step only. A tuple op's temp is all its outputs;
   a tensor taken out of it (a getitem) is live from the step after the tuple op's.
 
@@ -37,8 +40,8 @@ from remat.solvers.core.schedule import Schedule
 from remat.solvers.timeline.overlap import transfers
 from remat.solvers.timeline.steps import StepKind
 
-__all__ = ["Copy", "Step", "StepKind", "Timeline", "copies_of", "holds", "simulate",
-           "step_order", "steps_of", "timeline_of"]
+__all__ = ["Copy", "Step", "StepKind", "Timeline", "copies_of", "fused_copies", "holds",
+           "simulate", "step_order", "steps_of", "timeline_of"]
 
 
 @dataclass(frozen=True)
@@ -120,9 +123,22 @@ def holds(problem: Problem, schedule: Schedule,
     once per copy (`copies_of`)."""
     order = step_order(problem, schedule) if order is None else order
     held = [(i, problem.ops[i].size, made, last) for i, made, last in _fixed_holds(problem, order)]
+    fused = fused_copies(problem, schedule)
     for v, copies in copies_of(problem, schedule, order).items():
-        held.extend((v, problem.ops[v].size, c.made, c.last) for c in copies)
+        held.extend((v, 0 if v in fused and c.kind is StepKind.RECOMPUTE else problem.ops[v].size,
+                     c.made, c.last) for c in copies)
     return held
+
+
+def fused_copies(problem: Problem, schedule: Schedule) -> frozenset[int]:
+    """The values whose one recomputed copy a compiled step fuses into its readers
+    (`Problem.fused_recomputations`): no bytes of its own, its reads served by its inputs.
+    Further copies (again, loads) are counted as any other value's."""
+    free = problem.fused_recomputations
+    if not free:
+        return frozenset()
+    return frozenset(v for v in schedule.recompute_at
+                     if v in free and v not in schedule.again and v not in schedule.offload_at)
 
 
 def simulate(problem: Problem, schedule: Schedule) -> Timeline:
@@ -211,6 +227,7 @@ def copies_of(problem: Problem, schedule: Schedule,
     for i, op in enumerate(ops):  # a forward output is read when the forward returns
         if op.forward_output:
             reads.setdefault(problem.root[i], []).append(end_of_forward)
+    _read_through_fused(problem, schedule, made, reads)
     result: dict[int, list[Copy]] = {}
     for v in range(nf):
         if problem.root[v] != v or ops[v].size == 0 or v in problem.pinned:
@@ -227,6 +244,19 @@ def copies_of(problem: Problem, schedule: Schedule,
     if schedule.offload_at:
         _until_copied(problem, schedule, order, result)
     return result
+
+
+def _read_through_fused(problem: Problem, schedule: Schedule, made: dict, reads: dict) -> None:
+    """A fused recomputed copy's readers compute it from its inputs: its reads after the
+    recomputation become reads of its input storages too (a fused input's in turn: later
+    values first)."""
+    nf = problem.num_forward
+    for v in sorted(fused_copies(problem, schedule), reverse=True):
+        recomputed = max(t for t, kind in made[v] if kind is StepKind.RECOMPUTE)
+        served = [r for r in reads.get(v, ()) if r > recomputed]
+        for s in problem.storage_inputs[v]:
+            if s < nf:
+                reads.setdefault(s, []).extend(served)
 
 
 def _until_copied(problem: Problem, schedule: Schedule, order, copies: dict[int, list[Copy]]

@@ -1,0 +1,83 @@
+"""Values a compiled step recomputes for free: their copies in the simulator
+(remat.solvers.timeline.simulate: no bytes, read through their inputs) and the saved ones
+recomputed after the solve (remat.solvers.timeline.free_recompute). The problem: a ReLU, its
+mask (the free value, computed inside its one backward reader from the ReLU output) and a
+convolution reading the ReLU output, whose backward keeps the output saved anyway."""
+import pytest
+
+from remat.solvers import Op, Phase, Problem, SolverOptions, make_schedule, simulate, solve
+from remat.solvers.timeline.free_recompute import take_free_recomputations
+
+F, B = Phase.FORWARD, Phase.BACKWARD
+
+
+def relu_and_mask(free_cost: float = 0.0, named: bool = True) -> Problem:
+    ops = (
+        Op("conv", F, (), 400, cost=1.0, flops=10),
+        Op("relu", F, (0,), 400, cost=1.0),
+        Op("mask", F, (1,), 100, cost=free_cost),
+        Op("conv2", F, (1,), 40, cost=1.0, flops=10),
+        Op("loss", F, (3,), 4, is_output=True),
+        # the second convolution's backward reads the ReLU output (its weight's gradient too);
+        # the ReLU's backward reads the mask
+        Op("g_relu", B, (4, 1), 400, cost=1.0, flops=20),
+        Op("g_weight", B, (5,), 400, cost=1.0, flops=20),
+        Op("g_conv", B, (5, 2), 10, cost=1.0),
+        Op("g_in", B, (7, 6), 10, cost=1.0, flops=20, is_output=True),
+    )
+    source = {"free_recompute": {"mask": 1.0}} if named else {}
+    return Problem(ops, source=source)
+
+
+def index(problem: Problem, name: str) -> int:
+    return [op.name for op in problem.ops].index(name)
+
+
+def test_the_named_values_at_no_cost_are_free():
+    assert relu_and_mask().fused_recomputations == {index(relu_and_mask(), "mask")}
+    assert not relu_and_mask(named=False).fused_recomputations
+    # Named, but costing something in this objective (a FLOPs cost): not free.
+    assert not relu_and_mask(free_cost=0.5).fused_recomputations
+
+
+def test_a_saved_mask_whose_relu_is_saved_is_recomputed_before_its_reader():
+    problem = relu_and_mask()
+    mask, relu = index(problem, "mask"), index(problem, "relu")
+    saving = make_schedule(problem, (), budget=None)
+    assert {mask, relu} <= saving.saved
+    taken = take_free_recomputations(problem, saving, budget=10**6)
+    assert taken.recomputed == {mask} and taken.saved == saving.saved - {mask}
+    assert taken.recompute_at[mask] == index(problem, "g_conv")
+    assert taken.cost == saving.cost and taken.info["free_recomputations"] == 1
+    assert taken.peak == simulate(problem, taken).peak <= 10**6
+
+
+def test_none_is_taken_above_the_budget():
+    problem = relu_and_mask()
+    saving = make_schedule(problem, (), budget=None)
+    recomputing = make_schedule(problem, {index(problem, "mask")}, budget=None)
+    # The ReLU output, held past the weight's gradient to the mask's reader (which computes
+    # the mask from it: the recomputed mask holds no bytes), outweighs the mask there: the
+    # peak rises (by hand: 914 bytes saving; 1,214 recomputing, at the mask's reader).
+    assert (saving.peak, recomputing.peak) == (914, 1214)
+    steps = simulate(problem, recomputing).steps
+    assert steps[-2].op == problem.index("g_conv") and steps[-2].live == 1214
+    assert take_free_recomputations(problem, saving, saving.peak) is saving
+    assert take_free_recomputations(problem, saving, recomputing.peak).peak == recomputing.peak
+
+
+def test_a_mask_whose_relu_is_recomputed_stays_saved():
+    problem = relu_and_mask()
+    schedule = make_schedule(problem, {index(problem, "relu")}, budget=None)
+    assert index(problem, "mask") in schedule.saved
+    assert take_free_recomputations(problem, schedule, 10**6) is schedule
+
+
+@pytest.mark.parametrize("objective", ["time", "flops"])
+def test_every_strategy_gets_them_through_solve(objective):
+    problem = relu_and_mask()
+    options = SolverOptions(objective=objective, time_limit=30)
+    for strategy in ("save_all", "optimal"):
+        schedule = solve(problem, 10**6, strategy, options)
+        assert index(problem, "mask") in schedule.recomputed, strategy
+        assert schedule.recompute_flops == 0 and schedule.cost == 0
