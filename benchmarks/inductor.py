@@ -12,7 +12,8 @@ of the same weights and batch:
   its op-by-op simulation;
 - `recompute`: FLOPs run again (torch.compile: the partitioned graphs' FLOPs less the joint
   graph's; remat: the plan's);
-- `step`: the fastest of five steps over plain eager's.
+- `step`: the fastest of `ROUNDS` steps over the fastest of as many of plain eager's, each
+  step beside one of eager's.
 `verdict` (remat rows): allocator <= the plan's peak <= budget, and the rows of torch.compile
 or per-block lower than it on both memory and recompute FLOPs (a peer that dominates).
 
@@ -51,6 +52,9 @@ from remat.solvers import SolverOptions  # noqa: E402
 MIB = 2**20
 # Each remat solve's limit in seconds (gpu_check.py lowers it to fit its device time).
 TIME_LIMIT = 60.0
+# Steps timed per row, each beside one of plain eager's (`measure`). Timed apart, fastest of
+# five, one U-Net plan read 1.02x of eager at one budget and 0.81x at the next a minute later.
+ROUNDS = 9
 
 
 @dataclass
@@ -86,8 +90,12 @@ def on(case: Case, device: str) -> Case:
                 {k: move(v) for k, v in case.kwargs.items()})
 
 
-def measure(case: Case, call: Callable) -> tuple[int, float]:
-    """(the allocator's activation peak of the third step, its fastest step in seconds)."""
+def measure(case: Case, call: Callable, eager: Callable[[], None] | None = None
+            ) -> tuple[int, float]:
+    """(the allocator's activation peak of the third step, the step's time over plain
+    eager's): the fastest of `ROUNDS` steps over the fastest of as many steps of `eager`
+    (plain eager's step), the two alternating, so that both see the machine as it is then.
+    Without `eager`, the step's own fastest in seconds."""
     model = case.model
     device = next(model.parameters()).device
     for _ in range(3):
@@ -105,7 +113,11 @@ def measure(case: Case, call: Callable) -> tuple[int, float]:
         loss_of(call(*case.args, **case.kwargs)).backward()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    return peak - grads, time_step(step)
+    if eager is None:
+        return peak - grads, time_step(step)
+    pairs = [(time_step(eager, repeat=1, warmup=0), time_step(step, repeat=1, warmup=0))
+             for _ in range(ROUNDS)]
+    return peak - grads, min(t for _, t in pairs) / min(t for t, _ in pairs)
 
 
 def graph_flops(gm: torch.fx.GraphModule) -> int:
@@ -127,7 +139,7 @@ def inductor_backend(partition_fn: Callable) -> Callable:
                         partition_fn=partition_fn, decompositions=select_decomp_table())
 
 
-def torch_compile_row(case: Case, fraction: float, eager_time: float) -> Row:
+def torch_compile_row(case: Case, fraction: float, eager: Callable[[], None]) -> Row:
     """torch.compile under activation_memory_budget=`fraction`, its recompute counted in the
     partitioned graphs."""
     from functorch.compile import min_cut_rematerialization_partition
@@ -144,31 +156,31 @@ def torch_compile_row(case: Case, fraction: float, eager_time: float) -> Row:
     torch._dynamo.reset()
     with torch._functorch.config.patch(activation_memory_budget=fraction):
         compiled = torch.compile(case.model, backend=backend)
-        peak, seconds = measure(case, compiled)
+        peak, ratio = measure(case, compiled, eager)
     torch._dynamo.reset()
     return Row(case.name, f"torch.compile {fraction:.1f}", peak,
-               counted["split"] - counted["joint"], seconds / eager_time)
+               counted["split"] - counted["joint"], ratio)
 
 
-def remat_row(case: Case, runner: str, eager_time: float, **options: Any) -> Row:
+def remat_row(case: Case, runner: str, eager: Callable[[], None], **options: Any) -> Row:
     torch._dynamo.reset()
     plan = remat.optimize(case.model, example_inputs=case.args, example_kwargs=case.kwargs,
                           compile=True, solver_options=SolverOptions(time_limit=TIME_LIMIT),
                           **options)
-    peak, seconds = measure(case, plan.module)
+    peak, ratio = measure(case, plan.module, eager)
     budget = options.get("activation_budget")
-    return Row(case.name, runner, peak, plan.recompute_flops, seconds / eager_time,
+    return Row(case.name, runner, peak, plan.recompute_flops, ratio,
                plan=plan.activation_peak, simulated=plan.inductor.predicted, budget=budget)
 
 
-def remat_least(case: Case, eager_time: float) -> Row:
+def remat_least(case: Case, eager: Callable[[], None]) -> Row:
     """remat at its least under Inductor: asked for 1 byte, the BudgetError names the least
     plan's reading; asked for that, a solve may return another least plan whose reading
     differs, so the reading it names is asked for again, three times at most."""
     budget = 1
     for _ in range(4):
         try:
-            return remat_row(case, "remat least", eager_time, activation_budget=budget)
+            return remat_row(case, "remat least", eager, activation_budget=budget)
         except remat.BudgetError as e:
             print(f"remat least: refused at {budget / MIB:.2f} MiB: {e}", flush=True)
             if e.smallest is None or e.smallest <= budget:
@@ -178,28 +190,40 @@ def remat_least(case: Case, eager_time: float) -> Row:
                verdict=f"refused at {budget / MIB:.2f} MiB: the least plan read above it")
 
 
+def plain_eager(case: Case) -> tuple[int, Callable[[], None]]:
+    """(plain eager's activation peak, its step on a copy of the model): the step each row's
+    is timed beside (`measure`)."""
+    model = copy.deepcopy(case.model)
+    peak, _ = measure(Case(case.name, model, case.args, case.kwargs), model)
+
+    def step() -> None:
+        loss_of(model(*case.args, **case.kwargs)).backward()
+        if next(model.parameters()).device.type == "cuda":
+            torch.cuda.synchronize()
+    return peak, step
+
+
 def rows_of(case: Case, fractions: list[float], only_least: bool = False) -> list[Row]:
-    eager = copy.deepcopy(case.model)
-    eager_peak, eager_time = measure(Case(case.name, eager, case.args, case.kwargs), eager)
+    eager_peak, eager = plain_eager(case)
     rows = [Row(case.name, "eager", eager_peak, 0, 1.0)]
     if only_least:
-        rows.append(remat_least(case, eager_time))
+        rows.append(remat_least(case, eager))
         return rows
     for fraction in fractions:
-        rows.append(torch_compile_row(case, fraction, eager_time))
+        rows.append(torch_compile_row(case, fraction, eager))
         print(rows[-1], flush=True)
-    rows.append(remat_row(case, "per-block", eager_time, activation_budget=10**15,
+    rows.append(remat_row(case, "per-block", eager, activation_budget=10**15,
                           solver="checkpoint_blocks"))
     print(rows[-1], flush=True)
     for peer in sorted({r.activations for r in rows[1:]}):
         try:
-            rows.append(remat_row(case, f"remat @ {peer / MIB:.2f} MiB", eager_time,
+            rows.append(remat_row(case, f"remat @ {peer / MIB:.2f} MiB", eager,
                                   activation_budget=peer))
         except remat.BudgetError as e:
             rows.append(Row(case.name, f"remat @ {peer / MIB:.2f} MiB", -1, -1, 0.0,
                             budget=peer, verdict=f"refused: needs {e.smallest / MIB:.2f} MiB"))
         print(rows[-1], flush=True)
-    rows.append(remat_least(case, eager_time))
+    rows.append(remat_least(case, eager))
     return rows
 
 
