@@ -96,14 +96,21 @@ def _inlines(node: fx.Node) -> bool:
             or target in _FUSING_READERS)
 
 
+def _pointwise_value(problem: Problem, nodes: Sequence[fx.Node], i: int) -> bool:
+    """Whether op `i` makes a storage of its own by a pointwise op Inductor may inline, and the
+    step does not hand it out (an output, or a value the forward returns)."""
+    op = problem.ops[i]
+    return (op.kind is Kind.TENSOR and op.size > 0 and not op.is_output
+            and not op.forward_output and problem.root[i] == i and _fusible(nodes[i]))
+
+
 def fused_ops(problem: Problem, nodes: Sequence[fx.Node]) -> frozenset[int]:
     """The ops of `problem` (`nodes[i]` the fx node of op i) whose values Inductor keeps out of
     memory, by the module's rule."""
     candidates = set(problem.candidates)
     fused = set()
     for i, op in enumerate(problem.ops):
-        if (op.kind is not Kind.TENSOR or op.size == 0 or op.is_output or op.forward_output
-                or i in candidates or problem.root[i] != i or not _fusible(nodes[i])):
+        if i in candidates or not _pointwise_value(problem, nodes, i):
             continue
         readers = problem.storage_readers[i]
         aliases = [j for j in problem.users[i] if problem.root[j] == i]
@@ -121,12 +128,7 @@ def fused_ops(problem: Problem, nodes: Sequence[fx.Node]) -> frozenset[int]:
 def with_fused(problem: Problem, fused: frozenset[int]) -> Problem:
     """`problem` with the values of `fused` at no bytes; their bytes unfused kept in its source
     by name (``source["fused"]``), which the rewrite checks against the graph's."""
-    if not fused:
-        return problem
-    ops = tuple(replace(op, size=0) if i in fused else op for i, op in enumerate(problem.ops))
-    source = dict(problem.source,
-                  fused={problem.ops[i].name: problem.ops[i].size for i in sorted(fused)})
-    return replace(problem, ops=ops, source=source)
+    return _zeroed(problem, fused, "size", 0, "fused")
 
 
 def free_recomputations(problem: Problem, nodes: Sequence[fx.Node]) -> frozenset[int]:
@@ -138,8 +140,7 @@ def free_recomputations(problem: Problem, nodes: Sequence[fx.Node]) -> frozenset
     fusible = set()
     for v in problem.candidates:
         op = problem.ops[v]
-        if (op.kind is not Kind.TENSOR or op.size == 0 or op.is_output or op.forward_output
-                or problem.root[v] != v or not _fusible(nodes[v])):
+        if not _pointwise_value(problem, nodes, v):
             continue
         readers = problem.storage_readers[v]
         backward = [j for j in readers if problem.ops[j].phase is not op.phase]
@@ -159,9 +160,16 @@ def with_free_recomputations(problem: Problem, free: frozenset[int]) -> Problem:
     computed inside its readers' kernels); their measured seconds kept in its source by name
     (``source["free_recompute"]``): the forward still runs them, and the report's step time
     counts them."""
-    if not free:
+    return _zeroed(problem, free, "cost", 0.0, "free_recompute")
+
+
+def _zeroed(problem: Problem, chosen: frozenset[int], field: str, zero: float,
+            key: str) -> Problem:
+    """`problem` with `field` of the ops `chosen` at `zero`, what it was kept in its source by
+    op name under `key`."""
+    if not chosen:
         return problem
-    ops = tuple(replace(op, cost=0.0) if i in free else op for i, op in enumerate(problem.ops))
-    source = dict(problem.source,
-                  free_recompute={problem.ops[i].name: problem.ops[i].cost for i in sorted(free)})
-    return replace(problem, ops=ops, source=source)
+    ops = tuple(replace(op, **{field: zero}) if i in chosen else op
+                for i, op in enumerate(problem.ops))
+    kept = {problem.ops[i].name: getattr(problem.ops[i], field) for i in sorted(chosen)}
+    return replace(problem, ops=ops, source={**problem.source, key: kept})
