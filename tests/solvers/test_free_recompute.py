@@ -7,6 +7,7 @@ import pytest
 
 from remat.solvers import Op, Phase, Problem, SolverOptions, make_schedule, simulate, solve
 from remat.solvers.timeline.free_recompute import take_free_recomputations
+from remat.solvers.timeline.simulate import copies_of
 
 F, B = Phase.FORWARD, Phase.BACKWARD
 
@@ -81,3 +82,33 @@ def test_every_strategy_gets_them_through_solve(objective):
         schedule = solve(problem, 10**6, strategy, options)
         assert index(problem, "mask") in schedule.recomputed, strategy
         assert schedule.recompute_flops == 0 and schedule.cost == 0
+
+
+def swiglu(named: bool = True) -> Problem:
+    """A SiLU (the free value) read by its product with `up` in the forward and by `up`'s
+    gradient in the backward; the product feeds a projection."""
+    ops = (
+        Op("gate", F, (), 400), Op("silu", F, (0,), 400), Op("up", F, (), 400),
+        Op("prod", F, (1, 2), 400), Op("down", F, (3,), 40), Op("loss", F, (4,), 4, is_output=True),
+        Op("g_prod", B, (5,), 400), Op("g_weight", B, (5, 3), 40, is_output=True),
+        Op("g_up", B, (6, 1), 400), Op("g_gate", B, (6, 2, 0), 400),
+        Op("g_in", B, (8, 9), 400, is_output=True),
+    )
+    return Problem(ops, source={"free_recompute": {"silu": 1.0}} if named else {})
+
+
+@pytest.mark.parametrize("also_prod", [False, True])
+def test_a_fused_copy_serves_one_op_else_it_is_a_buffer(also_prod):
+    problem, plain = swiglu(), swiglu(named=False)
+    recomputed = {problem.index("silu")} | ({problem.index("prod")} if also_prod else set())
+    schedule = make_schedule(problem, recomputed, budget=None)
+    silu = copies_of(problem, schedule)[problem.index("silu")]
+    # Serving the product's recomputation and up's gradient, Inductor would compute the SiLU
+    # once for both kernels and run them together: a buffer, counted as the plain problem does.
+    assert silu[-1].fused is not also_prod
+    fused, counted = simulate(problem, schedule), simulate(plain, schedule)
+    if also_prod:
+        assert fused.lives == counted.lives
+    else:  # 400 bytes fewer while the copy would have lived (its recomputation to g_up)
+        assert [c - f for f, c in zip(fused.lives, counted.lives)] == \
+            [0] * 6 + [0, 0, 400, 400, 0, 0]

@@ -14,8 +14,10 @@ docs/execution-model.md and nothing else:
   reader; a recomputed one lives again from its recomputation to its last backward reader.
 - Outputs (and the bases of output views) live to the end of the step.
 - A recomputed copy of a value that a compiled step fuses into its readers
-  (`Problem.fused_recomputations`) holds no bytes; its readers read its inputs instead, so
-  their storages live to those reads.
+  (`Problem.fused_recomputations`) that serves one op holds no bytes; that op reads its inputs
+  instead, so their storages live to it. Serving two, it is a buffer: Inductor computes a
+  value read by two kernels once where it is costly (an exp, a sigmoid) and fuses it into
+  both, which then run together at the later one's place.
 - An op's `temp` bytes are live during its step only. A tuple op's temp is all its outputs;
   a tensor taken out of it (a getitem) is live from the step after the tuple op's.
 
@@ -40,8 +42,8 @@ from remat.solvers.core.schedule import Schedule
 from remat.solvers.timeline.overlap import transfers
 from remat.solvers.timeline.steps import StepKind
 
-__all__ = ["Copy", "Step", "StepKind", "Timeline", "copies_of", "fused_copies", "holds",
-           "simulate", "step_order", "steps_of", "timeline_of"]
+__all__ = ["Copy", "Step", "StepKind", "Timeline", "copies_of", "holds", "simulate",
+           "step_order", "steps_of", "timeline_of"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,8 @@ class Copy:
     # The copy an offloaded value is copied to host from lives on while that copy runs, past
     # its last read (`remat.solvers.timeline.overlap`): to this step. -1: to its last read.
     until: int = -1
+    # A recomputation fused into the one op it serves: no bytes (the module's rules).
+    fused: bool = False
 
     @property
     def last(self) -> int:
@@ -123,22 +127,9 @@ def holds(problem: Problem, schedule: Schedule,
     once per copy (`copies_of`)."""
     order = step_order(problem, schedule) if order is None else order
     held = [(i, problem.ops[i].size, made, last) for i, made, last in _fixed_holds(problem, order)]
-    fused = fused_copies(problem, schedule)
     for v, copies in copies_of(problem, schedule, order).items():
-        held.extend((v, 0 if v in fused and c.kind is StepKind.RECOMPUTE else problem.ops[v].size,
-                     c.made, c.last) for c in copies)
+        held.extend((v, 0 if c.fused else problem.ops[v].size, c.made, c.last) for c in copies)
     return held
-
-
-def fused_copies(problem: Problem, schedule: Schedule) -> frozenset[int]:
-    """The values whose one recomputed copy a compiled step fuses into its readers
-    (`Problem.fused_recomputations`): no bytes of its own, its reads served by its inputs.
-    Further copies (again, loads) are counted as any other value's."""
-    free = problem.fused_recomputations
-    if not free:
-        return frozenset()
-    return frozenset(v for v in schedule.recompute_at
-                     if v in free and v not in schedule.again and v not in schedule.offload_at)
 
 
 def simulate(problem: Problem, schedule: Schedule) -> Timeline:
@@ -227,7 +218,7 @@ def copies_of(problem: Problem, schedule: Schedule,
     for i, op in enumerate(ops):  # a forward output is read when the forward returns
         if op.forward_output:
             reads.setdefault(problem.root[i], []).append(end_of_forward)
-    _read_through_fused(problem, schedule, made, reads)
+    fused = _read_through_fused(problem, schedule, made, reads)
     result: dict[int, list[Copy]] = {}
     for v in range(nf):
         if problem.root[v] != v or ops[v].size == 0 or v in problem.pinned:
@@ -240,23 +231,37 @@ def copies_of(problem: Problem, schedule: Schedule,
             if k < 0:
                 raise ValueError(f"{ops[v].name!r} is read at step {r} before any copy of it")
             served[k].append(r)
-        result[v] = [Copy(s, kind, tuple(rs)) for (s, kind), rs in zip(steps, served)]
+        result[v] = [Copy(s, kind, tuple(rs), fused=v in fused and kind is StepKind.RECOMPUTE)
+                     for (s, kind), rs in zip(steps, served)]
     if schedule.offload_at:
         _until_copied(problem, schedule, order, result)
     return result
 
 
-def _read_through_fused(problem: Problem, schedule: Schedule, made: dict, reads: dict) -> None:
-    """A fused recomputed copy's readers compute it from its inputs: its reads after the
-    recomputation become reads of its input storages too (a fused input's in turn: later
-    values first)."""
+def _read_through_fused(problem: Problem, schedule: Schedule, made: dict, reads: dict
+                       ) -> set[int]:
+    """The values whose recomputed copy is fused (the module's rules): the one recomputation
+    of a `Problem.fused_recomputations` value (neither run again nor loaded) serving one op.
+    That op reads the value's input storages instead of the recomputation (a fused input's in
+    turn: later values first)."""
+    free = problem.fused_recomputations
+    fused: set[int] = set()
+    if not free:
+        return fused
     nf = problem.num_forward
-    for v in sorted(fused_copies(problem, schedule), reverse=True):
+    for v in sorted(free.intersection(schedule.recompute_at), reverse=True):
+        if v in schedule.again or v in schedule.offload_at:
+            continue
         recomputed = max(t for t, kind in made[v] if kind is StepKind.RECOMPUTE)
-        served = [r for r in reads.get(v, ()) if r > recomputed]
+        served = {r for r in reads.get(v, ()) if r > recomputed}
+        if len(served) != 1:
+            continue
+        fused.add(v)
         for s in problem.storage_inputs[v]:
             if s < nf:
-                reads.setdefault(s, []).extend(served)
+                reads[s].remove(recomputed)
+                reads[s].extend(served)
+    return fused
 
 
 def _until_copied(problem: Problem, schedule: Schedule, order, copies: dict[int, list[Copy]]
