@@ -26,7 +26,9 @@ which (at most `MAX_READERS` in each phase) inlines them, whatever the phase (Re
 read by the where of its backward; SiLU's output, read by a product in each phase). Saved, such
 a value is a buffer; recomputed, its readers compute it from its inputs, with no kernel or
 memory of its own. `with_free_recomputations` gives those recomputations no cost, and the
-simulator holds a recomputed copy of one at no bytes (`Problem.fused_recomputations`).
+simulator holds a recomputed copy of one at no bytes where it serves one op
+(`Problem.fused_recomputations`; serving two, Inductor may compute it once for both kernels
+and fuse them, which `remat.solvers.timeline.simulate` counts as a buffer).
 
 What the rule misses is left to the reading: `remat.planner.plans.inductor_check` accepts a
 compiled plan on the allocator's reading of its step, and plans again where it reads over the

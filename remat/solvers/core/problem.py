@@ -180,8 +180,9 @@ class Problem:
     def fused_recomputations(self) -> frozenset[int]:
         """Forward values whose recomputation a compiled step fuses into their readers, named in
         ``source["free_recompute"]`` (`remat.fx_passes.lowering.fusion`), that cost nothing
-        here (a FLOPs cost of a pointwise op is nothing too): a recomputed copy of one holds
-        no bytes, its readers reading its inputs instead (`remat.solvers.timeline.simulate`)."""
+        here (a FLOPs cost of a pointwise op is nothing too): a recomputed copy of one serving
+        one op holds no bytes, the op reading its inputs instead
+        (`remat.solvers.timeline.simulate`)."""
         names = self.source.get("free_recompute") or {}
         return frozenset(i for i in self.forward
                          if self.ops[i].name in names and not self.ops[i].cost)

@@ -13,8 +13,8 @@ fifteen steps, torch 2.13 CPU).
 
 `take_free_recomputations` recomputes each such saved value whose inputs the plan saves,
 where the simulated peak stays within the budget: the time objective would choose the same
-if it priced the saved copy's write and read. The simulator holds the recomputed copy at no
-bytes, but its readers read its inputs, which may so be held longer: the U-Net's last mask,
+if it priced the saved copy's write and read. The simulator holds a recomputed copy serving
+one op at no bytes, but that op reads its inputs, which may so be held longer: the U-Net's last mask,
 recomputed, holds the 1 MiB ReLU output it is computed from past the convolution's backward,
 as torch.compile's plan does. The cost stays (the values cost nothing), so a proven bound
 stays proven; the recompute FLOPs grow by the values' own (none: pointwise ops count none).
