@@ -129,12 +129,14 @@ def test_a_compiled_unet_plan_fits_by_the_allocator_and_trains_as_eager():
     del loss
     grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters())
     assert peak - grads <= plan.activation_peak
-    # Masks crossed to the backward (the plan's own compile, the step above ran it), none
-    # beside the ReLU output it is computed from.
-    saved = plan.module.partition.saved
-    masks = [i for i, op in enumerate(plan.problem.ops) if op.name in saved
-             and op.target == "aten.le.Scalar"]
-    assert masks and all(plan.problem.ops[relu_of_mask(plan.problem, i)].name not in saved
-                         for i in masks)
+    # The plan's own compile (the step above ran it) recomputes masks for free, and saves none
+    # beside the ReLU output it is computed from: on torch 2.13 it saves the masks of the two
+    # ReLU outputs concatenated into the decoder; on 2.11, whose max-pooling backward reads
+    # its input, those outputs are saved too, and no mask is.
+    partition, ops = plan.module.partition, plan.problem.ops
+    masks = [i for i, op in enumerate(ops) if op.target == "aten.le.Scalar"]
+    assert any(ops[i].name in partition.recomputed for i in masks)
+    assert all(ops[relu_of_mask(plan.problem, i)].name not in partition.saved
+               for i in masks if ops[i].name in partition.saved)
     eager(*inputs).backward()
     assert relative_grad_gap(model, eager) <= CHANNELS_LAST_SUMS
