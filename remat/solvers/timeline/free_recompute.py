@@ -8,15 +8,15 @@ it, and CP-SAT often does: the forward then writes it out and the backward reads
 where the backward could have computed it inside its readers from the inputs it holds anyway.
 On the U-Net of `benchmarks/inductor.py` a plan saving seven ReLU masks beside the ReLU
 outputs they are computed from ran its forward in 10.0 ms against 7.4 ms for a plan saving
-three and 6.1 ms for torch.compile's, which saves none it can recompute (fastest quarter of
-fifteen steps, torch 2.13 CPU).
+three and 6.1 ms for torch.compile's, which saves only masks it could not recompute for free
+(fastest quarter of fifteen steps, torch 2.13 CPU).
 
 `take_free_recomputations` recomputes each such saved value whose inputs the plan saves,
 where the simulated peak stays within the budget: the time objective would choose the same
 if it priced the saved copy's write and read. The simulator holds a recomputed copy serving
-one op at no bytes, but that op reads its inputs, which may so be held longer: the U-Net's last mask,
-recomputed, holds the 1 MiB ReLU output it is computed from past the convolution's backward,
-as torch.compile's plan does. The cost stays (the values cost nothing), so a proven bound
+one op at no bytes, but that op reads its inputs, which may so be held longer: the U-Net's
+last mask, recomputed, holds the 1 MiB ReLU output it is computed from past the convolution's
+backward, as torch.compile's plan does. The cost stays (the values cost nothing), so a proven bound
 stays proven; the recompute FLOPs grow by the values' own (none: pointwise ops count none).
 """
 from __future__ import annotations
@@ -33,10 +33,10 @@ __all__ = ["take_free_recomputations"]
 
 
 def take_free_recomputations(problem: Problem, schedule: Schedule, budget: int) -> Schedule:
-    """`schedule` recomputing the saved free values (`Problem.fused_recomputations`) whose inputs it saves, all
-    at once where the simulated peak stays at most `budget` bytes, else one by one in forward
-    order where each does. A schedule that runs values again or offloads is returned as it
-    is."""
+    """`schedule` recomputing the saved free values (`Problem.fused_recomputations`) whose
+    inputs it saves, all at once where the simulated peak stays at most `budget` bytes, else
+    one by one in forward order where each does. A schedule that runs values again or
+    offloads is returned as it is."""
     free = problem.fused_recomputations
     if not free or schedule.again or schedule.offload_at:
         return schedule
@@ -70,6 +70,7 @@ def _recomputing(problem: Problem, schedule: Schedule, values: Iterable[int]) ->
         positions[v] = min(r if r >= nf else positions[r]
                            for r in readers[v] if r >= nf or r in positions)
     recomputed = set(schedule.recomputed) | set(positions)
-    return make_schedule(problem, recomputed, recompute_at=positions, strategy=schedule.strategy, status=schedule.status,
+    return make_schedule(problem, recomputed, recompute_at=positions,
+                         strategy=schedule.strategy, status=schedule.status,
                          budget=schedule.budget, bound=schedule.bound,
                          solve_time=schedule.solve_time, info=schedule.info)
