@@ -73,7 +73,29 @@ def _decomposed(gm: fx.GraphModule, example_inputs: Any) -> fx.GraphModule:
     gm = as_rng_state_ops(gm)
     fake_mode = torch._guards.detect_fake_mode(example_inputs)
     with fake_mode or contextlib.nullcontext(), enable_python_dispatcher():
-        return make_fx(gm, decomposition_table=select_decomp_table())(*example_inputs)
+        return make_fx(gm, decomposition_table=select_decomp_table())(
+            *_as_traced(gm, example_inputs))
+
+
+def _as_traced(gm: fx.GraphModule, example_inputs: Any) -> list[Any]:
+    """`example_inputs` with the strides the graph was traced with. A backward's inputs are
+    handed over with the strides the compiled forward gave its saved values, which Inductor
+    chooses (its layout optimization makes a convolution's activations channels-last), and
+    the graph's views were traced against the traced strides: retraced with the forward's,
+    a `view` may not apply (transformers' ConvNeXt: "Cannot view a tensor with shape
+    [13, 2, 2, 30] and strides (120, 30, 60, 1) as a tensor with shape (52, 30)"). Inductor
+    compiles the retraced graph for the inputs' real strides, copying where a view needs it.
+    Call inside the inputs' fake mode."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    traced = []
+    for node, x in zip(placeholders, example_inputs):
+        val = node.meta.get("val")
+        if (isinstance(x, torch.Tensor) and isinstance(val, torch.Tensor)
+                and val.shape == x.shape and val.stride() != x.stride()
+                and not any(isinstance(d, torch.SymInt) for d in (*x.shape, *val.stride()))):
+            x = torch.empty_strided(x.shape, val.stride(), dtype=x.dtype, device=x.device)
+        traced.append(x)
+    return traced
 
 
 # Inductor options that would move or add saved memory behind the plan's back (see above).
