@@ -249,9 +249,13 @@ def drop_unneeded(problem: Problem, recomputed: Iterable[int]) -> set[int]:
 
 
 def latest_positions(problem: Problem, recomputed: set[int],
-                      readers: tuple[tuple[int, ...], ...]) -> dict[int, int]:
+                      readers: tuple[tuple[int, ...], ...],
+                      placed: Mapping[int, int] | None = None) -> dict[int, int]:
+    """Each of `recomputed` just before the first backward op that needs it, directly or
+    through another recomputation: those of `placed` (value -> position) stay where they are,
+    and are returned with the rest."""
     nf = problem.num_forward
-    pos: dict[int, int] = {}
+    pos: dict[int, int] = dict(placed or {})
     # Readers have larger indices than what they read, so one reverse sweep sees every
     # recomputed reader's position before the value it reads.
     for v in sorted(recomputed, reverse=True):

@@ -9,7 +9,7 @@ where the backward could have computed it inside its readers from the inputs it 
 On the U-Net of `benchmarks/inductor.py` a plan saving seven ReLU masks beside the ReLU
 outputs they are computed from ran its forward in 10.0 ms against 7.4 ms for a plan saving
 three and 6.1 ms for torch.compile's, which saves only masks it could not recompute for free
-(fastest quarter of fifteen steps, torch 2.13 CPU).
+(fastest quarter of fifteen steps, torch 2.13 CPU; a script not in the repository).
 
 `take_free_recomputations` recomputes each such saved value whose inputs the plan saves,
 where the simulated peak stays within the budget: the time objective would choose the same
@@ -26,7 +26,7 @@ from types import MappingProxyType
 from typing import Iterable
 
 from remat.solvers.core.problem import Problem
-from remat.solvers.core.schedule import Schedule
+from remat.solvers.core.schedule import Schedule, latest_positions
 from remat.solvers.timeline.evaluate import make_schedule
 
 __all__ = ["take_free_recomputations"]
@@ -62,15 +62,9 @@ def take_free_recomputations(problem: Problem, schedule: Schedule, budget: int) 
 def _recomputing(problem: Problem, schedule: Schedule, values: Iterable[int]) -> Schedule:
     """`schedule` with `values` recomputed too, each just before its first reader that needs
     it; the other recomputations where they were."""
-    positions = dict(schedule.recompute_at)
-    readers, nf = problem.storage_readers, problem.num_forward
-    # Readers come after what they read: in reverse order each value's recomputed readers
-    # have their positions already.
-    for v in sorted(values, reverse=True):
-        positions[v] = min(r if r >= nf else positions[r]
-                           for r in readers[v] if r >= nf or r in positions)
-    recomputed = set(schedule.recomputed) | set(positions)
-    return make_schedule(problem, recomputed, recompute_at=positions,
+    positions = latest_positions(problem, set(values), problem.storage_readers,
+                                 placed=schedule.recompute_at)
+    return make_schedule(problem, set(positions), recompute_at=positions,
                          strategy=schedule.strategy, status=schedule.status,
                          budget=schedule.budget, bound=schedule.bound,
                          solve_time=schedule.solve_time, info=schedule.info)
