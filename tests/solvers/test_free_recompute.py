@@ -112,3 +112,58 @@ def test_a_fused_copy_serves_one_op_else_it_is_a_buffer(also_prod):
     else:  # 400 bytes fewer while the copy would have lived (its recomputation to g_up)
         assert [c - f for f, c in zip(fused.lives, counted.lives)] == \
             [0] * 6 + [0, 0, 400, 400, 0, 0]
+
+
+def relu_blocks(scales: list[int]) -> Problem:
+    """`relu_and_mask`'s block once per scale (its bytes times the scale), all read by one
+    loss; the backward runs the blocks in reverse."""
+    ops, conv2s, free = [], [], {}
+    for k, s in enumerate(scales):
+        at = len(ops)
+        ops += [Op(f"conv{k}", F, (), 400 * s), Op(f"relu{k}", F, (at,), 400 * s),
+                Op(f"mask{k}", F, (at + 1,), 100 * s), Op(f"conv2_{k}", F, (at + 1,), 40 * s)]
+        conv2s.append(at + 3)
+        free[f"mask{k}"] = 1.0
+    loss = len(ops)
+    ops.append(Op("loss", F, tuple(conv2s), 4, is_output=True))
+    for k in reversed(range(len(scales))):
+        s, at, g = scales[k], 4 * k, len(ops)
+        ops += [Op(f"g_relu{k}", B, (loss, at + 1), 400 * s),
+                Op(f"g_weight{k}", B, (g,), 400 * s),
+                Op(f"g_conv{k}", B, (g, at + 2), 10 * s),
+                Op(f"g_in{k}", B, (g + 2, g + 1), 10 * s, is_output=True)]
+    return Problem(tuple(ops), source={"free_recompute": free})
+
+
+def test_halves_take_the_most_masks_that_fit():
+    """Against every subset of the masks: the pass takes as many as the best subset that fits
+    (here recomputing a block's mask raises the peak at that block's backward only, so a mask
+    left saved could not be taken beside the others)."""
+    from itertools import combinations
+
+    problem = relu_blocks([3, 1, 4, 1, 5, 9])
+    masks = sorted(problem.fused_recomputations)
+    saving = make_schedule(problem, (), budget=None)
+    budget = saving.peak  # the last block's mask, recomputed, raises the peak above it
+    fitting = max(len(c) for n in range(len(masks) + 1) for c in combinations(masks, n)
+                  if make_schedule(problem, set(c), budget=None).peak <= budget)
+    assert 0 < fitting < len(masks)
+    taken = take_free_recomputations(problem, saving, budget)
+    assert taken.peak <= budget
+    assert len(taken.recomputed) == fitting
+
+
+def test_halving_stops_at_groups(monkeypatch):
+    """Where no mask fits (a budget of 0 bytes), the pass halves down to groups of
+    candidates / MAX_GROUPS and simulates each group once: fewer schedules than one a
+    candidate."""
+    from remat.solvers.timeline import free_recompute
+
+    problem = relu_blocks([1] * (4 * free_recompute.MAX_GROUPS))
+    saving = make_schedule(problem, (), budget=None)
+    made = []
+    real = free_recompute._recomputing
+    monkeypatch.setattr(free_recompute, "_recomputing",
+                        lambda *args: made.append(1) or real(*args))
+    assert take_free_recomputations(problem, saving, 0) is saving
+    assert len(made) == 2 * free_recompute.MAX_GROUPS - 1 < len(problem.fused_recomputations)
