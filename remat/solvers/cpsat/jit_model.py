@@ -10,6 +10,7 @@ from ortools.sat.python import cp_model
 from remat.solvers.core.deadline import Deadline, ticker
 from remat.solvers.core.problem import Kind, Problem, recompute_blocker, tuple_of
 from remat.solvers.core.schedule import Schedule
+from remat.solvers.cpsat.jit_fused import fused_copies
 from remat.solvers.cpsat.jit_hint import hint
 from remat.solvers.cpsat.units import Units, memory_chain, provide_what_is_needed
 
@@ -55,6 +56,7 @@ class JitModel:
         self._slots()
         self._fixed_profile()
         self._decided_events()
+        self.fused = fused_copies(self)  # copies fused into their one reader: no bytes
         self._memory_chain()
         self.cost = cp_model.LinearExpr.WeightedSum(
             list(self.rec.values()), [units.cost_of(problem.ops[v].cost) for v in self.rec])
