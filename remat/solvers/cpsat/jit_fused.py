@@ -18,8 +18,10 @@ then, which overstates memory and keeps the model's peak at or above the simulat
 An input that is itself such a value and recomputed may be fused into d with it (the
 simulator fuses the chain, holding the chain's first inputs to d): its inputs are held to d
 too, under "both recomputations", and its own bytes stay counted, which overstates where the
-simulator fuses it. Left counted as buffers (the model overstates, the simulator judges):
-values with no direct backward reader or several."""
+simulator fuses it. Left counted as buffers: values with no direct backward reader or
+several. The simulator fuses such a value where one recomputed reader is all it serves, and
+holds its inputs to that reader: the model may then over- or understate, and the schedule
+is judged by the simulator (`remat.solvers.solve` refuses one over the budget)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
