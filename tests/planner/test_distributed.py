@@ -80,8 +80,9 @@ def _train(model, rank: int, wrap, measure: bool = False):
     # sometimes reaches its peak with one more unsharded buffer alive than FSDP2 holds (not
     # traced further; the sizes say which): readings of the FSDP2 jobs here were the step's own
     # 393,096 B or that plus 24,704 B (the root's 6,176 parameters unsharded, 4 B each) or
-    # 50,432 B (a layer's 12,608), 4 of 8 readings high in one run. The least of four was high
-    # once in a full-suite run (606,748 B against 582,044, over the budget).
+    # 50,432 B (a layer's 12,608), up to 5 of a job's 8 readings (two ranks) high in a run.
+    # The least of four was high once in a full-suite run (606,748 B against 582,044, over
+    # the budget).
     for _ in range(READINGS):
         # An FSDP2 flat buffer from the last step, held by a reference cycle, sometimes
         # outlived it on rank 0 (16-50 KB in full-suite runs): collect it first.
