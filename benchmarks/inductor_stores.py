@@ -18,10 +18,11 @@ function run eagerly, in microseconds, and nanoseconds an element of the output.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 from tabulate import tabulate
+
+from remat.fx_passes.compiled.measure_step import time_step
 
 
 def bool_mask(x: torch.Tensor) -> torch.Tensor:
@@ -47,18 +48,11 @@ FUNCTIONS = {"bool mask": bool_mask, "uint8": uint8_mask, "int8 index": int8_ind
 
 def fastest(fn, x: torch.Tensor, steps: int) -> float:
     """The fastest of `steps` calls, in seconds, after three warm-up calls (the compile)."""
-    for _ in range(3):
-        fn(x)
-    times = []
-    for _ in range(steps):
-        if x.is_cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+    def call() -> None:
         fn(x)
         if x.is_cuda:
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return time_step(call, repeat=steps, warmup=3)
 
 
 def main() -> None:
