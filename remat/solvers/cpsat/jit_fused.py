@@ -34,11 +34,14 @@ __all__ = ["FusedCopy", "fused_copies"]
 @dataclass(frozen=True)
 class FusedCopy:
     """A value whose recomputed copy the model may hold at no bytes: its one direct
-    backward reader, the literal, and the readers whose recomputation would read it too."""
+    backward reader, the literal, the readers whose recomputation would read it too, and
+    the literals of the chain fused with it (`_hold_inputs`: each with its parent's literal
+    and the input it says is recomputed, parents first)."""
 
     reader: int
     literal: object
     recomputed_readers: tuple[int, ...]
+    chained: tuple[tuple[object, object, int], ...]
 
 
 def fused_copies(model) -> dict[int, FusedCopy]:
@@ -48,7 +51,6 @@ def fused_copies(model) -> dict[int, FusedCopy]:
     free, nf = problem.fused_recomputations, problem.num_forward
     size, readers = model._size, model.readers
     found: dict[int, FusedCopy] = {}
-    model.chained = []  # (literal, its parent's, the input recomputed), parents first
     first_at: dict[int, int] = {}  # each backward op's first recomputation slot
     for (b, _), t in model.slot_of.items():
         first_at[b] = min(t, first_at.get(b, t))
@@ -65,12 +67,14 @@ def fused_copies(model) -> dict[int, FusedCopy]:
         m.Add(fused >= model.rec[v] - sum(model.rec[w] for w in again))
         model._event(model.slot_of[(d, v)], -size[v], fused)
         model._event(model.op_slot[d] + 1, size[v], fused)
-        _hold_inputs(model, v, fused, d, first_at[d], {v})
-        found[v] = FusedCopy(d, fused, again)
+        chained: list[tuple[object, object, int]] = []
+        _hold_inputs(model, v, fused, d, first_at[d], {v}, chained)
+        found[v] = FusedCopy(d, fused, again, tuple(chained))
     return found
 
 
-def _hold_inputs(model, v: int, literal, d: int, first: int, seen: set[int]) -> None:
+def _hold_inputs(model, v: int, literal, d: int, first: int, seen: set[int],
+                 chained: list) -> None:
     """Under `literal`, hold each forward input storage of v (recomputed just before d, or
     earlier) from v's recomputation to d, unless a backward reader at or after d holds it
     anyway; and, where that input is itself a free value recomputed, its inputs likewise."""
@@ -94,5 +98,5 @@ def _hold_inputs(model, v: int, literal, d: int, first: int, seen: set[int]) -> 
             m.AddImplication(both, literal)
             m.AddImplication(both, model.rec[u])
             m.Add(both >= literal + model.rec[u] - 1)
-            model.chained.append((both, literal, u))
-            _hold_inputs(model, u, both, d, first, seen)
+            chained.append((both, literal, u))
+            _hold_inputs(model, u, both, d, first, seen, chained)

@@ -35,8 +35,8 @@ def hint(model, schedule: Schedule) -> None:
             put(x, v in at and at[v] <= p)
     for v, copy in model.fused.items():
         put(copy.literal, v in recomputed and not recomputed.intersection(copy.recomputed_readers))
-    for both, parent, u in model.chained:
-        put(both, values[parent.Index()] and u in recomputed)
+        for both, parent, u in copy.chained:
+            put(both, values[parent.Index()] and u in recomputed)
     nf = model.problem.num_forward
     for g, literals in model.jit_le.items():
         own = None
