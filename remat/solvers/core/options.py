@@ -33,7 +33,9 @@ class SolverOptions:
     probe) do not count against it, so a slow capture on a busy machine leaves the solver its
     whole limit; the report states each phase's seconds apart."""
     workers: int = 0
-    """CP-SAT search workers; 0 lets OR-Tools pick one per core. (The bounds' relaxations
+    """CP-SAT search workers; 0: one per core, and at least 8 (on fewer cores they share
+    them: OR-Tools's portfolio needs that many to improve a first schedule,
+    `remat.solvers.cpsat.search.MIN_SEARCH_WORKERS`). (The bounds' relaxations
     run the portfolio of `remat.solvers.relaxation.bound.WORKERS` that proves them, whatever this
     says.)"""
     seed: int = 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 
@@ -28,6 +29,14 @@ PROGRESS_SECONDS = 5.0
 # cuts a stage on a slow or loaded machine (2 cores at a load of 6 to 8 give a process about
 # 0.4 CPU seconds a second).
 DETERMINISTIC_SHARE = 0.5
+# CP-SAT workers when the options name none: one per core, and never fewer than this. OR-Tools
+# alone gives one per core, and with fewer than eight its portfolio has no room for the
+# neighbourhood-search workers that improve a first schedule. On 2 cores, the compiled Qwen2
+# of benchmarks/inductor.py at its per-block allowance (1,028 ops): 2 workers kept the hint's
+# 3.49e9 recompute FLOPs for all of 60 s, 8 found 3.22e9 (0.03 % above the bound) in 14 s in
+# one run, 3.36e9 in 33 s in another; at the default limit (11 s) 3.36e9 against 3.49e9, and
+# the same plans as 2 workers at two other budgets and on the Llama of examples/llama.py.
+MIN_SEARCH_WORKERS = 8
 
 
 def build_model(problem: Problem, units: Units, options: SolverOptions,
@@ -73,8 +82,7 @@ def cp_solver(options: SolverOptions, deadline: Deadline, seconds: float | None 
     solver = cp_model.CpSolver()
     params = solver.parameters
     deadline.limit_solver(params, seconds, DTIME_WEIGHT["model"])
-    if options.workers:
-        params.num_workers = options.workers
+    params.num_workers = options.workers or max(MIN_SEARCH_WORKERS, os.cpu_count() or 1)
     if deadline.deterministic:
         # One worker's search is deterministic under a deterministic-time limit. (CP-SAT's
         # interleaved search is too, with more workers, but on 2 shared cores it took 9 to 20 s
