@@ -318,3 +318,22 @@ def random_problem(source: random.Random | int | Callable, *, max_forward: int =
         grads.append(g.add(f"bwd{k}", sorted(set(inputs)), size(), temp=temp(), cost=cost(),
                            is_output=rng.random() < 0.2))
     return g.problem("random")
+
+
+def with_free_values(problem: Problem, rng: random.Random, share: float = 0.5) -> Problem:
+    """`problem` with about `share` of its forward tensor ops (recomputable, not outputs, of
+    some bytes) made values a compiled step fuses into their readers
+    (`Problem.fused_recomputations`): no cost, no FLOPs, named in ``source["free_recompute"]``.
+    The simulator then holds a recomputed copy of one serving one op at no bytes."""
+    ops, names = list(problem.ops), {}
+    for i in problem.forward:
+        op = ops[i]
+        if (op.kind is Kind.TENSOR and op.size and op.not_recomputable is None
+                and not op.is_output and not op.forward_output and rng.random() < share):
+            names[op.name] = op.cost
+            ops[i] = Op(name=op.name, phase=op.phase, inputs=op.inputs, size=op.size,
+                        kind=op.kind, temp=op.temp, cost=0.0, flops=0, module=op.module,
+                        target=op.target, is_output=op.is_output,
+                        forward_output=op.forward_output)
+    return Problem(tuple(ops), name=problem.name,
+                   source={**problem.source, "free_recompute": names})

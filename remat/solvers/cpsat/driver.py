@@ -329,7 +329,7 @@ class _Call(CallOutcomes):
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             recomputed, positions = model.decision(solver.Value)
             model_peak = solver.Value(model.peak)
-            info["peak_proven"] = status == cp_model.OPTIMAL
+            info["peak_proven"] = status == cp_model.OPTIMAL and self.units.exact_bytes
             info["peak_stage"] = "proven" if info["peak_proven"] else "stopped at its share"
         else:  # the first stage's answer stands; its live-range ends need not be tight
             info["peak_stage"] = f"CP-SAT answered {solver.StatusName(status)}"

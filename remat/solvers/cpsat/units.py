@@ -36,6 +36,14 @@ class Units:
     total would exceed MAX_UNITS units does the unit grow to total / MAX_UNITS; then sizes are
     rounded UP and the capacity DOWN, so every schedule the model accepts truly fits (the model
     turns conservative by less than one unit per live storage, and says so in info["exact"]).
+    `exact_bytes` is False then, and also where the problem has values a compiled step fuses
+    into their readers (`Problem.fused_recomputations`): the simulator holds a recomputed copy
+    of one that serves one op at no bytes, and the models hold such copies as buffers (the
+    just-in-time model takes some back, `remat.solvers.cpsat.jit_fused`, not all), so a
+    model's bytes may be above the simulator's and what CP-SAT proves on them (a cost bound,
+    a least peak, "nothing fits") need not hold. The relaxations' bounds
+    (`remat.solvers.relaxation.bound`) hold the fused copies as the simulator does and prove
+    those problems' bounds.
 
     Cost: `options.cost_resolution` of the least positive recompute cost, costs rounded DOWN.
     Each op then loses less than that fraction of its own cost, so the model's cost of every
@@ -58,6 +66,7 @@ class Units:
         costs = [problem.ops[v].cost for v in problem.candidates if problem.ops[v].cost > 0]
         cost = options.cost_resolution * min(costs, default=1.0)
         cost = max(cost, sum(costs) / MAX_COST_UNITS)
+        exact = exact and not problem.fused_recomputations
         return Units(byte=max(unit, 1), exact_bytes=exact, cost=cost if cost > 0 else 1.0)
 
     def bytes_up(self, n: int) -> int:
