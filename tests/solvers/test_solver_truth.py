@@ -21,7 +21,7 @@ from remat.solvers.cpsat.least_peak import too_small
 from remat.solvers.core.deadline import Deadline
 from remat.solvers.core.problem_file import loads
 from tests.oracles.brute_least import brute_least_peak
-from tests.synthetic.problems import random_problem, transformer, transformer_ops
+from tests.synthetic.problems import random_problem, transformer, transformer_ops, with_free_values
 
 # The default cost resolution; the single model, whose space Strategy.BRUTE_FORCE enumerates.
 DEFAULT = SolverOptions(workers=2, time_limit=20, model="single")
@@ -202,3 +202,29 @@ def test_budget_error_says_which_figure_is_proven():
         assert words in str(error) and "(proven)" not in str(error)
         assert "not proven the least" in str(error) and "longer time_limit" in str(error)
         assert error.proven is False and error.smallest == save_all.peak
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2 ** 32 - 1), where=st.floats(0.0, 1.0))
+def test_bound_and_status_are_true_where_recomputations_fuse(seed, where):
+    """With values a compiled step fuses into their readers, in the just-in-time space that
+    compiled plans are solved in: no bound above the oracle's cost, no OPTIMAL above it, and no
+    refusal of a budget the oracle meets. (The bounds alone: tests/solvers/test_bound.py.)"""
+    rng = random.Random(seed)
+    problem = with_free_values(random_problem(seed, max_forward=rng.randint(2, 10),
+                                              max_backward=rng.randint(1, 6)), rng)
+    assume(problem.fused_recomputations)
+    options = replace(DEFAULT, free_positions=False)
+    try:
+        low = solve(problem, 0, Strategy.BRUTE_FORCE, options).peak
+    except ValueError:
+        assume(False)  # too many schedules to enumerate
+    except BudgetError as error:
+        low = error.smallest
+    high = simulate(problem, make_schedule(problem, [])).peak
+    budget = low + int(where * (high - low))
+    oracle = solve(problem, budget, Strategy.BRUTE_FORCE, options)
+    exact = solve(problem, budget, Strategy.OPTIMAL, options)
+    assert exact.bound <= oracle.cost * (1 + 1e-12) + 1e-15, "a bound above a feasible cost"
+    if exact.status is Status.OPTIMAL:
+        assert exact.cost <= oracle.cost * (1 + 2 * OPTIMAL_TOLERANCE) + 1e-15
