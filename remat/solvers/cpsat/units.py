@@ -41,9 +41,9 @@ class Units:
     of one that serves one op at no bytes, and the models hold such copies as buffers (the
     just-in-time model takes some back, `remat.solvers.cpsat.jit_fused`, not all), so a
     model's bytes may be above the simulator's and what CP-SAT proves on them (a cost bound,
-    a least peak, "nothing fits") need not hold. The relaxations' bounds
-    (`remat.solvers.relaxation.bound`) hold the fused copies as the simulator does and prove
-    those problems' bounds.
+    a least peak, "nothing fits") need not hold. The relaxations
+    (`remat.solvers.relaxation.bound`) count a fused copy a backward op reads at no bytes,
+    never more than the simulator holds, and prove those problems' bounds.
 
     Cost: `options.cost_resolution` of the least positive recompute cost, costs rounded DOWN.
     Each op then loses less than that fraction of its own cost, so the model's cost of every
