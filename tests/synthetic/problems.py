@@ -4,6 +4,7 @@ shapes, cost from a roofline (FLOPs over peak, or bytes over bandwidth, whicheve
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import Callable, Sequence
 
 from remat.solvers.core.problem import Kind, Op, Phase, Problem, Reason
@@ -331,9 +332,6 @@ def with_free_values(problem: Problem, rng: random.Random, share: float = 0.5) -
         if (op.kind is Kind.TENSOR and op.size and op.not_recomputable is None
                 and not op.is_output and not op.forward_output and rng.random() < share):
             names[op.name] = op.cost
-            ops[i] = Op(name=op.name, phase=op.phase, inputs=op.inputs, size=op.size,
-                        kind=op.kind, temp=op.temp, cost=0.0, flops=0, module=op.module,
-                        target=op.target, is_output=op.is_output,
-                        forward_output=op.forward_output)
+            ops[i] = replace(op, cost=0.0, flops=0)
     return Problem(tuple(ops), name=problem.name,
                    source={**problem.source, "free_recompute": names})
