@@ -7,7 +7,7 @@ import random
 from dataclasses import replace
 from typing import Callable, Sequence
 
-from remat.solvers.core.problem import Kind, Op, Phase, Problem, Reason
+from remat.solvers.core.problem import Kind, Op, Phase, Problem, Reason, tuple_of
 
 PEAK_FLOPS = 400e12  # the roofline of a current accelerator, bf16
 BANDWIDTH = 3e12  # bytes per second
@@ -325,11 +325,13 @@ def with_free_values(problem: Problem, rng: random.Random, share: float = 0.5) -
     """`problem` with about `share` of its forward tensor ops (recomputable, not outputs, of
     some bytes) made values a compiled step fuses into their readers
     (`Problem.fused_recomputations`): no cost, no FLOPs, named in ``source["free_recompute"]``.
-    The simulator then holds a recomputed copy of one serving one op at no bytes."""
+    The simulator then holds a recomputed copy of one serving one op at no bytes. A tensor
+    taken out of a tuple is never one (a real step's are pointwise ops' values)."""
     ops, names = list(problem.ops), {}
     for i in problem.forward:
         op = ops[i]
         if (op.kind is Kind.TENSOR and op.size and op.not_recomputable is None
+                and tuple_of(problem, i) is None
                 and not op.is_output and not op.forward_output and rng.random() < share):
             names[op.name] = op.cost
             ops[i] = replace(op, cost=0.0, flops=0)

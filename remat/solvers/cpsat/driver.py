@@ -274,7 +274,7 @@ class _Call(CallOutcomes):
         self.info.update(stage1_time=solver.WallTime(), trace=trace.trace)
         searched = solver.BestObjectiveBound() * units.cost
         # CP-SAT's bound holds for the true problem only where the model's bytes are exact.
-        bound = self.best_bound(searched if units.exact_bytes and math.isfinite(searched) else 0.0,
+        bound = self.best_bound(searched if model.exact and math.isfinite(searched) else 0.0,
                                 step_bound)
         if status == cp_model.INFEASIBLE:
             return self.fail(model)
@@ -329,7 +329,7 @@ class _Call(CallOutcomes):
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             recomputed, positions = model.decision(solver.Value)
             model_peak = solver.Value(model.peak)
-            info["peak_proven"] = status == cp_model.OPTIMAL and self.units.exact_bytes
+            info["peak_proven"] = status == cp_model.OPTIMAL and model.exact
             info["peak_stage"] = "proven" if info["peak_proven"] else "stopped at its share"
         else:  # the first stage's answer stands; its live-range ends need not be tight
             info["peak_stage"] = f"CP-SAT answered {solver.StatusName(status)}"
@@ -370,7 +370,7 @@ class _Call(CallOutcomes):
             self.info["model_build"] = "stopped at the deadline"
             return None
         self.info.update(variables=len(model.model.Proto().variables),
-                         build_time=time.perf_counter() - began)
+                         build_time=time.perf_counter() - began, exact=model.exact)
         return model
 
     def second_chance(self, hint: Schedule | None) -> Schedule | None:

@@ -34,6 +34,9 @@ class FreeModel:
     def __init__(self, problem: Problem, units: Units, deadline: Deadline | None = None):
         """OutOfTime when `deadline` passes while the model is built."""
         self.problem, self.units = problem, units
+        # Its bytes are the simulator's: no rounding, and no copy it holds as a buffer that
+        # a compiled step fuses into its reader (`Units.exact_bytes`).
+        self.exact = units.exact_bytes
         self._tick = ticker(deadline, "building the model")
         self.axis = Axis(problem)
         self.readers = problem.storage_readers

@@ -1,102 +1,148 @@
-"""Recomputed copies a compiled step fuses into their reader, in the just-in-time model.
+"""Recomputed copies a compiled step fuses into their reader, in the just-in-time model, as the
+simulator counts them.
 
 A value of `Problem.fused_recomputations` (a ReLU's mask, a SiLU's output: pointwise values
-that Inductor computes inside the kernels reading them) recomputed for one op only is no
-buffer: the simulator (`remat.solvers.timeline.simulate`) holds its copy at no bytes and holds
-its inputs to that op instead. Counting the copy's bytes, the model saw less room than there
-is and could undercount where an input outweighs the copy (the U-Net's 1 MiB ReLU output
-held past its last other reader to the 0.25 MiB mask's reader).
+that Inductor computes inside the kernels reading them) whose recomputed copy serves one step
+is no buffer: the simulator (`remat.solvers.timeline.simulate`) holds that copy at no bytes
+and moves its reads of the value's input storages to that step, later values first, so that
+a chain of such values fuses into one step and its first inputs live to it.
 
-Modelled here for a value with exactly one direct backward reader d (the copy then serves d
-alone unless a reader of it is recomputed too, whose recomputation also reads it): the literal
-`fused[v]` = v recomputed and no reader of it recomputed. Where it holds, the copy's bytes
-are taken back over its life (from its recomputation just before d, to d) and each input
-storage is held from there to d, unless a backward reader at or after d holds it anyway.
-That input may already be held there by another recomputation placed before d: counted twice
-then, which overstates memory and keeps the model's peak at or above the simulator's.
+Which step a copy serves follows from the decision. Under the just-in-time rule a recomputed
+value's reads are: each direct backward reader's step, and for each recomputed reader w, w's
+own step where w is not fused, else the step w is fused into. So for each fusable value v and
+each step t its copy could be fused into (`targets`), a literal fused[v, t] says "v is
+recomputed and every read of it lands on t", both ways:
 
-An input that is itself such a value and recomputed may be fused into d with it (the
-simulator fuses the chain, holding the chain's first inputs to d): its inputs are held to d
-too, under "both recomputations", and its own bytes stay counted, which overstates where the
-simulator fuses it. Left counted as buffers: values with no direct backward reader or
-several. The simulator fuses such a value where one recomputed reader is all it serves, and
-holds its inputs to that reader: the model may then over- or understate, and the schedule
-is judged by the simulator (`remat.solvers.solve` refuses one over the budget)."""
+    fused[v, t] <=> rec[v] and, for every recomputable reader w of v: not rec[w], or
+                    fused[w, t], or (w runs at t and w is not fused).
+
+Every value fused into t is recomputed at t's backward op (its readers are all there), so its
+copy's bytes are taken back from that recomputation to t, and each of its input storages gets
+a read at t under the literal (`reads`): the model's held-until chain
+(`JitModel._held_until`) then keeps the input to t unless something holds it longer, as the
+simulator's moved read does, never counting it twice. With every fusable value encoded, the
+model's bytes are the simulator's for every decision (`Fusion.exact`; tests/solvers/
+test_jit_fused.py checks it against the simulator decision by decision), so what CP-SAT proves
+on it holds.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from remat.solvers.core.problem import tuple_of
+from remat.solvers.core.problem import Kind, tuple_of
 
-__all__ = ["FusedCopy", "fused_copies"]
-
-
-@dataclass(frozen=True)
-class FusedCopy:
-    """A value whose recomputed copy the model may hold at no bytes: its one direct
-    backward reader, the literal, the readers whose recomputation would read it too, and
-    the literals of the chain fused with it (`_hold_inputs`: each with its parent's literal
-    and the input it says is recomputed, parents first)."""
-
-    reader: int
-    literal: object
-    recomputed_readers: tuple[int, ...]
-    chained: tuple[tuple[object, object, int], ...]
+__all__ = ["Fusion", "fusion_of"]
 
 
-def fused_copies(model) -> dict[int, FusedCopy]:
-    """Add each fusable value's literal and its events to `model` (a `JitModel` whose
-    decided events are made); return them by value."""
+@dataclass
+class Fusion:
+    """The fused-copy literals of a `JitModel`: `targets[v][t]` = fused[v, t]; `unfused_at[(w,
+    t)]` = "w runs at slot t and is not fused" for the fusable w that may run at t; `reads[u]`
+    the (slot, literal) reads moved onto u; `exact`: every fusable value is encoded (a tuple
+    op or a tensor taken out of one is not: its copy is then counted as a buffer)."""
+
+    targets: dict[int, dict[int, object]] = field(default_factory=dict)
+    unfused_at: dict[tuple[int, int], object] = field(default_factory=dict)
+    reads: dict[int, list[tuple[int, object]]] = field(default_factory=dict)
+    exact: bool = True
+
+    def fused(self, v: int):
+        """The linear expression "v's copy is fused" (0 where it never is)."""
+        return sum(self.targets.get(v, {}).values())
+
+
+def fusion_of(model) -> Fusion:
+    """Add the fused-copy literals of `model` (a `JitModel` whose slots and position literals
+    are made), their constraints and the copies' events; return them (the reads moved onto
+    input storages are for its held-until chains, built after this)."""
     problem, m = model.problem, model.model
-    free, nf = problem.fused_recomputations, problem.num_forward
-    size, readers = model._size, model.readers
-    found: dict[int, FusedCopy] = {}
-    first_at: dict[int, int] = {}  # each backward op's first recomputation slot
-    for (b, _), t in model.slot_of.items():
-        first_at[b] = min(t, first_at.get(b, t))
-    for v in sorted(free.intersection(model.rec)):
-        direct = sorted({r for r in readers[v] if r >= nf})
-        if len(direct) != 1 or not size[v] or tuple_of(problem, v) is not None:
+    nf, size, readers = problem.num_forward, model._size, model.readers
+    fusion = Fusion()
+    op_at = {s: b for (b, _), s in model.slot_of.items()}
+    op_at.update((model.op_slot[b], b) for b in problem.backward)
+    for v in sorted(problem.fused_recomputations.intersection(model.rec), reverse=True):
+        if problem.ops[v].kind is Kind.TUPLE or tuple_of(problem, v) is not None:
+            fusion.exact = False
             continue
-        d = direct[0]
-        again = tuple(w for w in readers[v] if w in model.rec)
-        fused = m.NewBoolVar(f"fused[{v}]")
-        m.AddImplication(fused, model.rec[v])
-        for w in again:
-            m.AddImplication(fused, model.rec[w].Not())
-        m.Add(fused >= model.rec[v] - sum(model.rec[w] for w in again))
-        model._event(model.slot_of[(d, v)], -size[v], fused)
-        model._event(model.op_slot[d] + 1, size[v], fused)
-        chained: list[tuple[object, object, int]] = []
-        _hold_inputs(model, v, fused, d, first_at[d], {v}, chained)
-        found[v] = FusedCopy(d, fused, again, tuple(chained))
+        direct = sorted({r for r in readers[v] if r >= nf})
+        recomputable = sorted({w for w in readers[v] if w in model.rec})
+        if len(direct) > 1:
+            continue  # two steps read it: a buffer, as the simulator holds it
+        if direct:
+            targets = {model.op_slot[direct[0]]}
+        else:
+            targets = set()
+            for w in recomputable:
+                targets.update(_slots_of(model, w))
+                targets.update(fusion.targets.get(w, ()))
+        for t in sorted(targets):
+            start = model.slot_of.get((op_at[t], v))
+            if start is None:  # the rule puts every copy fused into t at t's op: never here
+                fusion.exact = False
+                continue
+            literal = m.NewBoolVar(f"fused[{v},{t}]")
+            fusion.targets.setdefault(v, {})[t] = literal
+            _define(model, fusion, v, t, literal, recomputable, landing_required=not direct)
+            model._event(start, -size[v], literal)
+            model._event(t + 1, size[v], literal)
+            for u in problem.storage_inputs[v]:
+                if u < nf and u not in problem.pinned and size[u]:
+                    fusion.reads.setdefault(u, []).append((t, literal))
+        if v in fusion.targets:
+            m.Add(fusion.fused(v) <= 1)
+    return fusion
+
+
+def _slots_of(model, w: int) -> dict[int, tuple[object, object]]:
+    """The slots a recomputation of w may run at, each with the literals "w at or before its
+    position" and "w at or before the position before" (None for the first)."""
+    found, previous = {}, None
+    for p, literal in model.le[w].items():
+        found[model.slot_of[(p, w)]] = (literal, previous)
+        previous = literal
     return found
 
 
-def _hold_inputs(model, v: int, literal, d: int, first: int, seen: set[int],
-                 chained: list) -> None:
-    """Under `literal`, hold each forward input storage of v (recomputed just before d, or
-    earlier) from v's recomputation to d, unless a backward reader at or after d holds it
-    anyway; and, where that input is itself a free value recomputed, its inputs likewise."""
-    problem, m, size = model.problem, model.model, model._size
-    nf, read = problem.num_forward, model.op_slot[d]
-    # v's recomputation, or the first at d where v runs earlier (then v serves two ops in
-    # the simulator and holding from there only overstates).
-    made = model.slot_of.get((d, v), first)
-    # Its own inputs first: one reached again through a fused input is held already, under
-    # this literal, which the deeper one implies.
-    inputs = [u for u in problem.storage_inputs[v]
-              if u < nf and u not in problem.pinned and u not in seen]
-    seen.update(inputs)
-    for u in inputs:
-        if size[u] and not any(r >= d for r in model.readers[u] if r >= nf):
-            model._event(made + 1, size[u], literal)
-            model._event(read + 1, -size[u], literal)
-    for u in inputs:
-        if u in problem.fused_recomputations and u in model.rec:
-            both = m.NewBoolVar(f"fused[{v}]&rec[{u}]")
-            m.AddImplication(both, literal)
-            m.AddImplication(both, model.rec[u])
-            m.Add(both >= literal + model.rec[u] - 1)
-            chained.append((both, literal, u))
-            _hold_inputs(model, u, both, d, first, seen, chained)
+def _define(model, fusion: Fusion, v: int, t: int, literal, recomputable: list[int],
+            landing_required: bool) -> None:
+    """literal <=> rec[v] and each recomputable reader w of v is not recomputed or lands on t
+    (fused into t, or run at t unfused). The three cases of a reader exclude each other, so
+    "w is fine" is their sum, linear. `landing_required`: v has no direct backward reader, so
+    some recomputed reader must land on t (implied by the rest; stated for the LP)."""
+    m, rec = model.model, model.rec
+    m.AddImplication(literal, rec[v])
+    fine_all, lands = [], []
+    for w in recomputable:
+        parts = []
+        if t in fusion.targets.get(w, {}):
+            parts.append(fusion.targets[w][t])
+        at = _slots_of(model, w).get(t)
+        if at is not None:
+            parts.append(_unfused_at(model, fusion, w, t, at))
+        fine = 1 - rec[w] + sum(parts)
+        m.Add(literal <= fine)
+        fine_all.append(fine)
+        lands.extend(parts)
+    if landing_required:
+        m.Add(literal <= sum(lands))
+    m.Add(literal >= rec[v] + sum(fine_all) - len(recomputable))
+
+
+def _unfused_at(model, fusion: Fusion, w: int, t: int, at: tuple[object, object]):
+    """"w runs at slot t and is not fused", as a literal where w may be fused, else the linear
+    le[w, p] - le[w, p before]."""
+    here, before = at
+    runs = here - before if before is not None else here
+    if w not in fusion.targets:
+        return runs
+    key = (w, t)
+    if key not in fusion.unfused_at:
+        m, fused = model.model, fusion.fused(w)
+        x = m.NewBoolVar(f"unfused_at[{w},{t}]")
+        m.AddImplication(x, here)
+        if before is not None:
+            m.AddImplication(x, before.Not())
+        m.Add(x + fused <= 1)
+        m.Add(x >= runs - fused)
+        fusion.unfused_at[key] = x
+    return fusion.unfused_at[key]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from remat.solvers.cpsat.units import in_model_space
 from remat.solvers.core.schedule import Schedule
 from remat.solvers.timeline.evaluate import make_schedule
+from remat.solvers.timeline.simulate import StepKind, copies_of, step_order
 
 
 def hint(model, schedule: Schedule) -> None:
@@ -33,10 +34,16 @@ def hint(model, schedule: Schedule) -> None:
     for v, literals in model.le.items():
         for p, x in literals.items():
             put(x, v in at and at[v] <= p)
-    for v, copy in model.fused.items():
-        put(copy.literal, v in recomputed and not recomputed.intersection(copy.recomputed_readers))
-        for both, parent, u in copy.chained:
-            put(both, values[parent.Index()] and u in recomputed)
+    fused_into = _fused_into(model, jit)
+    fusion = model.fusion
+    for v, targets in fusion.targets.items():
+        for t, x in targets.items():
+            put(x, fused_into.get(v) == t)
+    for (w, t), x in fusion.unfused_at.items():
+        put(x, w in at and w not in fused_into and model.slot_of[(at[w], w)] == t)
+    moved: dict[int, list[int]] = {}  # storage -> the slots its reads were moved to
+    for u, reads in fusion.reads.items():
+        moved[u] = [t for t, x in reads if values[x.Index()]]
     nf = model.problem.num_forward
     for g, literals in model.jit_le.items():
         own = None
@@ -48,7 +55,7 @@ def hint(model, schedule: Schedule) -> None:
     for v, chain in model.hge.items():
         held = v in recomputed or v in jit.saved
         last = [model.slot_of[(at[w], w)] for w in model.readers[v] if w in at]
-        end = max(last + [model.direct_end[v]])
+        end = max(last + [model.direct_end[v]] + moved.get(v, []))
         for t, x in chain:
             put(x, held and end >= t)
 
@@ -66,3 +73,18 @@ def hint(model, schedule: Schedule) -> None:
     put(model.peak, peak)
     for index, value in values.items():
         m.AddHint(variables[index], value)
+
+
+def _fused_into(model, schedule: Schedule) -> dict[int, int]:
+    """The slot of `model` each copy the simulator fuses under `schedule` (just in time) is
+    fused into: the one step its reads land on, read off the simulator's copies."""
+    order = step_order(model.problem, schedule)
+    at = schedule.recompute_at
+    found = {}
+    for v, copies in copies_of(model.problem, schedule, order).items():
+        for copy in copies:
+            if copy.fused:
+                i, kind = order[copy.reads[-1]]
+                found[v] = (model.slot_of[(at[i], i)] if kind is StepKind.RECOMPUTE
+                            else model.op_slot[i])
+    return found

@@ -12,7 +12,7 @@ from ortools.sat.python import cp_model
 from remat.solvers.core.deadline import Deadline, ticker
 from remat.solvers.core.problem import Kind, Problem, recompute_blocker, tuple_of
 from remat.solvers.core.schedule import Schedule
-from remat.solvers.cpsat.jit_fused import fused_copies
+from remat.solvers.cpsat.jit_fused import fusion_of
 from remat.solvers.cpsat.jit_hint import hint
 from remat.solvers.cpsat.units import Units, memory_chain, provide_what_is_needed
 
@@ -37,7 +37,11 @@ class JitModel:
     Exactness: D[t] is exact for the order literals of a decision; the held-until literals
     Hge[v, j] ("v is held, and its last reader runs at or after candidate end j") are only bounded
     below, which can only overstate memory, so the least cost is exact and the least-peak stage
-    makes them tight where the peak is (info["model_peak"] equals simulate's peak)."""
+    makes them tight where the peak is (info["model_peak"] equals simulate's peak). Values a
+    compiled step fuses into their readers are counted as the simulator counts them
+    (`jit_fused`); `exact` says whether the model's bytes are the simulator's for every
+    decision (the units round none, and every such value is encoded), so that what CP-SAT
+    proves on it holds."""
 
     def __init__(self, problem: Problem, units: Units, deadline: Deadline | None = None):
         """OutOfTime when `deadline` passes while the model is built."""
@@ -57,8 +61,11 @@ class JitModel:
         self._just_in_time()
         self._slots()
         self._fixed_profile()
+        self.events: dict[int, list[tuple[int, object]]] = {}
+        # Copies fused into the one step they serve: no bytes, their inputs read there.
+        self.fusion = fusion_of(self)
+        self.exact = units.exact_rounding and self.fusion.exact
         self._decided_events()
-        self.fused = fused_copies(self)  # copies fused into their one reader: no bytes
         self._memory_chain()
         self.cost = cp_model.LinearExpr.WeightedSum(
             list(self.rec.values()), [units.cost_of(problem.ops[v].cost) for v in self.rec])
@@ -271,7 +278,6 @@ class JitModel:
         (save + rec) and its last reader runs at t or later. So: +s*save beyond the forward;
         +s*x[v,p] at each start slot; at each end, H steps down (`_held_until`)."""
         nf = self.problem.num_forward
-        self.events: dict[int, list[tuple[int, object]]] = {}
         self.hge: dict[int, list[tuple[int, object]]] = {}
         self.direct_end: dict[int, int] = {}
         for v in self._candidates:
@@ -307,8 +313,9 @@ class JitModel:
 
     def _held_until(self, v: int, s: int, held: list) -> None:
         """H(t): v is held up to its last direct backward reader; past that, the literal
-        hge[v, c] for each later candidate end c (a recomputed reader's slot), bounded below
-        by the readers that would run there. Each step of the chain ends the level before.
+        hge[v, c] for each later candidate end c (a recomputed reader's slot, or one a copy
+        reading v may be fused into: `jit_fused`), bounded below by the reads that would run
+        there. Each step of the chain ends the level before.
 
         A reader w bounds hge[v, c] only at the ends c that are w's own slots ("w runs at c
         or later"): at an end between two of w's slots that sum equals the one at w's next
@@ -319,15 +326,18 @@ class JitModel:
         m, slot_of = self.model, self.slot_of
         nf = self.problem.num_forward
         direct_end = max((self.op_slot[r] for r in self.readers[v] if r >= nf), default=None)
-        # Per end slot, the recomputed readers that may run there, with the literal "w runs
-        # before that slot" (None: it never does).
-        runs_at: dict[int, list[tuple[int, object]]] = {}
+        # Per end slot, the reads that may run there: the literal of the read (a recomputed
+        # reader w, or a copy fused into that slot whose reads of v move there), with the
+        # literal "w runs before that slot" (None: it never does, or a moved read).
+        runs_at: dict[int, list[tuple[object, object]]] = {}
         for w in self.readers[v]:
             if w in self.rec:
                 earlier = None
                 for p, lit in self.le[w].items():  # in increasing slot order
-                    runs_at.setdefault(slot_of[(p, w)], []).append((w, earlier))
+                    runs_at.setdefault(slot_of[(p, w)], []).append((self.rec[w], earlier))
                     earlier = lit
+        for t, fused in self.fusion.reads.get(v, ()):
+            runs_at.setdefault(t, []).append((fused, None))
         ends = sorted(runs_at)
         if direct_end is None:
             direct_end = ends[0]  # held means some recomputed reader runs, at ends[0] or later
@@ -343,12 +353,12 @@ class JitModel:
                 m.AddImplication(lit, level_now[0])
             else:
                 m.Add(lit <= sum(held))
-            for w, earlier in runs_at[t]:
+            for read, earlier in runs_at[t]:
                 # w recomputed with its slot at t or later: rec[w] - le[w, last slot < t].
                 if earlier is not None:
-                    m.Add(lit >= self.rec[w] - earlier)
+                    m.Add(lit >= read - earlier)
                 else:
-                    m.AddImplication(self.rec[w], lit)
+                    m.AddImplication(read, lit)
             level_now, end_now = [lit], t
         for x in level_now:
             self._event(end_now + 1, -s, x)

@@ -76,7 +76,7 @@ def least_peak(problem: Problem, units: Units, options: SolverOptions, pool: Poo
     if baseline is not None and baseline.peak < found.peak:
         return baseline, False
     # Proven in the model's units, which are the bytes themselves only when exact.
-    return found, status == cp_model.OPTIMAL and units.exact_bytes
+    return found, status == cp_model.OPTIMAL and model.exact
 
 
 def too_small(problem: Problem, budget: int, smallest: Schedule, proven: bool,

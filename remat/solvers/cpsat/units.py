@@ -36,14 +36,14 @@ class Units:
     total would exceed MAX_UNITS units does the unit grow to total / MAX_UNITS; then sizes are
     rounded UP and the capacity DOWN, so every schedule the model accepts truly fits (the model
     turns conservative by less than one unit per live storage, and says so in info["exact"]).
-    `exact_bytes` is False then, and also where the problem has values a compiled step fuses
-    into their readers (`Problem.fused_recomputations`): the simulator holds a recomputed copy
-    of one that serves one op at no bytes, and the models hold such copies as buffers (the
-    just-in-time model takes some back, `remat.solvers.cpsat.jit_fused`, not all), so a
-    model's bytes may be above the simulator's and what CP-SAT proves on them (a cost bound,
-    a least peak, "nothing fits") need not hold. The relaxations
-    (`remat.solvers.relaxation.bound`) count a fused copy a backward op reads at no bytes,
-    never more than the simulator holds, and prove those problems' bounds.
+    `exact_rounding` is False then. `exact_bytes` is False then too, and also where the problem
+    has values a compiled step fuses into their readers (`Problem.fused_recomputations`): the
+    simulator holds a recomputed copy of one that serves one step at no bytes, and the
+    free-positions and rich models hold such copies as buffers, so their bytes may be above
+    the simulator's and what CP-SAT proves on them (a cost bound, a least peak, "nothing
+    fits") need not hold. The just-in-time model counts them as the simulator does
+    (`remat.solvers.cpsat.jit_fused`) and says so itself (`JitModel.exact`); the eager models
+    judge by the eager timeline, where nothing is fused, and need `exact_rounding` alone.
 
     Cost: `options.cost_resolution` of the least positive recompute cost, costs rounded DOWN.
     Each op then loses less than that fraction of its own cost, so the model's cost of every
@@ -52,8 +52,15 @@ class Units:
     and the model's bounds are true bounds."""
 
     byte: int
-    exact_bytes: bool
+    exact_rounding: bool
     cost: float
+    fused: bool = False  # the problem has values a compiled step fuses into their readers
+
+    @property
+    def exact_bytes(self) -> bool:
+        """Whether a model that holds every recomputed copy as a buffer counts the
+        simulator's bytes."""
+        return self.exact_rounding and not self.fused
 
     @staticmethod
     def of(problem: Problem, options: SolverOptions) -> "Units":
@@ -66,8 +73,8 @@ class Units:
         costs = [problem.ops[v].cost for v in problem.candidates if problem.ops[v].cost > 0]
         cost = options.cost_resolution * min(costs, default=1.0)
         cost = max(cost, sum(costs) / MAX_COST_UNITS)
-        exact = exact and not problem.fused_recomputations
-        return Units(byte=max(unit, 1), exact_bytes=exact, cost=cost if cost > 0 else 1.0)
+        return Units(byte=max(unit, 1), exact_rounding=exact, cost=cost if cost > 0 else 1.0,
+                     fused=bool(problem.fused_recomputations))
 
     def bytes_up(self, n: int) -> int:
         return -(-n // self.byte)

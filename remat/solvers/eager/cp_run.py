@@ -29,7 +29,7 @@ def eager_units(problem: Problem, blocks: EagerBlocks, options: SolverOptions) -
     extra = [a for a in (blocks.state_bytes, *(n for n, _ in blocks.unread_inputs),
                          *(n for n, _, _ in blocks.kept_numbers),
                          *(n for n, _, _, _ in blocks.unused_tensors)) if a]
-    if not units.exact_bytes or all(a % units.byte == 0 for a in extra):
+    if not units.exact_rounding or all(a % units.byte == 0 for a in extra):
         return units
     unit = math.gcd(units.byte, *extra)
     total = (sum(op.size + op.temp for op in problem.ops)

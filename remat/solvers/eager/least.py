@@ -39,9 +39,9 @@ def least_eager_peak(problem: Problem, blocks: EagerBlocks, options: SolverOptio
     model.hint(first.info["cached"])
     status, solver = solve_model(model, options, deadline, deadline.left(), "least peak")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return first, model.fixed_peak * units.byte if units.exact_bytes else 0
+        return first, model.fixed_peak * units.byte if units.exact_rounding else 0
     found = eager_schedule(problem, blocks, model.decision(solver.Value))
-    floor = math.ceil(solver.BestObjectiveBound()) * units.byte if units.exact_bytes else 0
+    floor = math.ceil(solver.BestObjectiveBound()) * units.byte if units.exact_rounding else 0
     best = min((first, found), key=lambda s: s.peak)
     return best, min(floor, best.peak)
 

@@ -114,7 +114,7 @@ class _EagerCall:
         self.units = eager_units(self.costed, blocks, options)
         self.info: dict = {"execution": "eager", "model": "eager", "bound_from": "CP-SAT search",
                            "objective": options.objective, "byte_unit": self.units.byte,
-                           "exact": self.units.exact_bytes}
+                           "exact": self.units.exact_rounding}
         start = None if hint is None else eager_schedule(self.costed, blocks, hint,
                                                          budget=budget)
         if start is not None and start.peak > budget:
@@ -207,7 +207,7 @@ class _EagerCall:
         part = deadline.within(SLOT_STAGE_SHARE * max(0.0, deadline.left() - self.reserve))
         # Its bound is the model's, which holds for exact bytes only; its first evaluations of
         # the model take about as long as loading it into CP-SAT (DBRX: 1 s under a load of 6).
-        if not (units.exact_bytes and part.left() >= self.setup):
+        if not (units.exact_rounding and part.left() >= self.setup):
             return None
         deadline.enter("eager: slot bound")
         relaxed = slot_bound(self.model, capacity, self.options, part,
@@ -254,7 +254,7 @@ class _EagerCall:
         status, solver = solve_model(model, self.options, deadline, deadline.left() - self.reserve,
                                 "least cost")
         self.info["stage1_time"] = solver.WallTime()
-        bound = solver.BestObjectiveBound() if units.exact_bytes else 0.0
+        bound = solver.BestObjectiveBound() if units.exact_rounding else 0.0
         if floor > (bound if math.isfinite(bound) else 0.0):
             bound, self.info["bound_from"] = floor, "slot bound"
         self.bound = max(0.0, bound) * units.cost + model.fixed_cost if math.isfinite(bound) \
